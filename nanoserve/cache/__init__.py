@@ -1,0 +1,7 @@
+"""The paged KV store: block allocator, block tables, per-layer pools. Knows nothing of HF."""
+
+from nanoserve.cache.allocator import BlockAllocator, OutOfBlocks
+from nanoserve.cache.block_table import BlockTable
+from nanoserve.cache.paged_cache import PagedKVCache, StepMetadata
+
+__all__ = ["BlockAllocator", "BlockTable", "OutOfBlocks", "PagedKVCache", "StepMetadata"]

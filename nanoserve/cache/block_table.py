@@ -1,0 +1,88 @@
+"""BlockTable: one sequence's map from logical token position to physical pool slot."""
+
+from __future__ import annotations
+
+from nanoserve.cache.allocator import BlockAllocator
+
+
+class BlockTable:
+    """Logical position ``p`` lives in block ``block_ids[p // block_size]`` at offset
+    ``p % block_size``; its flat slot is ``block_id * block_size + offset``.
+
+    One table serves every layer: a block id names the same slot in each layer's pool.
+    Blocks may be shared with other tables (``fork``); a shared block is never written in
+    place: ``append`` swaps it for a private copy and records the (source, destination)
+    pair in ``pending_copies`` for the owner of the pools to copy (copy-on-write).
+    """
+
+    def __init__(self, allocator: BlockAllocator, block_size: int):
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
+        self.allocator = allocator
+        self.block_size = block_size
+        self._block_ids: list[int] = []
+        self._num_tokens = 0
+        self.pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def block_ids(self) -> list[int]:
+        return list(self._block_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def slot(self, pos: int) -> int:
+        """Flat pool slot of logical position ``pos`` (0 <= pos < num_tokens)."""
+        if not 0 <= pos < self._num_tokens:
+            raise ValueError(f"pos: {pos} outside [0, {self._num_tokens})")
+        return self._block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _blocks_needed(self, n: int) -> tuple[int, bool]:
+        """(new blocks for n more tokens, whether the partly filled last block is shared)."""
+        total = -(-(self._num_tokens + n) // self.block_size)
+        new = total - len(self._block_ids)
+        writes_last = n > 0 and self._num_tokens % self.block_size != 0
+        shared = writes_last and self.allocator.refcount(self._block_ids[-1]) > 1
+        return new, shared
+
+    def append(self, n: int) -> list[int]:
+        """Reserve slots for ``n`` new tokens and return them; all or nothing."""
+        if n < 0:
+            raise ValueError(f"n: must be >= 0, got {n}")
+        new, shared = self._blocks_needed(n)
+        blocks = self.allocator.allocate(new + int(shared))  # raises before changing anything
+        if shared:
+            private = blocks.pop()
+            old = self._block_ids[-1]
+            self.pending_copies.append((old, private))
+            self._block_ids[-1] = private
+            self.allocator.free([old])
+        self._block_ids.extend(blocks)
+        start = self._num_tokens
+        self._num_tokens += n
+        return [self.slot(p) for p in range(start, start + n)]
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens; blocks past them are released."""
+        if not 0 <= num_tokens <= self._num_tokens:
+            raise ValueError(f"num_tokens: {num_tokens} outside [0, {self._num_tokens}]")
+        keep = -(-num_tokens // self.block_size)
+        self.allocator.free(self._block_ids[keep:])
+        del self._block_ids[keep:]
+        self._num_tokens = num_tokens
+
+    def fork(self) -> BlockTable:
+        """A second table over the same tokens, sharing every block by reference count."""
+        self.allocator.incref(self._block_ids)
+        child = BlockTable(self.allocator, self.block_size)
+        child._block_ids = list(self._block_ids)
+        child._num_tokens = self._num_tokens
+        return child
+
+    def free(self) -> None:
+        """Release every block; the table is empty afterwards."""
+        self.allocator.free(self._block_ids)
+        self._block_ids = []
+        self._num_tokens = 0
+        self.pending_copies = []

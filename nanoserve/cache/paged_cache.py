@@ -1,0 +1,254 @@
+"""PagedKVCache: per-layer K/V pools over one shared set of block tables.
+
+The model step is explicit: ``begin_step`` grows every sequence's table once for the tokens
+of this forward and builds the step's metadata (slot mapping, block tables, lengths); each
+layer then calls ``write`` with the same metadata. A table per layer, or growing the table
+per layer, would be wrong: every layer stores the same tokens at the same positions, so one
+block id names a slot in every layer's pool.
+
+Pools are allocated lazily by the first ``write`` of each layer, with that K/V's dtype and
+device, so layers spread over several devices (accelerate's ``device_map``) keep their pool
+beside them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.cache.allocator import BlockAllocator
+from nanoserve.cache.block_table import BlockTable
+from nanoserve.kernels.reference import gather_history
+from nanoserve.kernels.slot_scatter import slot_scatter
+
+
+@dataclass
+class StepMetadata:
+    """What every layer of one forward needs, built once per step.
+
+    ``new_token_mask`` bool [S, q] marks the real (stored) tokens of the step's padded batch.
+    Tensors (on ``device``): ``slot_mapping`` int64 [S * q] (-1 for padding),
+    ``token_index`` int64 [T] flat indices of the real tokens in the padded [S * q] layout,
+    ``block_tables`` int32 [S, max_blocks], ``seq_lens`` int32 [S], ``cu_seqlens_q`` int32
+    [S + 1] over the real tokens. ``new_tokens`` and ``all_single`` are host values.
+    """
+
+    slot_mapping: torch.Tensor
+    token_index: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    new_tokens: list[int]
+    all_single: bool
+    _mirrors: dict[torch.device, StepMetadata] = field(default_factory=dict, repr=False)
+
+    def to(self, device: torch.device) -> StepMetadata:
+        """The same metadata on ``device`` (copied once per device per step)."""
+        device = torch.device(device)
+        if self.slot_mapping.device == device:
+            return self
+        if device not in self._mirrors:
+            self._mirrors[device] = StepMetadata(
+                *(t.to(device, non_blocking=True) for t in self._tensors()),
+                new_tokens=self.new_tokens,
+                all_single=self.all_single,
+            )
+        return self._mirrors[device]
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.slot_mapping,
+            self.token_index,
+            self.block_tables,
+            self.seq_lens,
+            self.cu_seqlens_q,
+        )
+
+
+class PagedKVCache:
+    """K/V pools ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer, one block
+    table per sequence, shared by all layers."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int = 16):
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers: must be a positive int, got {num_layers!r}")
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        BlockTable(self.allocator, block_size)  # validates block_size
+        self.key_pools: list[torch.Tensor | None] = [None] * num_layers
+        self.value_pools: list[torch.Tensor | None] = [None] * num_layers
+        self.tables: list[BlockTable] = []
+        self.step: StepMetadata | None = None
+
+    # -- sequences -------------------------------------------------------------------------
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.tables)
+
+    def add_sequences(self, n: int) -> None:
+        """Start ``n`` empty sequences after the existing ones."""
+        self.tables.extend(BlockTable(self.allocator, self.block_size) for _ in range(n))
+
+    def seq_lens(self) -> list[int]:
+        return [t.num_tokens for t in self.tables]
+
+    def reorder(self, indices: list[int]) -> None:
+        """Sequence ``i`` becomes a fork of old sequence ``indices[i]`` (beam search).
+
+        Blocks are shared by reference count; a shared block is copied only when written.
+        """
+        for i in indices:
+            if not 0 <= i < len(self.tables):
+                raise ValueError(f"indices: {i} outside [0, {len(self.tables)})")
+        new_tables = [self.tables[i].fork() for i in indices]
+        for table in self.tables:
+            table.free()
+        self.tables = new_tables
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of every sequence (assisted decoding's crop)."""
+        for table in self.tables:
+            table.truncate(min(num_tokens, table.num_tokens))
+
+    def reset(self) -> None:
+        """Free every sequence; the pools stay allocated for reuse."""
+        for table in self.tables:
+            table.free()
+        self.tables = []
+        self.step = None
+
+    # -- the step boundary -------------------------------------------------------------------
+
+    def begin_step(self, new_token_mask: torch.Tensor, device: torch.device) -> StepMetadata:
+        """Grow every table once for this forward's tokens and build the step's metadata.
+
+        ``new_token_mask`` bool [S, q]: True where column j of row i is a real token to
+        store (padding is False and never stored). All tables grow or none do: on
+        ``OutOfBlocks`` the tables and the pools are left as they were.
+        """
+        mask = new_token_mask.to("cpu", torch.bool)
+        if mask.dim() != 2:
+            raise ValueError(f"new_token_mask: expected [num_seqs, q], got {tuple(mask.shape)}")
+        if not self.tables:
+            self.add_sequences(mask.shape[0])
+        if mask.shape[0] != len(self.tables):
+            raise ValueError(
+                f"new_token_mask: {mask.shape[0]} rows for {len(self.tables)} cached sequences"
+            )
+        counts = mask.sum(dim=1).tolist()
+        self._reserve(counts)
+        slot_lists = [table.append(n) for table, n in zip(self.tables, counts)]
+        self._apply_pending_copies()
+
+        slot_mapping = torch.full(mask.shape, -1, dtype=torch.int64)
+        slot_mapping[mask] = torch.tensor(
+            [s for slots in slot_lists for s in slots], dtype=torch.int64
+        )
+        width = max(1, max(len(t.block_ids) for t in self.tables))
+        block_tables = torch.zeros(len(self.tables), width, dtype=torch.int32)
+        for row, table in enumerate(self.tables):
+            ids = table.block_ids
+            block_tables[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
+        host = StepMetadata(
+            slot_mapping=slot_mapping.flatten(),
+            token_index=mask.flatten().nonzero().flatten(),
+            block_tables=block_tables,
+            seq_lens=torch.tensor(self.seq_lens(), dtype=torch.int32),
+            cu_seqlens_q=cu,
+            new_tokens=counts,
+            all_single=all(n == 1 for n in counts),
+        )
+        self.step = host.to(device) if torch.device(device).type != "cpu" else host
+        return self.step
+
+    def _reserve(self, counts: list[int]) -> None:
+        """Check that all tables can grow before any does (so growth is all or nothing)."""
+        needed = 0
+        for table, n in zip(self.tables, counts):
+            new, shared = table._blocks_needed(n)
+            needed += new + int(shared)
+        if needed > self.allocator.num_free:
+            # allocate() raises OutOfBlocks with the figures, and allocates nothing
+            self.allocator.allocate(needed)
+
+    def _apply_pending_copies(self) -> None:
+        pairs = [pair for table in self.tables for pair in table.pending_copies]
+        for table in self.tables:
+            table.pending_copies = []
+        if not pairs:
+            return
+        for pools in (self.key_pools, self.value_pools):
+            for pool in pools:
+                if pool is not None:
+                    src = torch.tensor([s for s, _ in pairs], device=pool.device)
+                    dst = torch.tensor([d for _, d in pairs], device=pool.device)
+                    pool[dst] = pool[src]
+
+    # -- per layer ---------------------------------------------------------------------------
+
+    def _pools(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.key_pools[layer_idx] is None:
+            shape = (self.allocator.num_blocks, self.block_size, *like.shape[1:])
+            self.key_pools[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            self.value_pools[layer_idx] = torch.zeros_like(self.key_pools[layer_idx])
+        return self.key_pools[layer_idx], self.value_pools[layer_idx]
+
+    def write(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, *, check: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scatter this step's K/V [S * q, Hkv, D] (padded layout) into layer ``layer_idx``.
+
+        Returns the layer's (key_pool, value_pool).
+        """
+        if self.step is None:
+            raise RuntimeError("write() before begin_step(): the step boundary is missing")
+        key_pool, value_pool = self._pools(layer_idx, key)
+        step = self.step.to(key_pool.device)
+        slot_scatter(key, value, key_pool, value_pool, step.slot_mapping, check=check)
+        return key_pool, value_pool
+
+    def gather(self, layer_idx: int, seq_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plain read path: sequence ``seq_idx``'s K, V [seq_len, Hkv, D], oldest first."""
+        key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
+        if key_pool is None:
+            raise ValueError(f"layer_idx: layer {layer_idx} has no K/V written yet")
+        table = self.tables[seq_idx]
+        ids = torch.tensor(table.block_ids, dtype=torch.int64, device=key_pool.device)
+        return (
+            gather_history(key_pool, ids, table.num_tokens),
+            gather_history(value_pool, ids, table.num_tokens),
+        )
+
+    # -- figures -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Pool figures: blocks used, tokens stored, bytes reserved, share holding no token."""
+        filled: dict[int, int] = {}
+        for table in self.tables:
+            for i, block in enumerate(table.block_ids):
+                in_block = min(self.block_size, table.num_tokens - i * self.block_size)
+                filled[block] = max(filled.get(block, 0), in_block)
+        slots_filled = sum(filled.values())
+        bytes_per_slot = sum(
+            pool[0, 0].numel() * pool.element_size()
+            for pools in (self.key_pools, self.value_pools)
+            for pool in pools
+            if pool is not None
+        )
+        total_slots = self.allocator.num_blocks * self.block_size
+        return {
+            "num_blocks": self.allocator.num_blocks,
+            "block_size": self.block_size,
+            "blocks_used": self.allocator.num_used,
+            "sequences": len(self.tables),
+            "tokens": sum(self.seq_lens()),
+            "slots_filled": slots_filled,
+            "bytes_reserved": total_slots * bytes_per_slot,
+            "bytes_holding_tokens": slots_filled * bytes_per_slot,
+            "unused_share": 1.0 - slots_filled / total_slots,
+        }

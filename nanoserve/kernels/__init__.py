@@ -1,0 +1,18 @@
+"""Triton kernels for the paged KV cache, each beside its plain-torch reference."""
+
+from nanoserve.kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_extend_attention,
+    paged_extend_attention_ref,
+)
+from nanoserve.kernels.slot_scatter import slot_scatter, slot_scatter_ref
+
+__all__ = [
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_extend_attention",
+    "paged_extend_attention_ref",
+    "slot_scatter",
+    "slot_scatter_ref",
+]

@@ -1,0 +1,61 @@
+"""Backend choice and device facts shared by the launchers (no kernels here)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+# Off a GPU (the Triton interpreter) there are no SMs to count; a small nominal number still
+# makes the split-KV path run in CPU tests.
+NOMINAL_SM_COUNT = 4
+
+
+def check_backend(backend: str) -> None:
+    """Raise ValueError naming ``backend`` unless it is "auto", "triton" or "torch"."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
+
+
+def use_triton(backend: str, tensor: torch.Tensor) -> bool:
+    """True when ``backend`` picks the Triton kernel for data living where ``tensor`` lives.
+
+    "auto" picks Triton for CUDA tensors of a dtype the kernels take (float16, bfloat16,
+    float32) and the reference otherwise; "triton" forces it (on CPU this needs
+    TRITON_INTERPRET=1); "torch" forces the reference.
+    """
+    check_backend(backend)
+    if backend == "torch":
+        return False
+    supported = tensor.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    if backend == "auto":
+        return tensor.is_cuda and supported
+    if not supported:
+        raise ValueError(
+            f"backend: 'triton' does not take {str(tensor.dtype).removeprefix('torch.')} "
+            "tensors; use 'torch' or 'auto'"
+        )
+    if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend: 'triton' on CPU tensors needs TRITON_INTERPRET=1")
+    return True
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached per device); a nominal 4 off CUDA."""
+    if device.type != "cuda":
+        return NOMINAL_SM_COUNT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())

@@ -1,0 +1,133 @@
+"""Paged attention over the block-table layout: decode (one new token per sequence) and extend
+(several new tokens per sequence, causal among themselves, over the whole paged history).
+
+Shapes (DESIGN.md): pools [num_blocks, block_size, Hkv, D]; block_tables int32 [S, max_blocks];
+seq_lens int32 [S] counting every cached token including the new ones (already written);
+decode query [S, Hq, D]; extend query packed [total_q, Hq, D] with cu_seqlens_q int32 [S + 1].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.kernels.reference import attend_sequence, gather_history
+from nanoserve.kernels.validation import check_attention_args
+
+
+def _default_scale(head_dim: int, scale: float | None) -> float:
+    return head_dim**-0.5 if scale is None else float(scale)
+
+
+def paged_extend_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """Reference extend attention: returns [total_q, Hq, D] in the query's dtype.
+
+    The new tokens of sequence i are its last ``cu_seqlens_q[i+1] - cu_seqlens_q[i]``
+    positions; each sees positions <= its own (and > pos - sliding_window).
+    """
+    if check:
+        check_attention_args(
+            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+            scale=scale, sliding_window=sliding_window, softcap=softcap,
+        )  # fmt: skip
+    scale = _default_scale(query.shape[-1], scale)
+    out = torch.empty_like(query)
+    cu = cu_seqlens_q.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = cu[i], cu[i + 1]
+        if start == end:
+            continue
+        keys = gather_history(key_cache, block_tables[i], seq_len)
+        values = gather_history(value_cache, block_tables[i], seq_len)
+        out[start:end] = attend_sequence(
+            query[start:end], keys, values,
+            scale=scale, sliding_window=sliding_window, softcap=softcap,
+        )  # fmt: skip
+    return out
+
+
+def paged_decode_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """Reference decode attention: query [S, Hq, D] is each sequence's last position.
+
+    Returns [S, Hq, D] in the query's dtype.
+    """
+    if check:
+        check_attention_args(
+            query, key_cache, value_cache, block_tables, seq_lens, None,
+            scale=scale, sliding_window=sliding_window, softcap=softcap,
+        )  # fmt: skip
+    cu_seqlens_q = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+    return paged_extend_attention_ref(
+        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, check=False,
+    )  # fmt: skip
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    check: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Decode attention; same contract as ``paged_decode_attention_ref``."""
+    _check_backend(backend)
+    return paged_decode_attention_ref(
+        query, key_cache, value_cache, block_tables, seq_lens,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, check=check,
+    )  # fmt: skip
+
+
+def paged_extend_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    check: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Extend attention; same contract as ``paged_extend_attention_ref``."""
+    _check_backend(backend)
+    return paged_extend_attention_ref(
+        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, check=check,
+    )  # fmt: skip

@@ -1,0 +1,52 @@
+"""Plain-torch references: the definition every Triton kernel is held to.
+
+They gather each sequence's history through its block table and run softmax attention in
+float32 (float64 when the inputs are float64). Slow and obvious on purpose.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_history(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's first ``seq_len`` cached rows, oldest first: [seq_len, num_kv_heads, D]."""
+    block_size = cache.shape[1]
+    num_used = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:num_used].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def attend_sequence(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of the last ``q`` positions of one sequence over all of its ``s`` positions.
+
+    query [q, Hq, D]; keys, values [s, Hkv, D]; returns [q, Hq, D] in the compute dtype.
+    Query token i sits at position s - q + i and sees positions p with
+    ``p <= pos`` and, with a window W, ``p > pos - W``.
+    """
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    q_len, num_q_heads, _ = query.shape
+    seq_len, num_kv_heads, _ = keys.shape
+    group = num_q_heads // num_kv_heads
+    q = query.to(compute).transpose(0, 1)  # [Hq, q, D]
+    k = keys.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, s, D]
+    v = values.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [Hq, q, s]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+    k_pos = torch.arange(seq_len, device=query.device)[None, :]
+    visible = k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v).transpose(0, 1)  # [q, Hq, D]

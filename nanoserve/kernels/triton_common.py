@@ -1,0 +1,24 @@
+"""Device helpers shared by the attention kernels."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def tanh(x):
+    """tanh through exp2: saturates cleanly to +-1 (exp2 overflows to inf, never NaN)."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def scores_to_log2(s, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Raw q.k in fp32 -> logits in base 2 (scaled, optionally soft-capped)."""
+    if HAS_SOFTCAP:
+        s = softcap * tanh(s * (scale / softcap))
+        return s * 1.4426950408889634
+    else:
+        return s * (scale * 1.4426950408889634)

@@ -1,0 +1,169 @@
+"""Argument checks shared by every kernel and its reference.
+
+Each check raises ``ValueError`` naming the offending argument, before anything is launched.
+The shape/dtype/device checks never touch device memory; the value checks (block ids, lengths)
+read the metadata on the host and therefore synchronise, which is why launchers skip them when
+the caller passes ``check=False`` after validating its metadata once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _fail(name: str, message: str) -> None:
+    raise ValueError(f"{name}: {message}")
+
+
+def check_tensor(
+    name: str,
+    tensor: object,
+    *,
+    ndim: int,
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device | None = None,
+    contiguous: bool = False,
+) -> torch.Tensor:
+    """Check that ``tensor`` is a torch.Tensor of ``ndim`` dims with one of ``dtypes``."""
+    if not isinstance(tensor, torch.Tensor):
+        _fail(name, f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != ndim:
+        _fail(name, f"expected {ndim} dims, got shape {tuple(tensor.shape)}")
+    if tensor.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        _fail(name, f"dtype {str(tensor.dtype).removeprefix('torch.')} not in ({allowed})")
+    if device is not None and tensor.device != device:
+        _fail(name, f"on {tensor.device}, expected {device} (the device of key_cache)")
+    if contiguous and not tensor.is_contiguous():
+        _fail(name, "must be contiguous")
+    return tensor
+
+
+def check_kv_pools(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Pools: [num_blocks, block_size, num_kv_heads, head_dim], same shape/dtype/device."""
+    check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, contiguous=True)
+    check_tensor(
+        "value_cache",
+        value_cache,
+        ndim=4,
+        dtypes=(key_cache.dtype,),
+        device=key_cache.device,
+        contiguous=True,
+    )
+    if value_cache.shape != key_cache.shape:
+        _fail(
+            "value_cache",
+            f"shape {tuple(value_cache.shape)} differs from key_cache {tuple(key_cache.shape)}",
+        )
+    if min(key_cache.shape) == 0:
+        _fail("key_cache", f"has an empty dimension: shape {tuple(key_cache.shape)}")
+
+
+def check_slot_scatter_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    check_values: bool = True,
+) -> None:
+    """Validate slot-scatter arguments (see ``slot_scatter_ref`` for shapes)."""
+    check_kv_pools(key_cache, value_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    device = key_cache.device
+    check_tensor("key", key, ndim=3, dtypes=(key_cache.dtype,), device=device)
+    check_tensor("value", value, ndim=3, dtypes=(key_cache.dtype,), device=device)
+    if tuple(key.shape[1:]) != (num_kv_heads, head_dim):
+        _fail("key", f"shape {tuple(key.shape)} must be [T, {num_kv_heads}, {head_dim}]")
+    if value.shape != key.shape:
+        _fail("value", f"shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if slot_mapping.shape[0] != key.shape[0]:
+        _fail("slot_mapping", f"has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+    if check_values and slot_mapping.numel() > 0:
+        num_slots = num_blocks * block_size
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= num_slots:
+            _fail("slot_mapping", f"values in [{lo}, {hi}] outside [-1, {num_slots - 1}]")
+        real = slot_mapping[slot_mapping >= 0]
+        if real.numel() != torch.unique(real).numel():
+            _fail("slot_mapping", "writes the same slot twice")
+
+
+def check_attention_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    check_values: bool = True,
+) -> None:
+    """Validate paged attention arguments; ``cu_seqlens_q=None`` means decode (one token each)."""
+    check_kv_pools(key_cache, value_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    device = key_cache.device
+    check_tensor("query", query, ndim=3, dtypes=(key_cache.dtype,), device=device)
+    if query.shape[2] != head_dim:
+        _fail("query", f"head_dim {query.shape[2]} differs from the pool's {head_dim}")
+    if query.shape[1] % num_kv_heads != 0:
+        _fail(
+            "query",
+            f"{query.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads",
+        )
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape[0] != num_seqs:
+        _fail("seq_lens", f"has {seq_lens.shape[0]} entries for {num_seqs} block_tables rows")
+    if cu_seqlens_q is None:
+        if query.shape[0] != num_seqs:
+            _fail("query", f"has {query.shape[0]} rows for {num_seqs} sequences (decode)")
+    else:
+        check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
+        if cu_seqlens_q.shape[0] != num_seqs + 1:
+            _fail("cu_seqlens_q", f"has {cu_seqlens_q.shape[0]} entries, expected {num_seqs + 1}")
+    if scale is not None and not scale > 0:
+        _fail("scale", f"must be positive, got {scale}")
+    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
+        _fail("sliding_window", f"must be a positive integer, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        _fail("softcap", f"must be positive, got {softcap}")
+    if not check_values or num_seqs == 0:
+        return
+    lens = seq_lens.cpu()
+    capacity = block_tables.shape[1] * block_size
+    if int(lens.min()) < 1:
+        _fail("seq_lens", f"must be >= 1, got min {int(lens.min())}")
+    if int(lens.max()) > capacity:
+        _fail(
+            "seq_lens",
+            f"max {int(lens.max())} exceeds the table's capacity "
+            f"{block_tables.shape[1]} blocks x {block_size}",
+        )
+    if cu_seqlens_q is not None:
+        cu = cu_seqlens_q.cpu()
+        q_lens = cu[1:] - cu[:-1]
+        if int(cu[0]) != 0 or int(cu[-1]) != query.shape[0]:
+            _fail("cu_seqlens_q", f"must run from 0 to {query.shape[0]} (the query rows)")
+        if bool((q_lens < 0).any()):
+            _fail("cu_seqlens_q", "must be non-decreasing")
+        if bool((q_lens > lens).any()):
+            _fail("cu_seqlens_q", "a sequence has more new tokens than seq_lens counts")
+    used_blocks = (lens + block_size - 1) // block_size
+    cols = torch.arange(block_tables.shape[1])
+    used = block_tables.cpu()[cols[None, :] < used_blocks[:, None]]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+        _fail(
+            "block_tables",
+            f"block ids in [{int(used.min())}, {int(used.max())}] outside the pool "
+            f"[0, {num_blocks - 1}]",
+        )
