@@ -140,7 +140,7 @@ class PagedKVCache:
             )
         counts = mask.sum(dim=1).tolist()
         self._reserve(counts)
-        slot_lists = [table.append(n) for table, n in zip(self.tables, counts)]
+        slot_lists = [table.append(n) for table, n in zip(self.tables, counts, strict=True)]
         self._apply_pending_copies()
 
         slot_mapping = torch.full(mask.shape, -1, dtype=torch.int64)
@@ -169,7 +169,7 @@ class PagedKVCache:
     def _reserve(self, counts: list[int]) -> None:
         """Check that all tables can grow before any does (so growth is all or nothing)."""
         needed = 0
-        for table, n in zip(self.tables, counts):
+        for table, n in zip(self.tables, counts, strict=True):
             new, shared = table._blocks_needed(n)
             needed += new + int(shared)
         if needed > self.allocator.num_free:
