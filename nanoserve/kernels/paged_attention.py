@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from nanoserve.kernels.dispatch import check_backend, use_triton
 from nanoserve.kernels.reference import attend_sequence, gather_history
+from nanoserve.kernels.triton_decode import paged_decode_attention_triton
+from nanoserve.kernels.triton_extend import paged_extend_attention_triton
 from nanoserve.kernels.validation import check_attention_args
 
 
@@ -85,11 +88,6 @@ def paged_decode_attention_ref(
     )  # fmt: skip
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
-
-
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -103,11 +101,28 @@ def paged_decode_attention(
     check: bool = True,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Decode attention; same contract as ``paged_decode_attention_ref``."""
-    _check_backend(backend)
+    """Decode attention; same contract as ``paged_decode_attention_ref``.
+
+    query [S, Hq, D] float16/bfloat16/float32 (float64 runs the reference); returns [S, Hq, D].
+    ``backend``: "auto" (Triton on CUDA tensors, the reference on CPU), "triton" or "torch".
+    ``check=False`` skips validation and never reads device memory on the host, so the call
+    is safe under CUDA-graph capture (the split count comes from shapes only).
+    """
+    check_backend(backend)
+    if check:
+        check_attention_args(
+            query, key_cache, value_cache, block_tables, seq_lens, None,
+            scale=scale, sliding_window=sliding_window, softcap=softcap,
+        )  # fmt: skip
+    if use_triton(backend, key_cache):
+        return paged_decode_attention_triton(
+            query, key_cache, value_cache, block_tables, seq_lens,
+            scale=_default_scale(query.shape[-1], scale),
+            sliding_window=sliding_window, softcap=softcap,
+        )  # fmt: skip
     return paged_decode_attention_ref(
         query, key_cache, value_cache, block_tables, seq_lens,
-        scale=scale, sliding_window=sliding_window, softcap=softcap, check=check,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, check=False,
     )  # fmt: skip
 
 
@@ -125,9 +140,24 @@ def paged_extend_attention(
     check: bool = True,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Extend attention; same contract as ``paged_extend_attention_ref``."""
-    _check_backend(backend)
+    """Extend attention; same contract as ``paged_extend_attention_ref``.
+
+    query packed [T, Hq, D] with cu_seqlens_q int32 [S + 1]; returns [T, Hq, D].
+    ``backend`` and ``check`` as in ``paged_decode_attention`` (no host sync with check=False).
+    """
+    check_backend(backend)
+    if check:
+        check_attention_args(
+            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+            scale=scale, sliding_window=sliding_window, softcap=softcap,
+        )  # fmt: skip
+    if use_triton(backend, key_cache):
+        return paged_extend_attention_triton(
+            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+            scale=_default_scale(query.shape[-1], scale),
+            sliding_window=sliding_window, softcap=softcap,
+        )  # fmt: skip
     return paged_extend_attention_ref(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
-        scale=scale, sliding_window=sliding_window, softcap=softcap, check=check,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, check=False,
     )  # fmt: skip

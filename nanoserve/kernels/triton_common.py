@@ -22,3 +22,12 @@ def scores_to_log2(s, scale, softcap, HAS_SOFTCAP: tl.constexpr):
         return s * 1.4426950408889634
     else:
         return s * (scale * 1.4426950408889634)
+
+
+@triton.jit
+def mma(a, b, FP32: tl.constexpr):
+    """a @ b with fp32 accumulation; float32 operands stay exact (no TF32 rounding)."""
+    if FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a.to(b.dtype), b)
