@@ -1,0 +1,93 @@
+import pytest
+
+from nanoserve import BlockAllocator, BlockTable, OutOfBlocks
+
+
+def test_allocate_free_and_lifo_reuse():
+    alloc = BlockAllocator(4)
+    first = alloc.allocate(3)
+    assert sorted(first) == [0, 1, 2] and alloc.num_free == 1
+    alloc.free([first[1]])
+    assert alloc.refcount(first[1]) == 0
+    assert alloc.allocate(1) == [first[1]]  # the most recently freed block comes back first
+
+
+def test_out_of_blocks_names_figures_and_allocates_nothing():
+    alloc = BlockAllocator(4)
+    alloc.allocate(3)
+    with pytest.raises(OutOfBlocks) as info:
+        alloc.allocate(2)
+    message = str(info.value)
+    assert "needed 2" in message and "1 free of 4" in message and "num_blocks" in message
+    assert alloc.num_free == 1
+
+
+def test_double_free_and_unknown_ids_raise():
+    alloc = BlockAllocator(2)
+    (block,) = alloc.allocate(1)
+    alloc.free([block])
+    with pytest.raises(ValueError, match="block_ids"):
+        alloc.free([block])
+    with pytest.raises(ValueError, match="block_ids"):
+        alloc.free([7])
+    with pytest.raises(ValueError, match="block_ids"):
+        alloc.incref([block])
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockAllocator(0)
+
+
+def test_free_more_often_than_referenced_changes_nothing():
+    alloc = BlockAllocator(2)
+    (block,) = alloc.allocate(1)
+    with pytest.raises(ValueError, match="block_ids"):
+        alloc.free([block, block])
+    assert alloc.refcount(block) == 1
+
+
+def test_block_table_slots_follow_the_blocks():
+    alloc = BlockAllocator(8)
+    alloc.allocate(1)  # so the table's blocks do not start at 0
+    table = BlockTable(alloc, block_size=4)
+    slots = table.append(6)
+    ids = table.block_ids
+    assert len(ids) == 2
+    assert slots == [ids[p // 4] * 4 + p % 4 for p in range(6)]
+    assert [table.slot(p) for p in range(6)] == slots
+    with pytest.raises(ValueError, match="pos"):
+        table.slot(6)
+
+
+def test_block_table_append_is_all_or_nothing():
+    alloc = BlockAllocator(2)
+    table = BlockTable(alloc, block_size=4)
+    table.append(5)
+    with pytest.raises(OutOfBlocks):
+        table.append(4)  # needs a third block
+    assert table.num_tokens == 5 and alloc.num_free == 0
+    assert table.append(3) == [table.slot(p) for p in range(5, 8)]
+
+
+def test_fork_shares_and_copies_on_write():
+    alloc = BlockAllocator(8)
+    parent = BlockTable(alloc, block_size=4)
+    parent.append(6)
+    child = parent.fork()
+    assert all(alloc.refcount(b) == 2 for b in parent.block_ids)
+    child.append(1)  # writes into the shared, partly filled second block
+    assert child.block_ids[0] == parent.block_ids[0]
+    assert child.block_ids[1] != parent.block_ids[1]
+    assert child.pending_copies == [(parent.block_ids[1], child.block_ids[1])]
+    assert alloc.refcount(parent.block_ids[1]) == 1
+    child.free()
+    parent.free()
+    assert alloc.num_free == 8
+
+
+def test_truncate_releases_trailing_blocks():
+    alloc = BlockAllocator(8)
+    table = BlockTable(alloc, block_size=4)
+    table.append(9)
+    table.truncate(4)
+    assert table.num_tokens == 4 and len(table.block_ids) == 1 and alloc.num_free == 7
+    with pytest.raises(ValueError, match="num_tokens"):
+        table.truncate(5)

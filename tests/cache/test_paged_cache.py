@@ -1,0 +1,163 @@
+import random
+
+import pytest
+import torch
+
+from nanoserve import BlockAllocator, BlockTable, OutOfBlocks, PagedKVCache
+from nanoserve.kernels import paged_decode_attention_ref, slot_scatter_ref
+from nanoserve.kernels.reference import attend_sequence, gather_history
+
+HEADS, DIM = 2, 8
+
+
+def scatter_blocks(cache: PagedKVCache, n: int) -> None:
+    """Take and release blocks in a shuffled order so later tables get out-of-order ids."""
+    taken = cache.allocator.allocate(n)
+    random.Random(0).shuffle(taken)
+    cache.allocator.free(taken)
+
+
+def step(cache: PagedKVCache, mask: torch.Tensor, layers: int, dtype=torch.float32):
+    """Run one model step: new K/V per layer in the padded layout; returns them [S, q, H, D]."""
+    cache.begin_step(mask, "cpu")
+    written = []
+    for layer in range(layers):
+        k = torch.randn(*mask.shape, HEADS, DIM, dtype=dtype)
+        v = torch.randn(*mask.shape, HEADS, DIM, dtype=dtype)
+        cache.write(layer, k.flatten(0, 1), v.flatten(0, 1))
+        written.append((k, v))
+    return written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_a_contiguous_cache_byte_for_byte(dtype):
+    layers, block_size = 3, 4
+    cache = PagedKVCache(layers, num_blocks=32, block_size=block_size)
+    scatter_blocks(cache, 32)
+    # a left-padded prefill of 3 rows, then decode steps
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.bool)
+    contiguous = [[([], []) for _ in range(3)] for _ in range(layers)]
+    for step_mask in [mask] + [torch.ones(3, 1, dtype=torch.bool)] * 6:
+        for layer, (k, v) in enumerate(step(cache, step_mask, layers, dtype)):
+            for row in range(3):
+                contiguous[layer][row][0].append(k[row][step_mask[row]])
+                contiguous[layer][row][1].append(v[row][step_mask[row]])
+    assert cache.tables[0].block_ids != sorted(cache.tables[0].block_ids) or any(
+        t.block_ids != list(range(t.block_ids[0], t.block_ids[0] + len(t.block_ids)))
+        for t in cache.tables
+    ), "blocks should be scattered"
+    for layer in range(layers):
+        for row in range(3):
+            k, v = cache.gather(layer, row)
+            assert torch.equal(k, torch.cat(contiguous[layer][row][0]))
+            assert torch.equal(v, torch.cat(contiguous[layer][row][1]))
+    assert cache.seq_lens() == [3 + 6, 5 + 6, 1 + 6]
+    assert cache.key_pools[0].dtype == dtype
+
+
+def test_pads_are_never_stored():
+    cache = PagedKVCache(1, num_blocks=8, block_size=4)
+    mask = torch.tensor([[0, 0, 0, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    meta = cache.begin_step(mask, "cpu")
+    assert meta.slot_mapping.tolist()[:3] == [-1, -1, -1]
+    assert meta.token_index.tolist() == [3, 4, 5, 6, 7]
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 5] and meta.seq_lens.tolist() == [1, 4]
+    stats = cache.stats()
+    assert stats["tokens"] == 5 and stats["blocks_used"] == 2
+
+
+def test_out_of_blocks_loses_nothing():
+    cache = PagedKVCache(2, num_blocks=3, block_size=4)
+    written = step(cache, torch.ones(2, 4, dtype=torch.bool), 2)
+    before = [t.block_ids for t in cache.tables]
+    free = cache.allocator.num_free
+    with pytest.raises(OutOfBlocks, match="num_blocks"):
+        cache.begin_step(torch.ones(2, 1, dtype=torch.bool), "cpu")  # needs 2 blocks, 1 free
+    assert [t.block_ids for t in cache.tables] == before and cache.allocator.num_free == free
+    assert cache.seq_lens() == [4, 4]
+    for layer, (k, _) in enumerate(written):
+        for row in range(2):
+            assert torch.equal(cache.gather(layer, row)[0], k[row])
+
+
+def test_reorder_shares_blocks_and_copies_on_write():
+    cache = PagedKVCache(1, num_blocks=16, block_size=4)
+    ((k0, _),) = step(cache, torch.ones(2, 6, dtype=torch.bool), 1)
+    cache.reorder([1, 1])  # both beams continue from old row 1
+    assert cache.tables[0].block_ids == cache.tables[1].block_ids
+    ((k1, _),) = step(cache, torch.ones(2, 1, dtype=torch.bool), 1)
+    for row in range(2):
+        expected = torch.cat([k0[1], k1[row]])
+        assert torch.equal(cache.gather(0, row)[0], expected)
+    first = cache.tables[0].block_ids
+    assert first[0] == cache.tables[1].block_ids[0]  # the full block is still shared
+    assert cache.allocator.refcount(first[0]) == 2
+    with pytest.raises(ValueError, match="indices"):
+        cache.reorder([5])
+
+
+def test_free_and_reuse_stress_never_leaks_stale_data():
+    """A thousand sequences of random lengths come and go through a small pool; blocks are
+    poisoned with NaN as they are freed, and every live sequence still reads back exactly
+    its own K/V and attends to them as a contiguous cache would."""
+    rng = random.Random(1234)
+    num_blocks, block_size = 20, 4
+    alloc = BlockAllocator(num_blocks)
+    k_pool = torch.full((num_blocks, block_size, HEADS, DIM), float("nan"))
+    v_pool = torch.full_like(k_pool, float("nan"))
+    live: list[tuple[BlockTable, torch.Tensor, torch.Tensor]] = []
+    started = 0
+    while started < 1000:
+        if live and (rng.random() < 0.4 or alloc.num_free < 4):
+            table, _, _ = live.pop(rng.randrange(len(live)))
+            freed = table.block_ids
+            table.free()
+            k_pool[freed] = float("nan")
+            v_pool[freed] = float("nan")
+            continue
+        if live and rng.random() < 0.5:
+            i = rng.randrange(len(live))
+            table, k_hist, v_hist = live[i]
+            n = rng.randint(1, 5)
+        else:
+            table, k_hist, v_hist = BlockTable(alloc, block_size), None, None
+            n = rng.randint(1, 3 * block_size + 1)
+        try:
+            slots = table.append(n)
+        except OutOfBlocks:
+            continue
+        k_new, v_new = torch.randn(n, HEADS, DIM), torch.randn(n, HEADS, DIM)
+        slot_scatter_ref(k_new, v_new, k_pool, v_pool, torch.tensor(slots))
+        if k_hist is None:
+            started += 1
+            live.append((table, k_new, v_new))
+        else:
+            live[i] = (table, torch.cat([k_hist, k_new]), torch.cat([v_hist, v_new]))
+        for table, k_hist, v_hist in live:
+            ids = torch.tensor(table.block_ids)
+            assert torch.equal(gather_history(k_pool, ids, table.num_tokens), k_hist)
+            assert torch.equal(gather_history(v_pool, ids, table.num_tokens), v_hist)
+    width = max(len(t.block_ids) for t, _, _ in live)
+    tables = torch.zeros(len(live), width, dtype=torch.int32)
+    for row, (t, _, _) in enumerate(live):
+        tables[row, : len(t.block_ids)] = torch.tensor(t.block_ids, dtype=torch.int32)
+    lens = torch.tensor([t.num_tokens for t, _, _ in live], dtype=torch.int32)
+    query = torch.randn(len(live), HEADS * 2, DIM)
+    out = paged_decode_attention_ref(query, k_pool, v_pool, tables, lens)
+    assert torch.isfinite(out).all()
+    for row, (_, k_hist, v_hist) in enumerate(live):
+        expected = attend_sequence(
+            query[row : row + 1], k_hist, v_hist, scale=DIM**-0.5, sliding_window=None, softcap=None
+        )
+        torch.testing.assert_close(out[row : row + 1], expected)
+    for table, _, _ in live:
+        table.free()
+    assert alloc.num_free == num_blocks
+
+
+def test_write_before_begin_step_is_an_error():
+    cache = PagedKVCache(1, num_blocks=4, block_size=4)
+    with pytest.raises(RuntimeError, match="begin_step"):
+        cache.write(0, torch.zeros(1, HEADS, DIM), torch.zeros(1, HEADS, DIM))
+    with pytest.raises(ValueError, match="new_token_mask"):
+        cache.begin_step(torch.ones(3, dtype=torch.bool), "cpu")

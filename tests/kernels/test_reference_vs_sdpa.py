@@ -1,0 +1,214 @@
+"""The references against torch SDPA on the same K/V laid out contiguously."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels import (
+    paged_decode_attention_ref,
+    paged_extend_attention_ref,
+    slot_scatter_ref,
+)
+
+
+def paged_copy(keys: list[torch.Tensor], block_size: int, num_blocks: int, gen: torch.Generator):
+    """Put each sequence's [len, H, D] rows into a NaN pool at shuffled blocks."""
+    heads, dim = keys[0].shape[1:]
+    pool = torch.full((num_blocks, block_size, heads, dim), float("nan"), dtype=keys[0].dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(-(-k.shape[0] // block_size) for k in keys)
+    tables = torch.zeros(len(keys), width, dtype=torch.int32)
+    for row, k in enumerate(keys):
+        n_blocks = -(-k.shape[0] // block_size)
+        ids = [order.pop() for _ in range(n_blocks)]
+        tables[row, :n_blocks] = torch.tensor(ids, dtype=torch.int32)
+        slots = torch.tensor(
+            [ids[p // block_size] * block_size + p % block_size for p in range(k.shape[0])]
+        )
+        pool.view(-1, heads, dim)[slots] = k
+    return pool, tables
+
+
+def sdpa_last_rows(q, k, v, *, scale, window, softcap):
+    """SDPA (with an explicit mask) of the last q rows of one contiguous sequence."""
+    q_len, s_len = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    q_pos = torch.arange(s_len - q_len, s_len)[:, None]
+    k_pos = torch.arange(s_len)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    if softcap is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
+    else:  # SDPA has no softcap: apply it on explicit logits
+        logits = softcap * torch.tanh(qh @ kh.transpose(-1, -2) * scale / softcap)
+        out = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1) @ vh
+    return out[0].transpose(0, 1)
+
+
+CASES = [
+    # (q_heads, kv_heads, head_dim, window, softcap)
+    (4, 4, 64, None, None),
+    (8, 2, 80, None, None),
+    (7, 1, 96, 5, None),
+    (16, 2, 128, None, 30.0),
+    (8, 1, 64, 9, 20.0),
+]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,window,softcap", CASES)
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_extend_and_decode_refs_match_sdpa(
+    q_heads, kv_heads, head_dim, window, softcap, block_size
+):
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(torch.seed())  # fresh inputs each run
+    lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 2]
+    new = [1, 3, block_size, 2, 7]
+    keys = [torch.randn(n, kv_heads, head_dim, dtype=torch.float64) for n in lens]
+    values = [torch.randn(n, kv_heads, head_dim, dtype=torch.float64) for n in lens]
+    k_pool, tables = paged_copy(keys, block_size, 16, gen)
+    v_pool = torch.full_like(k_pool, float("nan"))
+    # same blocks for V: scatter through the K table's slots
+    for row, v in enumerate(values):
+        ids = tables[row].tolist()
+        slots = torch.tensor(
+            [ids[p // block_size] * block_size + p % block_size for p in range(v.shape[0])]
+        )
+        v_pool.view(-1, kv_heads, head_dim)[slots] = v
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+
+    cu = torch.tensor([0] + new, dtype=torch.int32).cumsum(0).to(torch.int32)
+    query = torch.randn(int(cu[-1]), q_heads, head_dim, dtype=torch.float64)
+    out = paged_extend_attention_ref(
+        query, k_pool, v_pool, tables, seq_lens, cu, sliding_window=window, softcap=softcap
+    )
+    for row in range(len(lens)):
+        rows = slice(int(cu[row]), int(cu[row + 1]))
+        expected = sdpa_last_rows(
+            query[rows], keys[row], values[row], scale=scale, window=window, softcap=softcap
+        )
+        torch.testing.assert_close(out[rows], expected, rtol=1e-10, atol=1e-10)
+
+    decode_q = torch.randn(len(lens), q_heads, head_dim, dtype=torch.float64)
+    out = paged_decode_attention_ref(
+        decode_q, k_pool, v_pool, tables, seq_lens, sliding_window=window, softcap=softcap
+    )
+    for row in range(len(lens)):
+        expected = sdpa_last_rows(
+            decode_q[row : row + 1],
+            keys[row],
+            values[row],
+            scale=scale,
+            window=window,
+            softcap=softcap,
+        )
+        torch.testing.assert_close(out[row : row + 1], expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_ref_output_dtype_follows_query(dtype):
+    k_pool = torch.randn(4, 8, 2, 64).to(dtype)
+    tables = torch.tensor([[2, 0]], dtype=torch.int32)
+    out = paged_decode_attention_ref(
+        torch.randn(1, 4, 64).to(dtype),
+        k_pool,
+        k_pool.clone(),
+        tables,
+        torch.tensor([11], dtype=torch.int32),
+    )
+    assert out.dtype == dtype and out.shape == (1, 4, 64) and torch.isfinite(out).all()
+
+
+def _decode_args():
+    pool = torch.randn(4, 8, 2, 64)
+    return dict(
+        query=torch.randn(2, 4, 64),
+        key_cache=pool,
+        value_cache=pool.clone(),
+        block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        seq_lens=torch.tensor([9, 16], dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize(
+    "name,bad",
+    [
+        ("query", torch.randn(2, 3, 64)),  # 3 query heads over 2 KV heads
+        ("query", torch.randn(2, 4, 32)),  # head_dim mismatch
+        ("query", torch.randn(2, 4, 64, dtype=torch.float64)),  # dtype mismatch
+        ("key_cache", torch.randn(4, 8, 2)),  # not 4-D
+        ("value_cache", torch.randn(4, 8, 2, 32)),  # shape mismatch
+        ("block_tables", torch.tensor([[0, 1], [2, 3]], dtype=torch.int64)),
+        ("block_tables", torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)),  # id outside pool
+        ("seq_lens", torch.tensor([9, 17], dtype=torch.int32)),  # beyond the table
+        ("seq_lens", torch.tensor([0, 16], dtype=torch.int32)),
+        ("seq_lens", torch.tensor([9], dtype=torch.int32)),
+    ],
+)
+def test_bad_decode_input_names_the_argument(name, bad):
+    args = _decode_args()
+    args[name] = bad
+    with pytest.raises(ValueError, match=f"^{name}"):
+        paged_decode_attention_ref(**args)
+
+
+@pytest.mark.parametrize(
+    "kwarg,value",
+    [("scale", 0.0), ("sliding_window", 0), ("sliding_window", 2.5), ("softcap", -1.0)],
+)
+def test_bad_scalars_name_the_argument(kwarg, value):
+    with pytest.raises(ValueError, match=f"^{kwarg}"):
+        paged_decode_attention_ref(**_decode_args(), **{kwarg: value})
+
+
+def test_bad_extend_cu_seqlens_names_the_argument():
+    args = _decode_args()
+    args["query"] = torch.randn(5, 4, 64)
+    for cu in ([0, 2, 4], [0, 3, 5, 5], [1, 2, 5]):
+        with pytest.raises(ValueError, match="^cu_seqlens_q"):
+            paged_extend_attention_ref(**args, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+    args["seq_lens"] = torch.tensor([2, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="^cu_seqlens_q"):  # 3 new tokens, only 2 cached
+        paged_extend_attention_ref(**args, cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32))
+
+
+@pytest.mark.parametrize(
+    "name,bad",
+    [
+        ("slot_mapping", torch.tensor([0, 64])),  # past the pool
+        ("slot_mapping", torch.tensor([-2, 3])),
+        ("slot_mapping", torch.tensor([5, 5])),  # same slot twice
+        ("slot_mapping", torch.tensor([1.0, 2.0])),
+        ("slot_mapping", torch.tensor([1, 2, 3])),
+        ("key", torch.randn(2, 3, 64)),
+        ("value", torch.randn(3, 2, 64)),
+    ],
+)
+def test_bad_scatter_input_names_the_argument_and_writes_nothing(name, bad):
+    pool = torch.randn(4, 16, 2, 64)
+    args = dict(
+        key=torch.randn(2, 2, 64),
+        value=torch.randn(2, 2, 64),
+        key_cache=pool,
+        value_cache=pool.clone(),
+        slot_mapping=torch.tensor([3, 7]),
+    )
+    args[name] = bad
+    before = pool.clone()
+    with pytest.raises(ValueError, match=f"^{name}"):
+        slot_scatter_ref(**args)
+    assert torch.equal(pool, before)
+
+
+def test_scatter_skips_padding_slots():
+    pool = torch.zeros(2, 4, 1, 8)
+    key = torch.randn(3, 1, 8)
+    slot_scatter_ref(key, key.clone(), pool, pool.clone(), torch.tensor([5, -1, 0]))
+    flat = pool.view(-1, 1, 8)
+    assert torch.equal(flat[5], key[0]) and torch.equal(flat[0], key[2])
+    untouched = [i for i in range(8) if i not in (0, 5)]
+    assert torch.equal(flat[untouched], torch.zeros(6, 1, 8))
