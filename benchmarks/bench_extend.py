@@ -1,0 +1,122 @@
+"""Paged extend (prefill / chunked prefill) attention on the GPU: nanoserve vs torch SDPA,
+causal, on the same K/V laid out contiguously; TFLOP/s of the causal work.
+
+bf16, Llama-3-8B attention (32 query / 8 KV heads, head_dim 128) and Llama-3.2-1B (32/8/64),
+block size 16, blocks scattered at random. Prefill: batch 1/8 x 512/2048/8192 new tokens.
+Chunked prefill: 512 new tokens over 2048 / 8192 cached ones. Each provider is checked against
+SDPA in float32 first. Usage: python3 benchmarks/bench_extend.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import num_input_sets, print_table, rel_err, time_eager, versions, write_csv  # noqa: E402
+from plot import plot_rows  # noqa: E402
+
+from nanoserve.kernels import paged_extend_attention  # noqa: E402
+
+HQ, HKV, BS = 32, 8, 16
+DTYPE = torch.bfloat16
+# (batch, cached history, new tokens)
+CASES = [(1, 0, 512), (1, 0, 2048), (1, 0, 8192), (8, 0, 512), (8, 0, 2048), (8, 0, 8192),
+         (1, 2048, 512), (1, 8192, 512)]  # fmt: skip
+HEAD_DIMS = [128, 64]
+
+
+def causal_pairs(history: int, new: int) -> int:
+    """(query, key) pairs a causal extend computes for one sequence."""
+    return new * history + new * (new + 1) // 2
+
+
+def make_set(batch: int, history: int, new: int, dim: int) -> dict:
+    total = history + new
+    blocks = batch * (-(-total // BS))
+    kc = torch.randn(blocks + 8, BS, HKV, dim, device="cuda").to(DTYPE)
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(blocks + 8, device="cuda")[:blocks].view(batch, -1).int().contiguous()
+    sl = torch.full((batch,), total, dtype=torch.int32, device="cuda")
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * new
+    q = torch.randn(batch * new, HQ, dim, device="cuda").to(DTYPE)
+    k = kc[bt.long()].view(batch, -1, HKV, dim)[:, :total].transpose(1, 2).contiguous()
+    v = vc[bt.long()].view(batch, -1, HKV, dim)[:, :total].transpose(1, 2).contiguous()
+    q4 = q.view(batch, new, HQ, dim).transpose(1, 2).contiguous()
+    # bottom-right aligned causal mask for chunked prefill (new queries are the last rows)
+    mask = None
+    if history:
+        mask = torch.ones(new, total, dtype=torch.bool, device="cuda").tril(history)
+    return dict(q=q, kc=kc, vc=vc, bt=bt, sl=sl, cu=cu, q4=q4, k=k, v=v, mask=mask)
+
+
+def sdpa(s: dict, q4, k, v, gqa: bool = True):
+    if s["mask"] is None:
+        return F.scaled_dot_product_attention(q4, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q4, k, v, attn_mask=s["mask"], enable_gqa=gqa)
+
+
+def packed(out4: torch.Tensor) -> torch.Tensor:
+    """[B, Hq, n, D] -> [B * n, Hq, D]."""
+    return out4.transpose(1, 2).flatten(0, 1)
+
+
+def reference(s: dict) -> torch.Tensor:
+    """SDPA in float32 (memory-efficient backend, so no score matrix is materialised)."""
+    group = HQ // HKV
+    k = s["k"].float().repeat_interleave(group, 1)
+    v = s["v"].float().repeat_interleave(group, 1)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return packed(sdpa(s, s["q4"].float(), k, v, gqa=False))
+
+
+def providers(s: dict) -> dict:
+    def nanoserve():
+        return paged_extend_attention(
+            s["q"], s["kc"], s["vc"], s["bt"], s["sl"], s["cu"], check=False
+        )
+
+    def sdpa_contiguous():
+        return packed(sdpa(s, s["q4"], s["k"], s["v"]))
+
+    return {"nanoserve": nanoserve, "sdpa_contiguous": sdpa_contiguous}
+
+
+def main() -> None:
+    print(versions())
+    rows = []
+    for dim in HEAD_DIMS:
+        for batch, history, new in CASES:
+            kv_bytes = 2 * batch * (history + new) * HKV * dim * 2
+            sets = [make_set(batch, history, new, dim) for _ in range(num_input_sets(kv_bytes, 4))]
+            ref = reference(sets[0])
+            flops = 4 * dim * HQ * batch * causal_pairs(history, new)
+            shape = f"d{dim} {batch}x{new}" + (f"+{history}" if history else "")
+            per_set = [providers(s) for s in sets]
+            for name in per_set[0]:
+                fns = [p[name] for p in per_set]
+                err = rel_err(fns[0](), ref)
+                us = time_eager(fns)
+                tflops = round(flops / (us * 1e-6) / 1e12, 1)
+                rows.append(dict(kernel="extend", shape=shape, provider=name, err=f"{err:.1e}",
+                                 us=round(us, 1), TFLOPs=tflops))  # fmt: skip
+            sdpa_row = next(r for r in rows if r["shape"] == shape and r["provider"] != "nanoserve")
+            for r in rows:
+                if r["shape"] == shape:
+                    r["vs_sdpa_tflops"] = round(r["TFLOPs"] / sdpa_row["TFLOPs"], 2)
+            del sets, per_set, ref
+            torch.cuda.empty_cache()
+    write_csv(rows, "extend.csv")
+    plot_rows(rows, x="shape", y="TFLOPs", name="extend.png",
+              title="paged extend vs SDPA causal, bf16")  # fmt: skip
+    print_table(rows, ["shape", "provider", "err", "us", "TFLOPs", "vs_sdpa_tflops"])
+
+
+if __name__ == "__main__":
+    main()
