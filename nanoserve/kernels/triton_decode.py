@@ -108,10 +108,10 @@ def _reduce_kernel(
     tl.store(dst, res.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def decode_config(head_dim: int, block_size: int) -> tuple[int, int]:
-    """(BLOCK_N tokens per step, num_warps) for a head dim and page size."""
+def decode_config(head_dim: int, block_size: int) -> tuple[int, int, int]:
+    """(BLOCK_N tokens per step, num_warps, num_stages) for a head dim and page size."""
     block_n = 64 if next_pow2(head_dim) <= 128 else 32
-    return max(block_n, next_pow2(block_size)), 4
+    return max(block_n, next_pow2(block_size)), 4, 2
 
 
 def choose_num_splits(
@@ -140,10 +140,12 @@ def paged_decode_attention_triton(
     sliding_window: int | None,
     softcap: float | None,
     num_splits: int | None = None,
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Launch decode attention (arguments already validated); returns [S, Hq, D] like query.
 
-    ``num_splits`` overrides the shape-derived split count (tests and benchmarks).
+    ``num_splits`` and ``config`` (BLOCK_N, num_warps, num_stages) override the shape-derived
+    choices (tests and benchmark sweeps).
     """
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -154,7 +156,7 @@ def paged_decode_attention_triton(
         query = query.contiguous()
     group = num_q_heads // num_kv_heads
     d_pad = next_pow2(head_dim)
-    block_n, num_warps = decode_config(head_dim, block_size)
+    block_n, num_warps, num_stages = config or decode_config(head_dim, block_size)
     if num_splits is None:
         capacity = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, block_n, query.device)
@@ -177,7 +179,7 @@ def paged_decode_attention_triton(
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32,
-        num_warps=num_warps,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_q_heads)](

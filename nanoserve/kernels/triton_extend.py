@@ -32,7 +32,7 @@ def _extend_kernel(
     # Largest i with cu[i] // BLOCK_M + i <= tile.
     lo = 0
     hi = num_seqs
-    for _ in range(SEARCH_STEPS):
+    for _ in tl.static_range(SEARCH_STEPS):
         mid = (lo + hi) // 2
         first_tile = tl.load(cu_seqlens_q + mid) // BLOCK_M + mid
         go_right = first_tile <= tile
