@@ -1,0 +1,24 @@
+"""HF adapters: all of nanoserve's knowledge of transformers lives here.
+
+``registry.py`` lists the supported model families; ``hf.py`` patches a model
+(``patch_model`` / ``unpatch_model`` / ``cache_stats``); ``hf_cache.py`` is the transformers
+``Cache`` over the paged store; ``attention.py`` the attention and mask functions.
+"""
+
+from nanoserve.adapters.family import Family, KVLayout
+from nanoserve.adapters.hf import cache_stats, last_cache, patch_model, unpatch_model
+from nanoserve.adapters.hf_cache import PagedCache
+from nanoserve.adapters.registry import FAMILIES, family_for, supported_model_types
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "KVLayout",
+    "PagedCache",
+    "cache_stats",
+    "family_for",
+    "last_cache",
+    "patch_model",
+    "supported_model_types",
+    "unpatch_model",
+]

@@ -1,0 +1,145 @@
+"""PagedCache: a transformers ``Cache`` over nanoserve's ``PagedKVCache``.
+
+HF counts a cache in columns of the padded batch (``get_seq_length`` slices the prompt and
+sizes masks by it), while the paged store keeps only real tokens, so this class keeps both:
+``columns`` (what HF sees) and the block tables (what is stored). The step boundary is
+``begin_step`` (called once per forward by the hook ``hf.py`` puts on the base model) and
+``end_step`` after it; every layer's ``update`` then scatters into its pool and returns the
+pools, which the attention function reads through the step's block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from nanoserve.cache import PagedKVCache, StepMetadata
+
+
+class PagedCache(Cache):
+    """HF cache interface for generate; storage is a ``PagedKVCache`` (``.paged``)."""
+
+    is_compileable = False  # a compileable cache makes generate auto-compile the forward
+    is_croppable = True
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int = 16):
+        super().__init__(layers=[])
+        self.paged = PagedKVCache(num_layers, num_blocks, block_size)
+        self.num_layers = num_layers
+        self.columns = 0  # padded columns seen by completed forwards
+        self._pending = 0  # columns of the forward in flight
+
+    # -- the step boundary (once per forward) -----------------------------------------------
+
+    def begin_step(self, new_token_mask: torch.Tensor, device: torch.device) -> StepMetadata:
+        """Grow the tables for this forward's real tokens; ``new_token_mask`` bool [S, q]."""
+        step = self.paged.begin_step(new_token_mask, device)  # OutOfBlocks leaves all intact
+        self._pending = new_token_mask.shape[1]
+        return step
+
+    def end_step(self) -> None:
+        self.columns += self._pending
+        self._pending = 0
+
+    @property
+    def step(self) -> StepMetadata:
+        return self.paged.step
+
+    # -- what attention modules call ---------------------------------------------------------
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scatter K/V [B, Hkv, q, D] of this step; returns the layer's pools
+        [num_blocks, block_size, Hkv, D] (pads are dropped by slot -1)."""
+        batch, heads, q_len, head_dim = key_states.shape
+        key = key_states.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
+        value = value_states.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
+        return self.paged.write(layer_idx, key, value, check=False)
+
+    # -- what generate and the mask code call ------------------------------------------------
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.columns
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.columns + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i continues old row ``beam_idx[i]`` (blocks shared, copy on write)."""
+        self.paged.reorder([int(i) for i in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.paged.reorder([int(i) for i in indices.tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.paged.reorder([i for i in range(self.paged.num_seqs) for _ in range(repeats)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` columns (a positive value: keep that many).
+
+        The dropped columns are taken to be real tokens in every row, which holds for what
+        generate crops (generated tokens, never prompt padding).
+        """
+        drop = -tokens_to_remove if tokens_to_remove <= 0 else self.columns - tokens_to_remove
+        drop = max(0, min(drop, self.columns))
+        if drop == 0:
+            return
+        for table in self.paged.tables:
+            table.truncate(max(0, table.num_tokens - drop))
+        self.columns -= drop
+
+    def reset(self) -> None:
+        self.paged.reset()
+        self.columns = 0
+        self._pending = 0
+
+    def activate_past_recording(self) -> None:
+        pass  # the paged store keeps every token, so crop can always roll back
+
+    # -- properties HF inspects ------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.paged.num_seqs > 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.paged.num_seqs or -1
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.paged.num_seqs
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.num_layers  # every token is kept; windows are applied in attention
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    def stats(self) -> dict[str, float]:
+        return self.paged.stats()
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedCache(layers={self.num_layers}, sequences={self.paged.num_seqs}, "
+            f"columns={self.columns}, blocks_used={self.paged.allocator.num_used})"
+        )
