@@ -1,0 +1,202 @@
+"""End to end: stock transformers `generate` against the patched model, on the GPU.
+
+A random-weight Llama-3.2-1B-shaped model (16 layers, hidden 2048, 32 query / 8 KV heads,
+head_dim 64, vocab 128256) in bf16, greedy, EOS off, 256 new tokens; batch 1 with a 512-token
+prompt, and a ragged batch of 32 prompts of lengths spread evenly over 128..2048 (left padded).
+Providers: stock default (sdpa, DynamicCache), stock static cache (auto torch.compile, timed on
+its second call), HF's own paged mode (`cache_implementation="paged"` and `generate_batch`),
+and nanoserve's patched model. Columns: tokens/s, peak GPU memory, KV bytes reserved against
+KV bytes holding tokens, and how many generated tokens equal stock default's.
+
+Usage: python3 benchmarks/bench_generate.py [--new-tokens 256] [--tiny] [--only a,b]
+`--tiny` runs a 2-layer model on whatever device there is (a smoke test, not a benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import print_table, write_csv  # noqa: E402
+from plot import plot_rows  # noqa: E402
+
+import nanoserve  # noqa: E402
+
+GIB = 2**30
+
+
+def build_model(tiny: bool, device: str):
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    if tiny:
+        config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                             max_position_embeddings=4096)  # fmt: skip
+    else:
+        config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                             num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                             vocab_size=128256, max_position_embeddings=8192,
+                             rope_theta=500000.0, tie_word_embeddings=True)  # fmt: skip
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config = GenerationConfig(do_sample=False, eos_token_id=None,
+                                               pad_token_id=0, bos_token_id=1)  # fmt: skip
+    return model
+
+
+def make_batches(tiny: bool, device: str, vocab: int) -> dict[str, tuple]:
+    """name -> (input_ids, attention_mask, prompt lengths), left padded."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"batch1_prompt512": [512], "ragged32_128to2048": torch.linspace(128, 2048, 32)}
+    if tiny:
+        shapes = {"batch1_prompt32": [32], "ragged4_8to40": torch.linspace(8, 40, 4)}
+    batches = {}
+    for name, lens in shapes.items():
+        lens = [int(n) for n in lens]
+        width = max(lens)
+        ids = torch.zeros(len(lens), width, dtype=torch.long)
+        mask = torch.zeros(len(lens), width, dtype=torch.long)
+        for row, n in enumerate(lens):
+            ids[row, width - n :] = torch.randint(2, vocab, (n,), generator=gen)
+            mask[row, width - n :] = 1
+        batches[name] = (ids.to(device), mask.to(device), lens)
+    return batches
+
+
+def kv_bytes_per_token(model) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * elem
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_generate(model, ids, mask, new_tokens, device, **kwargs):
+    """Generated tokens [B, new] and seconds."""
+    sync(device)
+    start = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, **kwargs)  # fmt: skip
+    sync(device)
+    return out[:, ids.shape[1] :], time.perf_counter() - start
+
+
+def provider_stock(model, ids, mask, lens, new, device):
+    out, secs = run_generate(model, ids, mask, new, device)
+    reserved = ids.shape[0] * (ids.shape[1] + new) * kv_bytes_per_token(model)
+    return out, secs, reserved
+
+
+def provider_static(model, ids, mask, lens, new, device):
+    run_generate(model, ids, mask, new, device, cache_implementation="static")  # compiles
+    out, secs = run_generate(model, ids, mask, new, device, cache_implementation="static")
+    reserved = ids.shape[0] * (ids.shape[1] + new) * kv_bytes_per_token(model)
+    return out, secs, reserved
+
+
+def provider_hf_paged(model, ids, mask, lens, new, device):
+    # HF's paged mode takes unpadded prompts (it ignores attention_mask); give it the real ones
+    prompts = [row[-n:].tolist() for row, n in zip(ids, lens, strict=True)]
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)  # fmt: skip
+    sync(device)
+    start = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=cfg)
+    sync(device)
+    secs = time.perf_counter() - start
+    ordered = sorted(results.values(), key=lambda r: int(str(r.request_id).split("_")[-1]))
+    out = torch.tensor([list(r.generated_tokens)[:new] for r in ordered], device=ids.device)
+    return out, secs, None
+
+
+def provider_patched(model, ids, mask, lens, new, device, **patch_kwargs):
+    nanoserve.patch_model(model, **patch_kwargs)
+    try:
+        run_generate(model, ids[:, -8:], mask[:, -8:], 2, device)  # warm-up: Triton compiles
+        out, secs = run_generate(model, ids, mask, new, device)
+        stats = nanoserve.cache_stats(model)
+    finally:
+        nanoserve.unpatch_model(model)
+    return out, secs, stats["bytes_reserved"]
+
+
+PROVIDERS = {
+    "stock_default": provider_stock,
+    "stock_static_compile": provider_static,
+    "hf_generate_batch": provider_hf_paged,
+    "nanoserve_eager": provider_patched,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--only", default="", help="comma-separated provider names")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(args.tiny, device)
+    batches = make_batches(args.tiny, device, model.config.vocab_size)
+    chosen = [p for p in PROVIDERS if not args.only or p in args.only.split(",")]
+    per_token = kv_bytes_per_token(model)
+    rows = []
+    for batch_name, (ids, mask, lens) in batches.items():
+        needed = sum(n + args.new_tokens for n in lens) * per_token
+        baseline = None
+        for name in chosen:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            row = dict(batch=batch_name, provider=name)
+            try:
+                out, secs, reserved = PROVIDERS[name](
+                    model, ids, mask, lens, args.new_tokens, device
+                )
+            except Exception as e:  # a provider this transformers version lacks: say so, go on
+                row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
+                rows.append(row)
+                print(f"{batch_name} {name}: {row['error']}", file=sys.stderr)
+                continue
+            if baseline is None and name == "stock_default":
+                baseline = out
+            row["tok/s"] = round(out.numel() / secs, 1)
+            row["seconds"] = round(secs, 2)
+            if device == "cuda":
+                row["peak_GiB"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+            row["kv_needed_GiB"] = round(needed / GIB, 3)
+            if reserved is not None:
+                row["kv_reserved_GiB"] = round(reserved / GIB, 3)
+                row["reserved/needed"] = round(reserved / needed, 3)
+            if baseline is not None and out.shape == baseline.shape:
+                row["same_tokens_as_stock"] = f"{(out == baseline).float().mean().item():.1%}"
+            rows.append(row)
+            print(row, flush=True)
+    columns = ["batch", "provider", "tok/s", "seconds", "peak_GiB", "kv_needed_GiB",
+               "kv_reserved_GiB", "reserved/needed", "same_tokens_as_stock", "error"]  # fmt: skip
+    rows = [{c: r.get(c, "") for c in columns} for r in rows]
+    write_csv(rows, "generate.csv")
+    plot_rows([r for r in rows if r["tok/s"] != ""], x="batch", y="tok/s", name="generate.png",
+              title="generate tokens/s, random Llama-3.2-1B shapes, bf16")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}"
+    )
+    print_table(rows, columns)
+
+
+if __name__ == "__main__":
+    main()
