@@ -18,8 +18,6 @@ from nanoserve.kernels.dispatch import next_pow2, sm_count
 from nanoserve.kernels.triton_common import mma, scores_to_log2
 
 MAX_SPLITS = 64
-# Enough resident programs to keep every SM streaming: programs per SM aimed at.
-PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -108,10 +106,16 @@ def _reduce_kernel(
     tl.store(dst, res.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def decode_config(head_dim: int, block_size: int) -> tuple[int, int, int]:
-    """(BLOCK_N tokens per step, num_warps, num_stages) for a head dim and page size."""
-    block_n = 64 if next_pow2(head_dim) <= 128 else 32
-    return max(block_n, next_pow2(block_size)), 4, 2
+def decode_config(head_dim: int, block_size: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N tokens per step, num_warps, num_stages) for a head dim, page size and dtype.
+
+    Three stages keep more K/V loads in flight (measured a few % faster on the H200 for bf16,
+    head_dim 128); wide fp32 tiles stay at two to fit shared memory.
+    """
+    small = next_pow2(head_dim) <= 128
+    block_n = max(64 if small else 32, next_pow2(block_size))
+    stages = 3 if small and dtype != torch.float32 and block_n <= 64 else 2
+    return block_n, 4, stages
 
 
 def choose_num_splits(
@@ -119,13 +123,14 @@ def choose_num_splits(
 ) -> int:
     """Splits per (sequence, KV head) from shapes only (no read of seq_lens: no sync).
 
-    Enough programs to fill the SMs, never more splits than tiles of the table's capacity.
+    Measured on the H200 (bf16, Llama-3-8B shapes): with fewer programs than SMs, about four
+    programs per SM keep enough loads in flight (1 x 32k: 64 splits); once one wave is full,
+    two programs per SM are enough (32 x 4k: 2 splits) and more only adds merge traffic.
+    Never more splits than tiles in the table's capacity.
     """
-    programs = num_seqs * num_kv_heads
-    target = PROGRAMS_PER_SM * sm_count(device)
-    if programs >= target:
-        return 1
-    splits = triton.cdiv(target, max(programs, 1))
+    programs = max(num_seqs * num_kv_heads, 1)
+    sms = sm_count(device)
+    splits = triton.cdiv((2 if programs >= sms else 4) * sms, programs)
     return max(1, min(splits, MAX_SPLITS, triton.cdiv(capacity, block_n)))
 
 
@@ -156,7 +161,7 @@ def paged_decode_attention_triton(
         query = query.contiguous()
     group = num_q_heads // num_kv_heads
     d_pad = next_pow2(head_dim)
-    block_n, num_warps, num_stages = config or decode_config(head_dim, block_size)
+    block_n, num_warps, num_stages = config or decode_config(head_dim, block_size, query.dtype)
     if num_splits is None:
         capacity = block_tables.shape[1] * block_size
         num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, block_n, query.device)
