@@ -28,6 +28,8 @@ def smollm2():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_FILE)
+    if tokenizer.pad_token is None:  # some transformers versions read none from the GGUF
+        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=SMOLLM2_FILE, dtype=torch.float32
     ).eval()
