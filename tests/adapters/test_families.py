@@ -129,3 +129,24 @@ def test_pool_sizing_arguments():
         model.generate(**inputs, max_new_tokens=3, num_beams=2, do_sample=False)
         # default: rows (2 prompts x 2 beams) x (ceil((6 + 3) / 4) + 1 spare) blocks
         assert nanoserve.cache_stats(model)["num_blocks"] == 4 * 4
+
+
+def test_assisted_decoding_crops_and_matches_stock(monkeypatch):
+    model = tiny_model("llama")
+    draft = tiny_model("llama")
+    with torch.no_grad():  # a draft that is sometimes wrong, so candidates get rejected
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    inputs = padded_batch([9], 9)
+    opts = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
+    crops = []
+    crop = nanoserve.PagedCache.crop
+    monkeypatch.setattr(
+        nanoserve.PagedCache, "crop", lambda self, n: (crops.append(n), crop(self, n))[1]
+    )
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+        with patched(model), patched(draft):
+            paged = model.generate(**inputs, **opts, assistant_model=draft)
+    assert torch.equal(paged, stock)
+    assert any(n < 0 for n in crops)

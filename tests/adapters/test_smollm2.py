@@ -82,13 +82,20 @@ def test_stopping_criteria_and_per_row_eos(smollm2):
     model, tok = smollm2
     inputs = chat(tok, QUESTIONS)
     comma = tok.convert_tokens_to_ids(",")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
     criteria = StoppingCriteriaList([StopAfterComma(comma)])
     stock, paged = stock_and_paged(
-        model, **inputs, max_new_tokens=14, do_sample=False, stopping_criteria=criteria
+        model,
+        **inputs,
+        max_new_tokens=14,
+        do_sample=False,
+        stopping_criteria=criteria,
+        eos_token_id=end,
+        pad_token_id=end,
     )
     assert torch.equal(stock, paged)
     # the short answer ends on EOS before the others: rows finished at different steps
-    assert (paged[:, inputs["input_ids"].shape[1] :] == tok.eos_token_id).any()
+    assert (paged[:, inputs["input_ids"].shape[1] :] == end).any()
 
 
 def test_two_calls_independent(smollm2):
