@@ -90,6 +90,7 @@ class PagedCache(Cache):
         The dropped columns are taken to be real tokens in every row, which holds for what
         generate crops (generated tokens, never prompt padding).
         """
+        tokens_to_remove = int(tokens_to_remove)  # 5.17's assisted decoding passes a tensor
         drop = -tokens_to_remove if tokens_to_remove <= 0 else self.columns - tokens_to_remove
         drop = max(0, min(drop, self.columns))
         if drop == 0:
