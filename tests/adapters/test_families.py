@@ -150,3 +150,19 @@ def test_assisted_decoding_crops_and_matches_stock(monkeypatch):
             paged = model.generate(**inputs, **opts, assistant_model=draft)
     assert torch.equal(paged, stock)
     assert any(n < 0 for n in crops)
+
+
+def test_metadata_built_once_per_forward(monkeypatch):
+    from nanoserve.cache import PagedKVCache
+
+    model = tiny_model("qwen2-sliding")
+    steps, forwards = [], []
+    begin = PagedKVCache.begin_step
+    monkeypatch.setattr(
+        PagedKVCache, "begin_step", lambda self, *a, **k: (steps.append(1), begin(self, *a, **k))[1]
+    )
+    model.register_forward_hook(lambda *args: forwards.append(1))
+    with patched(model), torch.no_grad():
+        model.generate(**padded_batch([5, 3], 5), max_new_tokens=6, do_sample=False)
+    assert model.config.num_hidden_layers == 2
+    assert len(steps) == len(forwards) == 6
