@@ -18,7 +18,7 @@ import torch
 from nanoserve.adapters.attention import ATTN_NAME, STATES, PatchState, register
 from nanoserve.adapters.hf_cache import PagedCache
 from nanoserve.adapters.registry import family_for
-from nanoserve.adapters.sizing import PoolOptions, pool_blocks
+from nanoserve.adapters.sizing import PoolOptions, pool_size
 
 _CACHE_KWARGS = ("cache", "past_key_values")  # 5.24 renamed past_key_values to cache
 
@@ -132,8 +132,10 @@ def _paged_generate(model_class, state: PatchState, options: PoolOptions):
         if not user_cache and use_cache is not False:
             for k in _CACHE_KWARGS:
                 kwargs.pop(k, None)
-            blocks = pool_blocks(options, self, args, kwargs)
-            cache = PagedCache(options.layout.num_layers, blocks, options.block_size)
+            size = pool_size(options, self, args, kwargs)
+            cache = PagedCache(
+                options.layout.num_layers, size.num_blocks, options.block_size, size.table_width
+            )
             state.last_cache = cache
             kwargs[cache_kwarg] = cache
         return stock(self, *args, **kwargs)

@@ -22,9 +22,11 @@ class PagedCache(Cache):
     is_compileable = False  # a compileable cache makes generate auto-compile the forward
     is_croppable = True
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int = 16):
+    def __init__(
+        self, num_layers: int, num_blocks: int, block_size: int = 16, table_width: int = 1
+    ):
         super().__init__(layers=[])
-        self.paged = PagedKVCache(num_layers, num_blocks, block_size)
+        self.paged = PagedKVCache(num_layers, num_blocks, block_size, table_width)
         self.num_layers = num_layers
         self.columns = 0  # padded columns seen by completed forwards
         self._pending = 0  # columns of the forward in flight
@@ -95,8 +97,7 @@ class PagedCache(Cache):
         drop = max(0, min(drop, self.columns))
         if drop == 0:
             return
-        for table in self.paged.tables:
-            table.truncate(max(0, table.num_tokens - drop))
+        self.paged.drop_last(drop)
         self.columns -= drop
 
     def reset(self) -> None:

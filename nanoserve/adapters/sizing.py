@@ -40,23 +40,24 @@ def block_bytes(layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
     return per_token * block_size * dtype.itemsize
 
 
-def pool_blocks(options: PoolOptions, model, args: tuple, kwargs: dict) -> int:
-    """``num_blocks``; else what fits in ``max_memory``; else what this call needs:
-    rows x (blocks for prompt + new tokens, plus one spare for beam copy-on-write)."""
-    if options.num_blocks is not None:
-        return options.num_blocks
-    if options.max_memory is not None:
-        size = block_bytes(options.layout, options.block_size, model.dtype)
-        if options.max_memory < size:
-            raise ValueError(
-                f"max_memory: {options.max_memory} bytes is less than one block ({size} bytes)"
-            )
-        return options.max_memory // size
+@dataclass(frozen=True)
+class PoolSize:
+    """A generate call's pool: ``num_blocks``, and ``table_width`` (block-table columns
+    enough for the longest row, so every step's metadata has one shape)."""
+
+    num_blocks: int
+    table_width: int
+
+
+def pool_size(options: PoolOptions, model, args: tuple, kwargs: dict) -> PoolSize:
+    """``num_blocks``; else what fits in ``max_memory``; else what this call needs: for each
+    row, blocks for its real prompt tokens (padding is never stored) plus the new tokens,
+    and with beam search one spare block per beam for copy-on-write."""
     inputs = args[0] if args else None
     for name in ("input_ids", "inputs", "inputs_embeds"):
         if inputs is None:
             inputs = kwargs.get(name)
-    batch, prompt = inputs.shape[:2] if inputs is not None else (1, 1)
+    batch, width = inputs.shape[:2] if inputs is not None else (1, 1)
     config = kwargs.get("generation_config") or model.generation_config
 
     def get(name):
@@ -64,6 +65,26 @@ def pool_blocks(options: PoolOptions, model, args: tuple, kwargs: dict) -> int:
         return getattr(config, name, None) if value is None else value
 
     new_tokens = get("max_new_tokens")
-    total = prompt + new_tokens if new_tokens is not None else max(get("max_length") or 20, prompt)
-    rows = batch * max(get("num_beams") or 1, get("num_return_sequences") or 1)
-    return rows * (math.ceil(total / options.block_size) + 1)
+    if new_tokens is None:
+        new_tokens = max((get("max_length") or 20) - width, 0)
+    bs = options.block_size
+    table_width = math.ceil((width + new_tokens) / bs) + 1
+    if options.num_blocks is not None:
+        return PoolSize(options.num_blocks, table_width)
+    if options.max_memory is not None:
+        size = block_bytes(options.layout, bs, model.dtype)
+        if options.max_memory < size:
+            raise ValueError(
+                f"max_memory: {options.max_memory} bytes is less than one block ({size} bytes)"
+            )
+        return PoolSize(options.max_memory // size, table_width)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        prompt_lens = mask.sum(dim=1).tolist()
+    else:
+        prompt_lens = [width] * batch
+    beams = get("num_beams") or 1
+    copies = max(beams, get("num_return_sequences") or 1)
+    spare = 1 if beams > 1 else 0
+    blocks = sum(math.ceil((int(n) + new_tokens) / bs) + spare for n in prompt_lens)
+    return PoolSize(max(1, blocks * copies), table_width)

@@ -48,8 +48,8 @@ class BlockTable:
 
     def append(self, n: int) -> list[int]:
         """Reserve slots for ``n`` new tokens and return them; all or nothing."""
-        if n < 0:
-            raise ValueError(f"n: must be >= 0, got {n}")
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n: must be an int >= 0, got {n!r}")
         new, shared = self._blocks_needed(n)
         blocks = self.allocator.allocate(new + int(shared))  # raises before changing anything
         if shared:
@@ -65,7 +65,7 @@ class BlockTable:
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens; blocks past them are released."""
-        if not 0 <= num_tokens <= self._num_tokens:
+        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= self._num_tokens:
             raise ValueError(f"num_tokens: {num_tokens} outside [0, {self._num_tokens}]")
         keep = -(-num_tokens // self.block_size)
         self.allocator.free(self._block_ids[keep:])

@@ -70,11 +70,20 @@ class PagedKVCache:
     """K/V pools ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer, one block
     table per sequence, shared by all layers."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int = 16):
+    def __init__(
+        self, num_layers: int, num_blocks: int, block_size: int = 16, table_width: int = 1
+    ):
+        """``table_width``: the least number of columns of every step's ``block_tables``.
+        A fixed width keeps shapes (and so the kernels' launch choices) the same from step
+        to step, which CUDA-graph replay needs and which makes eager and replayed steps
+        compute exactly the same thing."""
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers: must be a positive int, got {num_layers!r}")
+        if not isinstance(table_width, int) or table_width < 1:
+            raise ValueError(f"table_width: must be a positive int, got {table_width!r}")
         self.num_layers = num_layers
         self.block_size = block_size
+        self.table_width = table_width
         self.allocator = BlockAllocator(num_blocks)
         BlockTable(self.allocator, block_size)  # validates block_size
         self.key_pools: list[torch.Tensor | None] = [None] * num_layers
@@ -108,10 +117,13 @@ class PagedKVCache:
             table.free()
         self.tables = new_tables
 
-    def truncate(self, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens of every sequence (assisted decoding's crop)."""
+    def drop_last(self, n: int) -> None:
+        """Forget the last ``n`` tokens of every sequence (assisted decoding's rejected
+        candidates); a sequence with fewer keeps none."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n: must be an int >= 0, got {n!r}")
         for table in self.tables:
-            table.truncate(min(num_tokens, table.num_tokens))
+            table.truncate(max(0, table.num_tokens - n))
 
     def reset(self) -> None:
         """Free every sequence; the pools stay allocated for reuse."""
@@ -147,7 +159,7 @@ class PagedKVCache:
         slot_mapping[mask] = torch.tensor(
             [s for slots in slot_lists for s in slots], dtype=torch.int64
         )
-        width = max(1, max(len(t.block_ids) for t in self.tables))
+        width = max(self.table_width, max(len(t.block_ids) for t in self.tables))
         block_tables = torch.zeros(len(self.tables), width, dtype=torch.int32)
         for row, table in enumerate(self.tables):
             ids = table.block_ids

@@ -127,8 +127,12 @@ def test_pool_sizing_arguments():
         nanoserve.patch_model(model, num_blocks=4, max_memory=1 << 20)
     with patched(model, block_size=4), torch.no_grad():
         model.generate(**inputs, max_new_tokens=3, num_beams=2, do_sample=False)
-        # default: rows (2 prompts x 2 beams) x (ceil((6 + 3) / 4) + 1 spare) blocks
-        assert nanoserve.cache_stats(model)["num_blocks"] == 4 * 4
+        # default: 2 beams x (ceil((6 + 3) / 4) + ceil((3 + 3) / 4) + 1 spare a row): real
+        # prompt tokens only, padding is never stored
+        assert nanoserve.cache_stats(model)["num_blocks"] == 2 * (3 + 2 + 2)
+    with patched(model, block_size=4), torch.no_grad():
+        model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        assert nanoserve.cache_stats(model)["num_blocks"] == 3 + 2
 
 
 def test_assisted_decoding_crops_and_matches_stock(monkeypatch):

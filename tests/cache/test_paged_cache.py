@@ -161,3 +161,29 @@ def test_write_before_begin_step_is_an_error():
         cache.write(0, torch.zeros(1, HEADS, DIM), torch.zeros(1, HEADS, DIM))
     with pytest.raises(ValueError, match="new_token_mask"):
         cache.begin_step(torch.ones(3, dtype=torch.bool), "cpu")
+
+
+def test_drop_last_and_fixed_table_width():
+    cache = PagedKVCache(1, num_blocks=16, block_size=4, table_width=5)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    ((k, _),) = step(cache, mask, 1)
+    assert cache.step.block_tables.shape == (2, 5)  # fixed width, though 2 blocks suffice
+    cache.drop_last(3)
+    assert cache.seq_lens() == [2, 4]
+    assert torch.equal(cache.gather(0, 0)[0], k[0, 2:4])
+    assert cache.allocator.num_used == 2
+    cache.drop_last(10)
+    assert cache.seq_lens() == [0, 0] and cache.allocator.num_used == 0
+    with pytest.raises(ValueError, match="^n"):
+        cache.drop_last(-1)
+    with pytest.raises(ValueError, match="table_width"):
+        PagedKVCache(1, num_blocks=4, table_width=0)
+
+
+def test_counts_must_be_ints():
+    table = BlockTable(BlockAllocator(4), block_size=4)
+    with pytest.raises(ValueError, match="^n"):
+        table.append(torch.tensor(3))
+    table.append(3)
+    with pytest.raises(ValueError, match="num_tokens"):
+        table.truncate(torch.tensor(1))
