@@ -31,3 +31,12 @@ def mma(a, b, FP32: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def mma_acc(a, b, acc, FP32: tl.constexpr):
+    """acc + a @ b accumulated in place (the matrix unit adds into acc)."""
+    if FP32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a.to(b.dtype), b, acc)

@@ -1,10 +1,19 @@
 """Triton paged extend attention: several new tokens per sequence over the paged history.
 
 Flash-attention tiles of BLOCK_M query rows x BLOCK_N keys, one query head per program. The
-grid is flat over query tiles and sized from shapes alone (no host sync): sequence i owns the
-tile ids from ``cu_seqlens_q[i] // BLOCK_M + i`` on, which is strictly increasing in i, so a
-program finds its sequence by binary search over ``cu_seqlens_q`` and exits early when its
-tile lies past that sequence's new tokens.
+grid is (query tiles, query heads) and sized from shapes alone (no host sync): sequence i owns
+the tile ids from ``cu_seqlens_q[i] // BLOCK_M + i`` on, which is strictly increasing in i, so
+a program finds its sequence by binary search over ``cu_seqlens_q`` and exits early when its
+tile lies past that sequence's new tokens. Tiles run in reverse order (the latest query rows,
+which see the most keys, start first) so the short causal tiles fill the last wave.
+
+Each program walks its keys in up to three runs: key tiles wholly below the diagonal (and,
+with a sliding window, wholly inside every row's window) take no mask at all; the diagonal
+tiles (and the window's lower edge) take the causal / window / length mask.
+
+On CUDA the tile shape, warps and pipeline depth come from ``triton.autotune`` over a small
+grid per head-dim family, keyed on the head dim and on whether the grid fills the GPU; off
+GPU (the interpreter) one small fixed tile keeps the tests quick.
 """
 
 from __future__ import annotations
@@ -13,21 +22,80 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.dispatch import next_pow2
-from nanoserve.kernels.triton_common import mma, scores_to_log2
+from nanoserve.kernels.dispatch import next_pow2, sm_count
+from nanoserve.kernels.triton_common import mma, mma_acc, scores_to_log2
 
 
 @triton.jit
+def _attend_tiles(
+    acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
+    lo, hi, kv_lo, kv_hi, qk_scale, scale, softcap, window,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over key tiles [lo, hi) (lo a multiple of BLOCK_N).
+
+    MASKED=False: every key in the run is valid and visible to every row (no mask at all, and
+    no mask on the loads unless head_dim is padded). MASKED=True: keys outside [kv_lo, kv_hi)
+    are not loaded, and the causal (and window) test applies per row.
+    """
+    d = tl.arange(0, D_PAD)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            valid = (pos < kv_hi) & (pos >= kv_lo)
+            block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
+        else:
+            block = tl.load(table + pos // BLOCK_SIZE)
+        rows = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + head_off
+        ptrs = rows[:, None] + d[None, :]
+        if MASKED:
+            kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+            k = tl.load(key_cache + ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(value_cache + ptrs, mask=kv_mask, other=0.0)
+        elif HEAD_DIM != D_PAD:
+            kv_mask = (pos >= 0)[:, None] & (d < HEAD_DIM)[None, :]
+            k = tl.load(key_cache + ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(value_cache + ptrs, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(key_cache + ptrs)
+            v = tl.load(value_cache + ptrs)
+        s = mma(q, tl.trans(k), FP32)
+        if MASKED:
+            visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        if HAS_SOFTCAP:
+            s = scores_to_log2(s, scale, softcap, HAS_SOFTCAP)
+            if MASKED:
+                s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            # Scale folded into one multiply-add per score (scale > 0 keeps the max the max).
+            if MASKED:
+                s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = mma_acc(p, v, acc * alpha[:, None], FP32)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["window", "num_seqs", "tune_key"])
 def _extend_kernel(
     query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out,
-    scale, softcap, window, num_seqs,
+    scale, softcap, window, num_seqs, tune_key,
     stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # latest (longest) tiles first
     head = tl.program_id(1)
     # Largest i with cu[i] // BLOCK_M + i <= tile.
     lo = 0
@@ -49,55 +117,86 @@ def _extend_kernel(
 
     rows = m0 + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D_PAD)
-    d_mask = d < HEAD_DIM
-    q_mask = (rows < q_len)[:, None] & d_mask[None, :]
+    q_mask = (rows < q_len)[:, None] & (d < HEAD_DIM)[None, :]
     tokens = (q_begin + rows).to(tl.int64)
     q = tl.load(query + tokens[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask)
     q_pos = ctx + rows
+    qk_scale = scale * 1.4426950408889634
 
-    kv_hi = ctx + tl.minimum(m0 + BLOCK_M, q_len)  # last visible position + 1
+    q_end = tl.minimum(m0 + BLOCK_M, q_len)
+    kv_hi = ctx + q_end  # last visible position + 1
+    # Key tiles below `diag` lie before the first row's own position: visible to every row.
+    diag = ((ctx + m0) // BLOCK_N) * BLOCK_N
     kv_lo = 0
+    full_lo = 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(ctx + m0 - window + 1, 0)
+        # From full_lo on, keys are inside the last row's window, hence inside every row's.
+        full_lo = tl.cdiv(tl.maximum(ctx + q_end - window, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(full_lo, diag)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table = block_tables + seq.to(tl.int64) * stride_bt
     head_off = (head // GROUP) * stride_ch
-    for start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = (pos < kv_hi) & (pos >= kv_lo)
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        kv_rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + head_off
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(key_cache + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(value_cache + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = mma(q, tl.trans(k), FP32)
-        s = scores_to_log2(s, scale, softcap, HAS_SOFTCAP)
-        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + mma(p, v, FP32)
-        m_i = m_new
+    if HAS_WINDOW:
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb,
+            stride_ct, (kv_lo // BLOCK_N) * BLOCK_N, full_lo, kv_lo, kv_hi, qk_scale, scale,
+            softcap, window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True,
+            HAS_WINDOW, HAS_SOFTCAP, FP32,
+        )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
+        full_lo, diag, kv_lo, kv_hi, qk_scale, scale, softcap, window,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, HAS_SOFTCAP, FP32,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
+        diag, kv_hi, kv_lo, kv_hi, qk_scale, scale, softcap, window,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, FP32,
+    )  # fmt: skip
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     dst = out + tokens[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(dst, o.to(out.dtype.element_ty), mask=q_mask)
 
 
-def extend_config(head_dim: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps); small tiles off GPU keep interpreter tests quick."""
-    if device.type != "cuda":
-        return 16, 32, 4
-    if next_pow2(head_dim) <= 128:
-        return 64, 64, 4
-    return 64, 32, 8
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per family on CUDA; autotune picks among them.
+CUDA_CONFIGS: dict[str, list[tuple[int, int, int, int]]] = {
+    "16bit-d64": [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+    "16bit-d128": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+    "16bit-d256": [(64, 32, 8, 3)],
+    "fp32": [(64, 64, 4, 3)],
+    "fp32-d256": [(64, 32, 8, 3)],
+}
+INTERPRETER_CONFIG = (16, 32, 4, 1)
+# Autotune buckets: a grid under this many waves of BLOCK_M=128 tiles counts as small.
+SMALL_GRID_WAVES = 2
+
+
+def config_family(head_dim: int, dtype: torch.dtype) -> str:
+    """Name of the config list in ``CUDA_CONFIGS`` for a head dim and dtype."""
+    d_pad = next_pow2(head_dim)
+    if dtype == torch.float32:
+        return "fp32" if d_pad <= 128 else "fp32-d256"
+    if d_pad <= 64:
+        return "16bit-d64"
+    return "16bit-d128" if d_pad <= 128 else "16bit-d256"
+
+
+_TUNED: dict[str, object] = {}
+
+
+def _tuned_kernel(family: str):
+    if family not in _TUNED:
+        configs = [
+            triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            for m, n, w, s in CUDA_CONFIGS[family]
+        ]
+        _TUNED[family] = triton.autotune(configs, key=["HEAD_DIM", "tune_key"])(_extend_kernel)
+    return _TUNED[family]
 
 
 def paged_extend_attention_triton(
@@ -111,8 +210,14 @@ def paged_extend_attention_triton(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Launch extend attention (arguments already validated); returns [T, Hq, D] like query."""
+    """Launch extend attention (arguments already validated); returns [T, Hq, D] like query.
+
+    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) bypasses autotuning (tests, sweeps).
+    On CUDA the first call for a (head dim, grid size bucket, dtype) autotunes: warm up
+    before capturing a CUDA graph.
+    """
     total_q, num_q_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -121,19 +226,34 @@ def paged_extend_attention_triton(
         return out
     if query.stride(2) != 1:
         query = query.contiguous()
-    block_m, block_n, num_warps = extend_config(head_dim, query.device)
-    grid = (total_q // block_m + num_seqs, num_q_heads)
-    _extend_kernel[grid](
+    on_gpu = query.device.type == "cuda"
+    if config is None and not on_gpu:
+        config = INTERPRETER_CONFIG
+    waves = (total_q // 128 + num_seqs) * num_q_heads / sm_count(query.device)
+    args = (
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out,
         scale, softcap or 1.0, sliding_window or 0, num_seqs,
+        0 if waves < SMALL_GRID_WAVES else 2,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
+    )  # fmt: skip
+    meta = dict(
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        SEARCH_STEPS=max(1, num_seqs.bit_length()),
+        BLOCK_SIZE=block_size, SEARCH_STEPS=max(1, num_seqs.bit_length()),
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32,
-        num_warps=num_warps,
     )  # fmt: skip
+
+    def grid(m: dict) -> tuple[int, int]:
+        return (total_q // m["BLOCK_M"] + num_seqs, num_q_heads)
+
+    if config is not None:
+        block_m, block_n, num_warps, num_stages = config
+        _extend_kernel[grid({"BLOCK_M": block_m})](
+            *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+    else:
+        _tuned_kernel(config_family(head_dim, query.dtype))[grid](*args, **meta)
     return out

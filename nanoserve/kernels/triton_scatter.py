@@ -1,4 +1,10 @@
-"""Triton slot scatter: one launch writes every new token's K and V row into the pools."""
+"""Triton slot scatter: one launch writes every new token's K and V row into the pools.
+
+Each program copies BLOCK_T tokens x BLOCK_H heads: a [BLOCK_T * BLOCK_H, BLOCK_D] tile whose
+rows are (token, head) pairs and whose columns run along head_dim, so loads and stores are
+wide and contiguous; a token's destination row is its slot's NUM_KV_HEADS x HEAD_DIM run.
+Tokens with slot -1 are masked out.
+"""
 
 from __future__ import annotations
 
@@ -9,26 +15,40 @@ import triton.language as tl
 from nanoserve.kernels.dispatch import next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _slot_scatter_kernel(
-    key, value, key_cache, value_cache, slot_mapping,
+    key, value, key_cache, value_cache, slot_mapping, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping + token).to(tl.int64)
-    if slot < 0:
-        return
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_T * BLOCK_H)
+    tokens = tl.program_id(0) * BLOCK_T + r // BLOCK_H
+    heads = tl.program_id(1) * BLOCK_H + r % BLOCK_H
+    slot = tl.load(slot_mapping + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
+    keep = (slot >= 0) & (heads < NUM_KV_HEADS)
     dims = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
-    t = token.to(tl.int64)
-    k = tl.load(key + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    v = tl.load(value + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    dst = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
+    mask = keep[:, None] & (dims < HEAD_DIM)[None, :]
+    t = tokens.to(tl.int64)
+    k = tl.load(key + (t * stride_kt + heads * stride_kh)[:, None] + dims[None, :], mask=mask)
+    v = tl.load(value + (t * stride_vt + heads * stride_vh)[:, None] + dims[None, :], mask=mask)
+    dst = (slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM)[:, None] + dims[None, :]
     tl.store(key_cache + dst, k, mask=mask)
     tl.store(value_cache + dst, v, mask=mask)
+
+
+# Elements of K (and as many of V) per program, and warps: measured on the H200 (see
+# benchmarks/RESULTS.md). Off GPU the same shapes run under the interpreter.
+ELEMENTS_PER_PROGRAM = 4096
+NUM_WARPS = 4
+
+
+def scatter_config(num_kv_heads: int, head_dim: int, elements: int = ELEMENTS_PER_PROGRAM):
+    """(BLOCK_T tokens, BLOCK_H heads, BLOCK_D) per program: whole tokens when they fit."""
+    block_d = next_pow2(head_dim)
+    block_h = max(1, min(next_pow2(num_kv_heads), elements // block_d))
+    block_t = max(1, elements // (block_h * block_d))
+    return block_t, block_h, block_d
 
 
 def slot_scatter_triton(
@@ -37,10 +57,13 @@ def slot_scatter_triton(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    config: tuple[int, int] | None = None,
 ) -> None:
     """Launch the scatter; arguments as ``slot_scatter_ref`` (already validated).
 
     key/value [T, Hkv, D] may be strided views as long as the last dim is contiguous.
+    ``config`` (elements per program, num_warps) overrides the default (benchmark sweeps).
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -49,13 +72,13 @@ def slot_scatter_triton(
         key = key.contiguous()
     if value.stride(2) != 1:
         value = value.contiguous()
-    block_d = next_pow2(head_dim)
-    # About 2k elements per program: all heads of a token for small models, a slice otherwise.
-    block_h = max(1, min(next_pow2(num_kv_heads), 2048 // block_d))
-    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    elements, num_warps = config or (ELEMENTS_PER_PROGRAM, NUM_WARPS)
+    block_t, block_h, block_d = scatter_config(num_kv_heads, head_dim, elements)
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_kv_heads, block_h))
     _slot_scatter_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping,
+        key, value, key_cache, value_cache, slot_mapping, num_tokens,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=num_warps,
     )  # fmt: skip

@@ -7,6 +7,7 @@ import torch
 from kernel_inputs import TOLERANCE, make_paged_kv, needs_interpreter, rel_err
 
 from nanoserve.kernels import paged_extend_attention, paged_extend_attention_ref
+from nanoserve.kernels.triton_extend import paged_extend_attention_triton
 
 pytestmark = needs_interpreter
 
@@ -51,4 +52,33 @@ def test_extend_one_token_each_equals_decode(poison_outputs):
         query, key_cache, value_cache, tables, seq_lens, cu, backend="triton"
     )
     ref = paged_extend_attention_ref(query, key_cache, value_cache, tables, seq_lens, cu)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): tiles that the lengths below never line up with,
+# so every program has an unmasked run (keys wholly below the diagonal), a masked diagonal run
+# and, with a window, a masked run at the window's lower edge.
+TILES = [(16, 16, 4, 1), (32, 16, 4, 1), (16, 64, 4, 1), (64, 32, 4, 1)]
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=[f"m{t[0]}n{t[1]}" for t in TILES])
+@pytest.mark.parametrize(
+    ("head_dim", "window", "softcap"),
+    [(64, None, None), (80, None, None), (64, 37, None), (80, 37, 10.0)],
+    ids=["d64", "d80-padded", "d64-window", "d80-window-softcap"],
+)
+def test_extend_masked_unmasked_split(tiles, head_dim, window, softcap, poison_outputs):
+    history, new = [100, 0, 45, 7, 0], [70, 83, 1, 50, 16]
+    lens = [h + n for h, n in zip(history, new, strict=True)]
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(lens, 2, head_dim, 16, torch.float32)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), 4, head_dim)
+    ref = paged_extend_attention_ref(
+        query.double(), key_cache.double(), value_cache.double(), tables, seq_lens, cu,
+        sliding_window=window, softcap=softcap,
+    )  # fmt: skip
+    out = paged_extend_attention_triton(
+        query, key_cache, value_cache, tables, seq_lens, cu, scale=head_dim**-0.5,
+        sliding_window=window, softcap=softcap, config=tiles,
+    )  # fmt: skip
     assert rel_err(out, ref) < TOLERANCE[torch.float32]

@@ -7,6 +7,7 @@ import torch
 from kernel_inputs import needs_interpreter
 
 from nanoserve.kernels import slot_scatter, slot_scatter_ref
+from nanoserve.kernels.triton_scatter import slot_scatter_triton
 
 pytestmark = needs_interpreter
 
@@ -57,3 +58,22 @@ def test_scatter_strided_key_and_all_padding():
     before = key_cache.clone()
     slot_scatter(key, value, key_cache, value_cache, torch.full((5,), -1), backend="triton")
     assert torch.equal(key_cache, before)
+
+
+@pytest.mark.parametrize("elements", [128, 256, 1024, 16384])
+def test_scatter_tile_shapes(elements):
+    """Head slices (fewer elements than a token), one token, many tokens with a ragged tail."""
+    num_tokens, num_kv_heads, head_dim, block_size = 45, 3, 96, 8
+    num_blocks = num_tokens // block_size + 4
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=torch.float16)
+    value_cache = torch.full(shape, float("nan"), dtype=torch.float16)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim).to(torch.float16)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim).to(torch.float16)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[::5] = -1
+    ref_k, ref_v = key_cache.clone(), value_cache.clone()
+    slot_scatter_ref(key, value, ref_k, ref_v, slots)
+    slot_scatter_triton(key, value, key_cache, value_cache, slots, config=(elements, 4))
+    assert torch.equal(_bits(key_cache), _bits(ref_k))
+    assert torch.equal(_bits(value_cache), _bits(ref_v))
