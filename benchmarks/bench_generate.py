@@ -4,9 +4,10 @@ A random-weight Llama-3.2-1B-shaped model (16 layers, hidden 2048, 32 query / 8 
 head_dim 64, vocab 128256) in bf16, greedy, EOS off, 256 new tokens; batch 1 with a 512-token
 prompt, and a ragged batch of 32 prompts of lengths spread evenly over 128..2048 (left padded).
 Providers: stock default (sdpa, DynamicCache), stock static cache (auto torch.compile, timed on
-its second call), HF's own paged mode (`cache_implementation="paged"` and `generate_batch`),
-and nanoserve's patched model. Columns: tokens/s, peak GPU memory, KV bytes reserved against
-KV bytes holding tokens, and how many generated tokens equal stock default's.
+its second call), HF's own paged mode (`generate_batch`), and nanoserve's patched model, eager
+and with decode steps replayed as CUDA graphs (timed after a short warm-up call). Columns:
+tokens/s, peak GPU memory, KV bytes reserved against KV bytes the tokens need, and how many
+generated tokens equal stock default's.
 
 Usage: python3 benchmarks/bench_generate.py [--new-tokens 256] [--tiny] [--only a,b]
 `--tiny` runs a 2-layer model on whatever device there is (a smoke test, not a benchmark).
@@ -15,6 +16,7 @@ Usage: python3 benchmarks/bench_generate.py [--new-tokens 256] [--tiny] [--only 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -130,6 +132,9 @@ def provider_patched(model, ids, mask, lens, new, device, **patch_kwargs):
         run_generate(model, ids[:, -8:], mask[:, -8:], 2, device)  # warm-up: Triton compiles
         out, secs = run_generate(model, ids, mask, new, device)
         stats = nanoserve.cache_stats(model)
+        graphs = nanoserve.decode_graph_stats(model)
+        if patch_kwargs.get("cuda_graphs") and graphs["disabled"]:
+            raise RuntimeError(f"graphs disabled: {graphs['disabled']}")
     finally:
         nanoserve.unpatch_model(model)
     return out, secs, stats["bytes_reserved"]
@@ -139,7 +144,8 @@ PROVIDERS = {
     "stock_default": provider_stock,
     "stock_static_compile": provider_static,
     "hf_generate_batch": provider_hf_paged,
-    "nanoserve_eager": provider_patched,
+    "nanoserve_eager": functools.partial(provider_patched, cuda_graphs=False),
+    "nanoserve_graphs": functools.partial(provider_patched, cuda_graphs=True),
 }
 
 

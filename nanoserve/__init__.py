@@ -4,7 +4,14 @@ from nanoserve.cache import BlockAllocator, BlockTable, OutOfBlocks, PagedKVCach
 
 # The HF adapter imports transformers; it is loaded on first use so that the cache and the
 # kernels stay importable (and quick to import) without it.
-_ADAPTER_NAMES = ("PagedCache", "cache_stats", "patch_model", "unpatch_model")
+_ADAPTER_NAMES = (
+    "PagedCache",
+    "cache_stats",
+    "decode_graph_stats",
+    "decode_graph_stats",
+    "patch_model",
+    "unpatch_model",
+)
 
 
 def __getattr__(name):
@@ -22,6 +29,7 @@ __all__ = [
     "PagedCache",
     "PagedKVCache",
     "cache_stats",
+    "decode_graph_stats",
     "patch_model",
     "unpatch_model",
 ]

@@ -6,7 +6,13 @@
 """
 
 from nanoserve.adapters.family import Family, KVLayout
-from nanoserve.adapters.hf import cache_stats, last_cache, patch_model, unpatch_model
+from nanoserve.adapters.hf import (
+    cache_stats,
+    decode_graph_stats,
+    last_cache,
+    patch_model,
+    unpatch_model,
+)
 from nanoserve.adapters.hf_cache import PagedCache
 from nanoserve.adapters.registry import FAMILIES, family_for, supported_model_types
 
@@ -16,6 +22,7 @@ __all__ = [
     "KVLayout",
     "PagedCache",
     "cache_stats",
+    "decode_graph_stats",
     "family_for",
     "last_cache",
     "patch_model",

@@ -32,7 +32,11 @@ class PatchState:
     cache: object | None = None
     last_cache: object | None = None
     previous_generate: object | None = None
+    previous_forward: object | None = None
     undo: list = field(default_factory=list)
+    cuda_graphs: bool = False
+    graphs: object | None = None  # DecodeGraphs when cuda_graphs
+    in_graph_step: bool = False  # the graph runner owns the step: the hooks stand aside
 
 
 # id(config) -> PatchState. The attention and mask functions only see the module / config.

@@ -2,8 +2,9 @@
 
 Patching (1) registers nanoserve's attention and mask functions and switches the model to
 them, (2) hooks the base model's forward so each forward that carries a ``PagedCache`` opens
-one step (``begin_step`` with the real-token mask of its columns) and closes it, and (3) wraps
-``generate`` so that a call without a cache gets a fresh ``PagedCache``.
+one step (``begin_step`` with the real-token mask of its columns) and closes it, (3) wraps
+``generate`` so that a call without a cache gets a fresh ``PagedCache``, and (4) on CUDA,
+wraps ``forward`` so that decode steps replay CUDA graphs (``decode_graphs.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import weakref
 import torch
 
 from nanoserve.adapters.attention import ATTN_NAME, STATES, PatchState, register
+from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.hf_cache import PagedCache
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.sizing import PoolOptions, pool_size
@@ -23,18 +25,24 @@ from nanoserve.adapters.sizing import PoolOptions, pool_size
 _CACHE_KWARGS = ("cache", "past_key_values")  # 5.24 renamed past_key_values to cache
 
 
-def patch_model(model, *, block_size: int = 16, num_blocks=None, max_memory=None):
+def patch_model(
+    model, *, block_size: int = 16, num_blocks=None, max_memory=None, cuda_graphs: bool = True
+):
     """Make ``model.generate`` run on the paged KV cache; returns ``model``.
 
     The pool holds ``num_blocks`` blocks of ``block_size`` tokens, or as many as fit in
-    ``max_memory`` bytes, or by default what each generate call needs.
+    ``max_memory`` bytes, or by default what each generate call needs. With
+    ``cuda_graphs`` (the default) decode steps on CUDA replay captured CUDA graphs; on CPU,
+    or with ``cuda_graphs=False``, every step runs eagerly.
     """
     layout = family_for(model.config).kv_layout(model.config)  # NotImplementedError first
     options = PoolOptions(layout, block_size, num_blocks, max_memory)
+    if not isinstance(cuda_graphs, bool):
+        raise ValueError(f"cuda_graphs: must be True or False, got {cuda_graphs!r}")
     if id(model.config) in STATES:
         unpatch_model(model)
     register()
-    state = PatchState(original_attn=model.config._attn_implementation)
+    state = PatchState(original_attn=model.config._attn_implementation, cuda_graphs=cuda_graphs)
     base = model.base_model
     state.undo.append(
         base.register_forward_pre_hook(functools.partial(_open_step, state), with_kwargs=True)
@@ -48,6 +56,10 @@ def patch_model(model, *, block_size: int = 16, num_blocks=None, max_memory=None
     model.set_attn_implementation(ATTN_NAME)
     state.previous_generate = model.__dict__.get("generate")
     model.generate = types.MethodType(_paged_generate(type(model), state, options), model)
+    if cuda_graphs:
+        state.graphs = DecodeGraphs()
+        state.previous_forward = model.__dict__.get("forward")
+        model.forward = _graph_forward(model.forward, state, _cache_kwarg(type(model)))
     return model
 
 
@@ -66,6 +78,12 @@ def unpatch_model(model):
         model.generate = state.previous_generate
     else:
         model.__dict__.pop("generate", None)
+    if state.graphs is not None:
+        state.graphs.reset()
+        if state.previous_forward is not None:
+            model.forward = state.previous_forward
+        else:
+            model.__dict__.pop("forward", None)
     state.cache = state.last_cache = None
     return model
 
@@ -88,7 +106,27 @@ def last_cache(model) -> PagedCache | None:
 # -- the step boundary: hooks on the base model's forward -------------------------------------
 
 
+def decode_graph_stats(model) -> dict:
+    """The patched model's CUDA-graph figures: graphs held, captures, replays, and why
+    graphs were turned off (None while they are on)."""
+    state = STATES.get(id(model.config))
+    if state is None:
+        raise ValueError("model: not patched (call nanoserve.patch_model first)")
+    graphs = state.graphs
+    if graphs is None:
+        return {"enabled": False, "graphs": 0, "captures": 0, "replays": 0, "disabled": None}
+    return {
+        "enabled": graphs.disabled_reason is None,
+        "graphs": len(graphs.graphs),
+        "captures": graphs.captures,
+        "replays": graphs.replays,
+        "disabled": graphs.disabled_reason,
+    }
+
+
 def _open_step(state: PatchState, module, args, kwargs):
+    if state.in_graph_step:
+        return None
     state.cache = None
     cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
     if not isinstance(cache, PagedCache):
@@ -110,7 +148,7 @@ def _open_step(state: PatchState, module, args, kwargs):
 
 
 def _close_step(state: PatchState, module, args, kwargs, output):
-    if state.cache is not None:
+    if state.cache is not None and not state.in_graph_step:
         state.cache.end_step()
         state.cache = None
     return None
@@ -119,10 +157,14 @@ def _close_step(state: PatchState, module, args, kwargs, output):
 # -- generate ----------------------------------------------------------------------------------
 
 
+def _cache_kwarg(model_class) -> str:
+    forward = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in forward else "past_key_values"
+
+
 def _paged_generate(model_class, state: PatchState, options: PoolOptions):
     stock = model_class.generate
-    forward = inspect.signature(model_class.forward).parameters
-    cache_kwarg = "cache" if "cache" in forward else "past_key_values"
+    cache_kwarg = _cache_kwarg(model_class)
 
     @functools.wraps(stock)
     def generate(self, *args, **kwargs):
@@ -141,3 +183,80 @@ def _paged_generate(model_class, state: PatchState, options: PoolOptions):
         return stock(self, *args, **kwargs)
 
     return generate
+
+
+# -- decode steps under CUDA graphs ------------------------------------------------------------
+
+# Forward arguments a captured decode step reproduces; any other one runs the step eagerly.
+_GRAPH_KWARGS = {
+    "input_ids", "attention_mask", "position_ids", "use_cache", "cache_position",
+    "logits_to_keep", "return_dict", *_CACHE_KWARGS,
+}  # fmt: skip
+
+
+def _graph_forward(stock_forward, state: PatchState, cache_kwarg: str):
+    """``forward`` that runs decode steps through ``state.graphs``; everything else (and any
+    step it cannot reproduce exactly) goes to ``stock_forward`` unchanged."""
+
+    @functools.wraps(stock_forward)
+    def forward(*args, **kwargs):
+        new_tokens = _graph_step_mask(state, args, kwargs)
+        if new_tokens is None:
+            return stock_forward(*args, **kwargs)
+        cache = next(kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None)
+        extra = {k: kwargs[k] for k in ("logits_to_keep",) if k in kwargs}
+
+        def run_forward(static):
+            cache.paged.step = static.meta
+            state.cache = cache
+            return stock_forward(
+                input_ids=static.input_ids, position_ids=static.position_ids,
+                attention_mask=None, use_cache=True, **{cache_kwarg: cache}, **extra,
+            )  # fmt: skip
+
+        host = cache.begin_step(new_tokens, "cpu")  # blocks are allocated here, on the host
+        state.in_graph_step = True
+        try:
+            output = state.graphs.step(
+                cache, host, kwargs["input_ids"], kwargs["position_ids"], run_forward
+            )
+        finally:
+            state.in_graph_step = False
+            state.cache = None
+        cache.end_step()
+        return output
+
+    return forward
+
+
+def _graph_step_mask(state: PatchState, args, kwargs) -> torch.Tensor | None:
+    """The step's new-token mask [B, 1] (all True) when this forward is a decode step a
+    graph can run; else None."""
+    graphs = state.graphs
+    if graphs is None or graphs.disabled_reason is not None or args:
+        return None
+    if not set(kwargs) <= _GRAPH_KWARGS or kwargs.get("use_cache") is False:
+        return None
+    cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+    ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
+    if not isinstance(cache, PagedCache) or ids is None or positions is None:
+        return None
+    if (
+        not (ids.is_cuda or not graphs.capture)
+        or ids.dim() != 2
+        or ids.shape[1] != 1
+        or positions.shape != ids.shape
+    ):
+        return None
+    paged = cache.paged
+    if paged.num_seqs != ids.shape[0] or any(
+        pool is None or pool.device != ids.device for pool in paged.key_pools
+    ):
+        return None  # prefill has not run yet, or layers live on several devices
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        return torch.ones(ids.shape[0], 1, dtype=torch.bool)
+    if mask.dim() != 2:
+        return None
+    new = mask[:, -1:].to("cpu", torch.bool)
+    return new if bool(new.all()) else None

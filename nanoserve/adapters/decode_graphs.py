@@ -1,0 +1,183 @@
+"""Decode steps of a patched model as replayed CUDA graphs.
+
+A decode step (one new token in every row, on CUDA) runs as a CUDA graph: one graph per
+batch bucket (1, 2, 4, ..., 128, then multiples of 128) and block-table width, captured on
+the first step that needs it and replayed after, all graphs drawing on one memory pool.
+What changes from step to step lives in fixed device buffers updated in place before the
+replay: token ids, positions, slot mapping, block tables and lengths (one int32 buffer,
+filled by one host-to-device copy). New blocks are allocated on the host by ``begin_step``
+before the replay, never inside it. Rows past the batch pad the bucket: slot -1 (nothing is
+stored), length 1, and their logits are dropped. Prefill and other multi-token steps stay
+eager.
+
+Graphs point at one cache's pools, so a new cache (a new ``generate`` call) captures anew.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.cache import StepMetadata
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def bucket_for(batch: int) -> int:
+    """The graph batch size that serves ``batch`` rows."""
+    for size in BUCKETS:
+        if batch <= size:
+            return size
+    return -(-batch // BUCKETS[-1]) * BUCKETS[-1]
+
+
+@dataclass
+class _StaticStep:
+    """The fixed buffers of one bucket, as views of one int32 device buffer."""
+
+    rows: int
+    width: int
+    device_buffer: torch.Tensor
+    host_buffer: torch.Tensor  # pinned staging for the metadata part
+    copied: torch.cuda.Event | None  # None off CUDA
+    input_ids: torch.Tensor  # [rows, 1]
+    position_ids: torch.Tensor  # [rows, 1]
+    meta: StepMetadata
+
+    @classmethod
+    def allocate(cls, rows: int, width: int, device: torch.device) -> _StaticStep:
+        # layout: ids | positions | slots | seq_lens | block_tables (rows x width)
+        size = rows * (4 + width)
+        buf = torch.zeros(size, dtype=torch.int32, device=device)
+        on_cuda = device.type == "cuda"
+        host = torch.zeros(size - 2 * rows, dtype=torch.int32, pin_memory=on_cuda)
+        ids, pos, slots, lens = (buf[i * rows : (i + 1) * rows] for i in range(4))
+        tables = buf[4 * rows :].view(rows, width)
+        meta = StepMetadata(
+            slot_mapping=slots,
+            token_index=torch.arange(rows, device=device),
+            block_tables=tables,
+            seq_lens=lens,
+            cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32, device=device),
+            new_tokens=[1] * rows,
+            all_single=True,
+        )
+        event = None
+        if on_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return cls(rows, width, buf, host, event, ids.view(rows, 1), pos.view(rows, 1), meta)
+
+    def load(self, host: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        """Write one step's inputs; rows past the batch become padding."""
+        n, rows = input_ids.shape[0], self.rows
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has left the staging buffer
+        staging = self.host_buffer
+        slots, lens = staging[:rows], staging[rows : 2 * rows]
+        tables = staging[2 * rows :].view(rows, self.width)
+        slots.fill_(-1)
+        slots[:n] = host.slot_mapping
+        lens.fill_(1)
+        lens[:n] = host.seq_lens
+        tables.zero_()
+        tables[:n, : host.block_tables.shape[1]] = host.block_tables
+        self.device_buffer[2 * rows :].copy_(staging, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        self.input_ids[:n].copy_(input_ids)
+        self.input_ids[n:].zero_()
+        self.position_ids[:n].copy_(position_ids)
+        self.position_ids[n:].zero_()
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    static: _StaticStep
+    output: object  # the model output object whose tensors the graph rewrites
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one patched model.
+
+    ``run_forward(static)`` must run the model's stock forward on the static buffers with
+    the paged cache's step set to ``static.meta`` and return the model output. With
+    ``capture=False`` every step runs ``run_forward`` eagerly on the same static, padded
+    buffers (no graph): this checks the bucket padding and metadata path on any device.
+    """
+
+    def __init__(self, capture: bool = True):
+        self.capture = capture
+        self.pool = None
+        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.cache = None
+        self.disabled_reason: str | None = None
+        self.captures = 0
+        self.replays = 0
+
+    def reset(self) -> None:
+        """Drop every graph (their memory returns to the allocator)."""
+        self.graphs.clear()
+        self.cache = None
+
+    def step(self, cache, host: StepMetadata, input_ids, position_ids, run_forward):
+        """Run one decode step whose host metadata ``host`` is already built; returns the
+        model output with logits for the real rows only."""
+        if cache is not self.cache:
+            self.reset()
+            self.cache = cache
+        batch = input_ids.shape[0]
+        key = (bucket_for(batch), host.block_tables.shape[1])
+        captured = self.graphs.get(key)
+        if not self.capture:
+            static = _StaticStep.allocate(*key, input_ids.device)
+            static.load(host, input_ids, position_ids)
+            self.replays += 1
+            return _trim(run_forward(static), batch)
+        if captured is None:
+            static = _StaticStep.allocate(*key, input_ids.device)
+            static.load(host, input_ids, position_ids)
+            return self._capture(key, static, run_forward, batch)
+        captured.static.load(host, input_ids, position_ids)
+        captured.graph.replay()
+        self.replays += 1
+        return _trim(captured.output, batch)
+
+    def _capture(self, key, static: _StaticStep, run_forward, batch: int):
+        # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels): this run
+        # computes the real step, so it is also the answer if capture fails.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            warm = run_forward(static)
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = run_forward(static)
+        except Exception as error:  # a model whose forward cannot be captured stays eager
+            self.disabled_reason = f"{type(error).__name__}: {error}"
+            warnings.warn(
+                f"nanoserve: CUDA-graph capture failed, decoding eagerly ({self.disabled_reason})",
+                stacklevel=3,
+            )
+            self.reset()
+            return _trim(warm, batch)
+        self.captures += 1
+        self.graphs[key] = _Captured(graph, static, output)
+        graph.replay()
+        self.replays += 1
+        return _trim(output, batch)
+
+
+def _trim(output, batch: int):
+    """A copy of ``output`` whose logits hold the first ``batch`` rows (cloned, since the
+    next replay overwrites the static buffer)."""
+    fields = {k: v for k, v in output.items()}
+    fields["logits"] = output.logits[:batch].clone()
+    return type(output)(**fields)

@@ -1,0 +1,136 @@
+"""Decode steps through the CUDA-graph runner's static, bucket-padded buffers.
+
+On CPU the runner executes those buffers eagerly (``DecodeGraphs(capture=False)``): the same
+padding rows, slot -1, fixed-width tables and static metadata that a captured graph replays.
+The GPU tests capture and replay real graphs.
+"""
+
+import pytest
+import torch
+from test_families import padded_batch, tiny_model
+
+import nanoserve
+from nanoserve.adapters.attention import STATES
+from nanoserve.adapters.decode_graphs import DecodeGraphs, bucket_for
+
+GREEDY = dict(do_sample=False, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+
+
+def test_buckets():
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 9, 17, 33, 65, 128, 129, 300)] == [
+        1, 2, 4, 8, 16, 32, 64, 128, 128, 256, 384,
+    ]  # fmt: skip
+
+
+def generate_with_static_buffers(model, inputs, **opts):
+    nanoserve.patch_model(model, block_size=4)
+    state = STATES[id(model.config)]
+    state.graphs = DecodeGraphs(capture=False)
+    try:
+        with torch.no_grad():
+            out = model.generate(**inputs, **opts)
+        return out, nanoserve.decode_graph_stats(model)
+    finally:
+        nanoserve.unpatch_model(model)
+
+
+@pytest.mark.parametrize("lengths", [[13], [13, 6, 2]])  # batch 3 pads the bucket of 4
+def test_static_decode_path_matches_stock(lengths):
+    model = tiny_model("llama")
+    inputs = padded_batch(lengths, 13)
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=9, **GREEDY)
+    paged, stats = generate_with_static_buffers(model, inputs, max_new_tokens=9, **GREEDY)
+    assert torch.equal(stock.sequences, paged.sequences)
+    for a, b in zip(stock.logits, paged.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert stats["replays"] == 8  # every step after the prefill went through the buffers
+
+
+def test_static_decode_path_with_beams_matches_stock():
+    model = tiny_model("llama")
+    inputs = padded_batch([11, 5], 11)
+    opts = dict(max_new_tokens=7, num_beams=3, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+    paged, stats = generate_with_static_buffers(model, inputs, **opts)
+    assert torch.equal(stock, paged)
+    assert stats["replays"] == 6
+
+
+def test_cuda_graphs_argument_and_unpatch():
+    model = tiny_model("llama")
+    forward = model.forward
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        nanoserve.patch_model(model, cuda_graphs="yes")
+    nanoserve.patch_model(model)
+    assert "forward" in model.__dict__
+    nanoserve.unpatch_model(model)
+    assert "forward" not in model.__dict__ and model.forward == forward
+    nanoserve.patch_model(model, cuda_graphs=False)
+    assert "forward" not in model.__dict__
+    assert nanoserve.decode_graph_stats(model)["enabled"] is False
+    nanoserve.unpatch_model(model)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_model(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, vocab_size=1000,
+                         max_position_embeddings=2048)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def _run(model, inputs, cuda_graphs, **opts):
+    nanoserve.patch_model(model, cuda_graphs=cuda_graphs)
+    try:
+        with torch.no_grad():
+            out = model.generate(**inputs, **opts)
+        return out, nanoserve.decode_graph_stats(model)
+    finally:
+        nanoserve.unpatch_model(model)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replayed_decode_equals_eager_bit_for_bit(dtype):
+    model = _gpu_model(dtype)
+    inputs = {k: v.cuda() for k, v in padded_batch([40, 23, 7, 31], 40, vocab=1000).items()}
+    eager, _ = _run(model, inputs, False, max_new_tokens=48, **GREEDY)
+    graph, stats = _run(model, inputs, True, max_new_tokens=48, **GREEDY)
+    assert stats["captures"] == 1 and stats["replays"] == 47, stats
+    assert torch.equal(eager.sequences, graph.sequences)
+    for a, b in zip(eager.logits, graph.logits, strict=True):
+        assert torch.equal(a, b)  # batch 4 is a bucket: the same kernels on the same shapes
+
+
+@gpu
+@pytest.mark.gpu
+def test_graph_decode_between_buckets_beams_and_repeated_calls():
+    model = _gpu_model(torch.float32)
+    inputs = {k: v.cuda() for k, v in padded_batch([30, 9, 17], 30, vocab=1000).items()}
+    opts = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+    first, stats = _run(model, inputs, True, **opts)
+    assert torch.equal(stock, first) and stats["replays"] == 23
+    nanoserve.patch_model(model)
+    try:
+        with torch.no_grad():
+            again = [model.generate(**inputs, **opts) for _ in range(2)]
+        beams = model.generate(**inputs, num_beams=3, **opts)
+        stats = nanoserve.decode_graph_stats(model)
+    finally:
+        nanoserve.unpatch_model(model)
+    assert all(torch.equal(stock, out) for out in again)
+    with torch.no_grad():
+        stock_beams = model.generate(**inputs, num_beams=3, **opts)
+    assert torch.equal(stock_beams, beams)
+    assert stats["captures"] == 3 and stats["disabled"] is None  # one per generate call
