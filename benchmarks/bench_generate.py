@@ -142,10 +142,10 @@ def provider_patched(model, ids, mask, lens, new, device, **patch_kwargs):
 
 PROVIDERS = {
     "stock_default": provider_stock,
+    "nanoserve_graphs": functools.partial(provider_patched, cuda_graphs=True),
+    "nanoserve_eager": functools.partial(provider_patched, cuda_graphs=False),
     "stock_static_compile": provider_static,
     "hf_generate_batch": provider_hf_paged,
-    "nanoserve_eager": functools.partial(provider_patched, cuda_graphs=False),
-    "nanoserve_graphs": functools.partial(provider_patched, cuda_graphs=True),
 }
 
 
