@@ -4,11 +4,13 @@ causal, on the same K/V laid out contiguously; TFLOP/s of the causal work.
 bf16, Llama-3-8B attention (32 query / 8 KV heads, head_dim 128) and Llama-3.2-1B (32/8/64),
 block size 16, blocks scattered at random. Prefill: batch 1/8 x 512/2048/8192 new tokens.
 Chunked prefill: 512 new tokens over 2048 / 8192 cached ones. Each provider is checked against
-SDPA in float32 first. Usage: python3 benchmarks/bench_extend.py
+SDPA in float32 first. Usage: python3 benchmarks/bench_extend.py [--sweep]
+(`--sweep`: nanoserve at fixed tile configs on a few shapes, beside SDPA; tuning data only).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -22,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import num_input_sets, print_table, rel_err, time_eager, versions, write_csv  # noqa: E402
 from plot import plot_rows  # noqa: E402
 
-from nanoserve.kernels import paged_extend_attention  # noqa: E402
+from nanoserve.kernels import paged_extend_attention, triton_extend  # noqa: E402
 
 HQ, HKV, BS = 32, 8, 16
 DTYPE = torch.bfloat16
@@ -30,6 +32,13 @@ DTYPE = torch.bfloat16
 CASES = [(1, 0, 512), (1, 0, 2048), (1, 0, 8192), (8, 0, 512), (8, 0, 2048), (8, 0, 8192),
          (1, 2048, 512), (1, 8192, 512)]  # fmt: skip
 HEAD_DIMS = [128, 64]
+# (head_dim, batch, history, new) and (BLOCK_M, BLOCK_N, num_warps, num_stages) for --sweep
+SWEEP_CASES = [(128, 1, 0, 2048), (128, 1, 0, 8192), (128, 1, 0, 512), (128, 1, 8192, 512),
+               (64, 1, 0, 8192), (64, 1, 8192, 512)]  # fmt: skip
+SWEEP_CONFIGS = {
+    128: [(64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3)],
+    64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3)],
+}
 
 
 def causal_pairs(history: int, new: int) -> int:
@@ -88,8 +97,63 @@ def providers(s: dict) -> dict:
     return {"nanoserve": nanoserve, "sdpa_contiguous": sdpa_contiguous}
 
 
+def case_name(dim: int, batch: int, history: int, new: int) -> str:
+    return f"d{dim} {batch}x{new}" + (f"+{history}" if history else "")
+
+
+def sweep() -> None:
+    rows = []
+    for dim, batch, history, new in SWEEP_CASES:
+        kv_bytes = 2 * batch * (history + new) * HKV * dim * 2
+        sets = [make_set(batch, history, new, dim) for _ in range(num_input_sets(kv_bytes, 4))]
+        ref = reference(sets[0])
+        flops = 4 * dim * HQ * batch * causal_pairs(history, new)
+        shape = case_name(dim, batch, history, new)
+        sdpa_us = time_eager([providers(s)["sdpa_contiguous"] for s in sets])
+        sdpa_tflops = round(flops / (sdpa_us * 1e-6) / 1e12, 1)
+        rows.append(dict(shape=shape, config="sdpa", us=round(sdpa_us, 1), TFLOPs=sdpa_tflops,
+                         pct_sdpa=100))  # fmt: skip
+        for config in SWEEP_CONFIGS[dim]:
+
+            def run(s, config=config, dim=dim):
+                return triton_extend.paged_extend_attention_triton(
+                    s["q"], s["kc"], s["vc"], s["bt"], s["sl"], s["cu"], scale=dim**-0.5,
+                    sliding_window=None, softcap=None, config=config,
+                )  # fmt: skip
+
+            try:
+                err = f"{rel_err(run(sets[0]), ref):.1e}"
+                us = time_eager([lambda s=s: run(s) for s in sets])
+            except Exception as e:  # e.g. out of shared memory for this tile
+                rows.append(dict(shape=shape, config=str(config), err=str(e)[:60]))
+                continue
+            rows.append(dict(shape=shape, config=str(config), us=round(us, 1),
+                             TFLOPs=round(flops / (us * 1e-6) / 1e12, 1),
+                             pct_sdpa=round(100 * sdpa_us / us), err=err))  # fmt: skip
+            print(rows[-1], flush=True)
+        del sets, ref
+        torch.cuda.empty_cache()
+    write_csv(rows, "extend_sweep.csv")
+    print_table(rows, ["shape", "config", "us", "TFLOPs", "pct_sdpa", "err"])
+
+
+def tuned_configs() -> list[str]:
+    """What autotune picked, per family and key (HEAD_DIM, grid bucket, dtypes...)."""
+    out = []
+    for family, tuner in triton_extend._TUNED.items():
+        for key, cfg in getattr(tuner, "cache", {}).items():
+            out.append(f"{family} {key[:2]}: {cfg}")
+    return out
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="fixed-config sweep only")
+    args = parser.parse_args()
     print(versions())
+    if args.sweep:
+        sweep()
+        return
     rows = []
     for dim in HEAD_DIMS:
         for batch, history, new in CASES:
@@ -97,7 +161,7 @@ def main() -> None:
             sets = [make_set(batch, history, new, dim) for _ in range(num_input_sets(kv_bytes, 4))]
             ref = reference(sets[0])
             flops = 4 * dim * HQ * batch * causal_pairs(history, new)
-            shape = f"d{dim} {batch}x{new}" + (f"+{history}" if history else "")
+            shape = case_name(dim, batch, history, new)
             per_set = [providers(s) for s in sets]
             for name in per_set[0]:
                 fns = [p[name] for p in per_set]
@@ -109,13 +173,14 @@ def main() -> None:
             sdpa_row = next(r for r in rows if r["shape"] == shape and r["provider"] != "nanoserve")
             for r in rows:
                 if r["shape"] == shape:
-                    r["vs_sdpa_tflops"] = round(r["TFLOPs"] / sdpa_row["TFLOPs"], 2)
+                    r["pct_sdpa"] = round(100 * r["TFLOPs"] / sdpa_row["TFLOPs"])
             del sets, per_set, ref
             torch.cuda.empty_cache()
     write_csv(rows, "extend.csv")
     plot_rows(rows, x="shape", y="TFLOPs", name="extend.png",
               title="paged extend vs SDPA causal, bf16")  # fmt: skip
-    print_table(rows, ["shape", "provider", "err", "us", "TFLOPs", "vs_sdpa_tflops"])
+    print("\n".join(["autotune picked:", *tuned_configs()]))
+    print_table(rows, ["shape", "provider", "err", "us", "TFLOPs", "pct_sdpa"])
 
 
 if __name__ == "__main__":

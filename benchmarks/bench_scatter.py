@@ -4,10 +4,12 @@ device-to-device copy of the same bytes (the ceiling for a write-heavy kernel).
 bf16, 8 KV heads x head_dim 128 (Llama-3-8B) and 8 x 64 (Llama-3.2-1B); 32 tokens (one decode
 step of a batch of 32) and 8192 tokens (a prefill), slots scattered at random over the pool.
 Bytes = K and V rows read once and written once. Usage: python3 benchmarks/bench_scatter.py
+[--sweep] (`--sweep`: the Triton kernel at several tile sizes and warps; tuning data only).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -20,11 +22,13 @@ from harness import num_input_sets, print_table, time_eager, time_graph, version
 from plot import plot_rows  # noqa: E402
 
 from nanoserve.kernels import slot_scatter, slot_scatter_ref  # noqa: E402
+from nanoserve.kernels.triton_scatter import slot_scatter_triton  # noqa: E402
 
 BS = 16
 DTYPE = torch.bfloat16
 POOL_BLOCKS = 4096
 SHAPES = [(32, 8, 128), (8192, 8, 128), (32, 8, 64), (8192, 8, 64)]
+SWEEP_CONFIGS = [(e, w) for e in (2048, 4096, 8192, 16384) for w in (4, 8)]
 
 
 def make_set(tokens: int, heads: int, dim: int) -> dict:
@@ -64,8 +68,39 @@ def check(s: dict) -> str:
     return "exact" if exact else "MISMATCH"
 
 
+def sweep() -> None:
+    rows = []
+    for tokens, heads, dim in SHAPES:
+        nbytes = 2 * 2 * tokens * heads * dim * 2
+        sets = [make_set(tokens, heads, dim) for _ in range(num_input_sets(nbytes, 4))]
+        shape = f"{tokens}tok x{heads}x{dim}"
+        copy_us = time_graph([providers(s)["device_copy_ceiling"] for s in sets])
+        torch_us = time_graph([providers(s)["torch_index"] for s in sets])
+        for config in SWEEP_CONFIGS:
+
+            def run(s, config=config):
+                slot_scatter_triton(s["k"], s["v"], s["kc"], s["vc"], s["slots"], config=config)
+
+            us = time_graph([lambda s=s: run(s) for s in sets])
+            rows.append(dict(shape=shape, config=str(config), graph_us=round(us, 2),
+                             copy_us=round(copy_us, 2), torch_us=round(torch_us, 2),
+                             vs_copy=round(us / copy_us, 2),
+                             vs_torch=round(us / torch_us, 2)))  # fmt: skip
+            print(rows[-1], flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    write_csv(rows, "scatter_sweep.csv")
+    print_table(rows, list(rows[0]))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="tile/warps sweep only")
+    args = parser.parse_args()
     print(versions())
+    if args.sweep:
+        sweep()
+        return
     rows = []
     for tokens, heads, dim in SHAPES:
         nbytes = 2 * 2 * tokens * heads * dim * 2  # K and V, read + write, bf16

@@ -13,6 +13,7 @@ import triton.language as tl
 
 L2_BYTES = 60 * 2**20
 ROTATE_BYTES = 200 * 2**20  # rotate input sets until this much is touched per round
+WARMUP_MS, REP_MS = 25, 100  # do_bench warm-up and measuring time per timing
 
 
 def num_input_sets(nbytes: int, max_sets: int = 8) -> int:
@@ -32,12 +33,13 @@ def rotating(fns: Sequence[Callable[[], object]]) -> Callable[[], object]:
     return run
 
 
-def time_eager(fns: Sequence[Callable[[], object]]) -> float:
+def time_eager(fns: Sequence[Callable[[], object]], rep: int = REP_MS) -> float:
     """Median microseconds of one call, rotating over ``fns`` (one per input set)."""
-    return triton.testing.do_bench(rotating(fns), warmup=25, rep=200, return_mode="median") * 1e3
+    ms = triton.testing.do_bench(rotating(fns), warmup=WARMUP_MS, rep=rep, return_mode="median")
+    return ms * 1e3
 
 
-def time_graph(fns: Sequence[Callable[[], object]]) -> float:
+def time_graph(fns: Sequence[Callable[[], object]], rep: int = REP_MS) -> float:
     """Median microseconds of one CUDA-graph replay, one graph captured per input set."""
     graphs = []
     side = torch.cuda.Stream()
@@ -52,7 +54,7 @@ def time_graph(fns: Sequence[Callable[[], object]]) -> float:
             fn()
         graphs.append(g)
     torch.cuda.synchronize()
-    return time_eager([g.replay for g in graphs])
+    return time_eager([g.replay for g in graphs], rep)
 
 
 @triton.jit
@@ -68,7 +70,7 @@ def _read_kernel(x, out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 def pure_read_fns(nbytes: int, sets: int, device: str = "cuda") -> list[list[Callable]]:
     """For each read config, one closure per input set that reads ``nbytes`` of bf16 once."""
     n = nbytes // 2
-    bufs = [torch.randn(n, device=device).to(torch.bfloat16) for _ in range(sets)]
+    bufs = [torch.randn(n, device=device, dtype=torch.bfloat16) for _ in range(sets)]
     variants = []
     for block, iters, warps in ((4096, 4, 8), (2048, 8, 4), (8192, 2, 8)):
         grid = (triton.cdiv(n, block * iters),)
