@@ -119,9 +119,14 @@ class DecodeGraphs:
         self.replays = 0
 
     def reset(self) -> None:
-        """Drop every graph (their memory returns to the allocator)."""
+        """Drop every graph (their memory returns to the allocator once nothing uses it).
+
+        The next capture takes a fresh memory pool: capturing into a pool whose graphs are
+        gone while some of its memory is still referenced is an error in PyTorch.
+        """
         self.graphs.clear()
         self.cache = None
+        self.pool = None
 
     def step(self, cache, host: StepMetadata, input_ids, position_ids, run_forward):
         """Run one decode step whose host metadata ``host`` is already built; returns the
@@ -157,10 +162,16 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        inner = None  # the forward's own error, which ending the capture may mask
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                output = run_forward(static)
+                try:
+                    output = run_forward(static)
+                except Exception as error:
+                    inner = error
+                    raise
         except Exception as error:  # a model whose forward cannot be captured stays eager
+            error = inner or error
             self.disabled_reason = f"{type(error).__name__}: {error}"
             warnings.warn(
                 f"nanoserve: CUDA-graph capture failed, decoding eagerly ({self.disabled_reason})",

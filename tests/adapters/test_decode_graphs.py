@@ -134,3 +134,24 @@ def test_graph_decode_between_buckets_beams_and_repeated_calls():
         stock_beams = model.generate(**inputs, num_beams=3, **opts)
     assert torch.equal(stock_beams, beams)
     assert stats["captures"] == 3 and stats["disabled"] is None  # one per generate call
+
+
+@gpu
+@pytest.mark.gpu
+def test_graph_decode_batch_one_after_a_short_call():
+    """A short call captures, the next call's fresh cache captures anew (a new pool)."""
+    model = _gpu_model(torch.bfloat16)
+    short = {k: v.cuda() for k, v in padded_batch([8], 8, vocab=1000).items()}
+    long = {k: v.cuda() for k, v in padded_batch([300], 300, vocab=1000).items()}
+    opts = dict(do_sample=False, eos_token_id=None)
+    eager, _ = _run(model, long, False, max_new_tokens=40, **opts)
+    nanoserve.patch_model(model)
+    try:
+        with torch.no_grad():
+            model.generate(**short, max_new_tokens=2, **opts)
+            graph = model.generate(**long, max_new_tokens=40, **opts)
+        stats = nanoserve.decode_graph_stats(model)
+    finally:
+        nanoserve.unpatch_model(model)
+    assert stats["disabled"] is None and stats["captures"] == 2, stats
+    assert torch.equal(eager, graph)
