@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint demo bench gpu-test clean
+.PHONY: venv test lint demo bench clean
 
 venv: $(STAMP)
 
@@ -32,8 +32,15 @@ test: lint
 demo: venv
 	$(PY) -m nanoserve generate
 
-bench: venv
-	$(PY) benchmarks/run_all.py
+# The benchmarks need a CUDA GPU. `make bench` uses .venv (created if missing); on a machine
+# whose own Python already has CUDA torch and triton: `make bench BENCH_PY=python3`.
+bench:
+ifdef BENCH_PY
+	$(BENCH_PY) benchmarks/run_all.py --generate
+else
+	$(MAKE) venv
+	$(PY) benchmarks/run_all.py --generate
+endif
 
 clean:
 	rm -rf $(VENV)
