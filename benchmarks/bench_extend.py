@@ -113,6 +113,7 @@ def sweep() -> None:
         sdpa_tflops = round(flops / (sdpa_us * 1e-6) / 1e12, 1)
         rows.append(dict(shape=shape, config="sdpa", us=round(sdpa_us, 1), TFLOPs=sdpa_tflops,
                          pct_sdpa=100))  # fmt: skip
+        print(rows[-1], flush=True)
         for config in SWEEP_CONFIGS[dim]:
 
             def run(s, config=config, dim=dim):

@@ -164,9 +164,10 @@ def _extend_kernel(
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per family on CUDA; autotune picks among them.
+# From the H200 sweep (bench_extend.py --sweep, RESULTS.md): each is best on some shape.
 CUDA_CONFIGS: dict[str, list[tuple[int, int, int, int]]] = {
-    "16bit-d64": [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
-    "16bit-d128": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+    "16bit-d64": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+    "16bit-d128": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
     "16bit-d256": [(64, 32, 8, 3)],
     "fp32": [(64, 64, 4, 3)],
     "fp32-d256": [(64, 32, 8, 3)],
