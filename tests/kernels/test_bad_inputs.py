@@ -1,4 +1,5 @@
-"""The public ops (Triton path) reject bad input with a ValueError naming the argument."""
+"""The public ops (Triton path) and their references reject bad input with a ValueError
+naming the argument, before anything runs."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import pytest
 import torch
 from kernel_inputs import needs_interpreter
 
-from nanoserve.kernels import paged_decode_attention, paged_extend_attention, slot_scatter
+from nanoserve.kernels import (
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_extend_attention,
+    paged_extend_attention_ref,
+    slot_scatter,
+    slot_scatter_ref,
+)
 
 pytestmark = needs_interpreter
 
@@ -23,28 +31,35 @@ def _attention_args():
 
 
 ATTENTION_BAD = [
-    ("query", torch.randn(2, 3, 64)),
-    ("query", torch.randn(2, 4, 64).half()),
+    ("query", torch.randn(2, 3, 64)),  # 3 query heads over 2 KV heads
+    ("query", torch.randn(2, 4, 32)),  # head_dim differs from the pool's
+    ("query", torch.randn(2, 4, 64).half()),  # dtype differs from the pool's
+    ("key_cache", torch.randn(4, 8, 2)),  # not 4-D
     ("key_cache", torch.randn(4, 8, 2, 128)[..., ::2]),  # not contiguous
     ("value_cache", torch.randn(4, 8, 2, 32)),
     ("block_tables", torch.tensor([[0, 1], [2, 3]], dtype=torch.int64)),
-    ("block_tables", torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)),
-    ("seq_lens", torch.tensor([9, 17], dtype=torch.int32)),
+    ("block_tables", torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)),  # id outside the pool
+    ("seq_lens", torch.tensor([9, 17], dtype=torch.int32)),  # beyond the table
     ("seq_lens", torch.tensor([0, 16], dtype=torch.int32)),
+    ("seq_lens", torch.tensor([9], dtype=torch.int32)),
 ]
+
+CU_TWO_TOKENS = torch.tensor([0, 1, 2], dtype=torch.int32)
+ATTENTION_OPS = {
+    "decode": lambda **a: paged_decode_attention(**a, backend="triton"),
+    "extend": lambda **a: paged_extend_attention(**a, cu_seqlens_q=CU_TWO_TOKENS, backend="triton"),
+    "decode_ref": lambda **a: paged_decode_attention_ref(**a),
+    "extend_ref": lambda **a: paged_extend_attention_ref(**a, cu_seqlens_q=CU_TWO_TOKENS),
+}
 
 
 @pytest.mark.parametrize(("name", "bad"), ATTENTION_BAD)
-@pytest.mark.parametrize("op", ["decode", "extend"])
+@pytest.mark.parametrize("op", list(ATTENTION_OPS))
 def test_attention_bad_input(op, name, bad):
     args = _attention_args()
     args[name] = bad
     with pytest.raises(ValueError, match=f"^{name}"):
-        if op == "decode":
-            paged_decode_attention(**args, backend="triton")
-        else:
-            cu = torch.tensor([0, 1, 2], dtype=torch.int32)
-            paged_extend_attention(**args, cu_seqlens_q=cu, backend="triton")
+        ATTENTION_OPS[op](**args)
 
 
 @pytest.mark.parametrize(
@@ -56,12 +71,17 @@ def test_attention_bad_keyword(kwarg, value):
         paged_decode_attention(**{"backend": "triton", **_attention_args(), kwarg: value})
 
 
-def test_extend_bad_cu_seqlens():
+@pytest.mark.parametrize("extend", [paged_extend_attention, paged_extend_attention_ref])
+def test_extend_bad_cu_seqlens(extend):
     args = _attention_args()
-    with pytest.raises(ValueError, match="^cu_seqlens_q"):
-        paged_extend_attention(
-            **args, cu_seqlens_q=torch.tensor([0, 2, 3], dtype=torch.int32), backend="triton"
-        )
+    args["query"] = torch.randn(5, 4, 64)
+    # wrong length, not ending at the query rows, not starting at 0
+    for cu in ([0, 2, 4], [0, 3, 5, 5], [1, 2, 5], [0, 2, 3]):
+        with pytest.raises(ValueError, match="^cu_seqlens_q"):
+            extend(**args, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+    args["seq_lens"] = torch.tensor([2, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="^cu_seqlens_q"):  # 3 new tokens, only 2 cached
+        extend(**args, cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32))
 
 
 def test_triton_refuses_float64():
@@ -71,18 +91,24 @@ def test_triton_refuses_float64():
     paged_decode_attention(**args, backend="auto")  # auto falls back to the reference
 
 
+@pytest.mark.parametrize("scatter", ["triton", "ref"])
 @pytest.mark.parametrize(
     ("name", "bad"),
     [
-        ("slot_mapping", torch.tensor([0, 64])),
-        ("slot_mapping", torch.tensor([5, 5])),
+        ("slot_mapping", torch.tensor([0, 64])),  # past the pool
+        ("slot_mapping", torch.tensor([-2, 3])),
+        ("slot_mapping", torch.tensor([5, 5])),  # the same slot twice
+        ("slot_mapping", torch.tensor([1.0, 2.0])),
         ("slot_mapping", torch.tensor([1, 2, 3])),
         ("key", torch.randn(2, 3, 64)),
+        ("value", torch.randn(3, 2, 64)),
         ("value", torch.randn(2, 2, 64).half()),
         ("backend", "gpu"),
     ],
 )
-def test_scatter_bad_input_writes_nothing(name, bad):
+def test_scatter_bad_input_writes_nothing(scatter, name, bad):
+    if scatter == "ref" and name == "backend":
+        pytest.skip("the reference has no backend argument")
     pool = torch.randn(4, 16, 2, 64)
     args = dict(
         key=torch.randn(2, 2, 64),
@@ -90,10 +116,11 @@ def test_scatter_bad_input_writes_nothing(name, bad):
         key_cache=pool,
         value_cache=pool.clone(),
         slot_mapping=torch.tensor([3, 7]),
-        backend="triton",
     )
+    if scatter == "triton":
+        args["backend"] = "triton"
     args[name] = bad
     before = pool.clone()
     with pytest.raises(ValueError, match=f"^{name}"):
-        slot_scatter(**args)
+        (slot_scatter if scatter == "triton" else slot_scatter_ref)(**args)
     assert torch.equal(pool, before)
