@@ -194,12 +194,14 @@ class PagedKVCache:
             table.pending_copies = []
         if not pairs:
             return
-        for pools in (self.key_pools, self.value_pools):
-            for pool in pools:
-                if pool is not None:
-                    src = torch.tensor([s for s, _ in pairs], device=pool.device)
-                    dst = torch.tensor([d for _, d in pairs], device=pool.device)
-                    pool[dst] = pool[src]
+        host = torch.tensor(pairs, dtype=torch.int64)  # [n, 2]: (source, destination)
+        per_device: dict[torch.device, torch.Tensor] = {}
+        for pool in (*self.key_pools, *self.value_pools):
+            if pool is not None:
+                if pool.device not in per_device:
+                    per_device[pool.device] = host.to(pool.device)
+                index = per_device[pool.device]
+                pool[index[:, 1]] = pool[index[:, 0]]
 
     # -- per layer ---------------------------------------------------------------------------
 

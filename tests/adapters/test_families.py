@@ -91,6 +91,21 @@ def test_patched_forward_without_generate_is_stock():
     torch.testing.assert_close(cached, stock, rtol=0, atol=0)
 
 
+def test_patched_model_trains_as_stock():
+    inputs = padded_batch([9, 5], 9)
+    grads = []
+    for patch in (False, True):
+        model = tiny_model("llama").train()
+        if patch:
+            nanoserve.patch_model(model)
+        loss = model(**inputs, labels=inputs["input_ids"]).loss
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        if patch:
+            nanoserve.unpatch_model(model)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
 def test_user_passed_dynamic_cache_falls_back_to_stock():
     from transformers import DynamicCache
 
