@@ -21,6 +21,7 @@ from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.hf_cache import PagedCache
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.sizing import PoolOptions, pool_size
+from nanoserve.adapters.tensor_parallel import local_layout, tp_size
 
 _CACHE_KWARGS = ("cache", "past_key_values")  # 5.24 renamed past_key_values to cache
 
@@ -36,6 +37,7 @@ def patch_model(
     or with ``cuda_graphs=False``, every step runs eagerly.
     """
     layout = family_for(model.config).kv_layout(model.config)  # NotImplementedError first
+    layout = local_layout(layout, model)  # this rank's KV heads under tensor parallelism
     options = PoolOptions(layout, block_size, num_blocks, max_memory)
     if not isinstance(cuda_graphs, bool):
         raise ValueError(f"cuda_graphs: must be True or False, got {cuda_graphs!r}")
@@ -56,7 +58,10 @@ def patch_model(
     model.set_attn_implementation(ATTN_NAME)
     state.previous_generate = model.__dict__.get("generate")
     model.generate = types.MethodType(_paged_generate(type(model), state, options), model)
-    if cuda_graphs:
+    # Under tensor parallelism every rank would capture the step's collectives; one rank
+    # falling back to eager while another replays would hang them, and no multi-GPU run has
+    # checked capture there yet: such models decode eagerly.
+    if cuda_graphs and tp_size(model) == 1:
         state.graphs = DecodeGraphs()
         state.previous_forward = model.__dict__.get("forward")
         model.forward = _graph_forward(model.forward, state, _cache_kwarg(type(model)))
