@@ -155,22 +155,26 @@ class PagedKVCache:
         slot_lists = [table.append(n) for table, n in zip(self.tables, counts, strict=True)]
         self._apply_pending_copies()
 
-        slot_mapping = torch.full(mask.shape, -1, dtype=torch.int64)
-        slot_mapping[mask] = torch.tensor(
-            [s for slots in slot_lists for s in slots], dtype=torch.int64
-        )
+        flat_slots = torch.tensor([s for slots in slot_lists for s in slots], dtype=torch.int64)
+        if len(flat_slots) == mask.numel():  # no padding (every decode step): no masking
+            slot_mapping, token_index = flat_slots, torch.arange(mask.numel())
+        else:
+            slot_mapping = torch.full((mask.numel(),), -1, dtype=torch.int64)
+            token_index = mask.flatten().nonzero().flatten()
+            slot_mapping[token_index] = flat_slots
         width = max(self.table_width, max(len(t.block_ids) for t in self.tables))
-        block_tables = torch.zeros(len(self.tables), width, dtype=torch.int32)
-        for row, table in enumerate(self.tables):
-            ids = table.block_ids
-            block_tables[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        block_tables = torch.tensor(
+            [ids + [0] * (width - len(ids)) for ids in (t.block_ids for t in self.tables)],
+            dtype=torch.int32,
+        )
+        lens_and_counts = torch.tensor([self.seq_lens(), counts], dtype=torch.int32)
         cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
+        cu[1:] = lens_and_counts[1].cumsum(0)
         host = StepMetadata(
-            slot_mapping=slot_mapping.flatten(),
-            token_index=mask.flatten().nonzero().flatten(),
+            slot_mapping=slot_mapping,
+            token_index=token_index,
             block_tables=block_tables,
-            seq_lens=torch.tensor(self.seq_lens(), dtype=torch.int32),
+            seq_lens=lens_and_counts[0],
             cu_seqlens_q=cu,
             new_tokens=counts,
             all_single=all(n == 1 for n in counts),
