@@ -240,7 +240,10 @@ def _graph_step_mask(state: PatchState, args, kwargs) -> torch.Tensor | None:
     graphs = state.graphs
     if graphs is None or graphs.disabled_reason is not None or args:
         return None
-    if not set(kwargs) <= _GRAPH_KWARGS or kwargs.get("use_cache") is False:
+    if not set(kwargs) <= _GRAPH_KWARGS or False in (
+        kwargs.get("use_cache"),
+        kwargs.get("return_dict"),
+    ):
         return None
     cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
     ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
