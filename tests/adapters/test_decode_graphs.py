@@ -22,16 +22,22 @@ def test_buckets():
     ]  # fmt: skip
 
 
-def generate_with_static_buffers(model, inputs, **opts):
-    nanoserve.patch_model(model, block_size=4)
-    state = STATES[id(model.config)]
-    state.graphs = DecodeGraphs(capture=False)
+def generate_patched(model, inputs, patch_options, graphs=None, **opts):
+    """(generate output, decode_graph_stats) of the patched model; ``graphs`` replaces its
+    graph runner (``DecodeGraphs(capture=False)`` runs the static buffers eagerly)."""
+    nanoserve.patch_model(model, **patch_options)
+    if graphs is not None:
+        STATES[id(model.config)].graphs = graphs
     try:
         with torch.no_grad():
             out = model.generate(**inputs, **opts)
         return out, nanoserve.decode_graph_stats(model)
     finally:
         nanoserve.unpatch_model(model)
+
+
+def generate_with_static_buffers(model, inputs, **opts):
+    return generate_patched(model, inputs, {"block_size": 4}, DecodeGraphs(capture=False), **opts)
 
 
 @pytest.mark.parametrize("lengths", [[13], [13, 6, 2]])  # batch 3 pads the bucket of 4
@@ -88,13 +94,7 @@ def _gpu_model(dtype):
 
 
 def _run(model, inputs, cuda_graphs, **opts):
-    nanoserve.patch_model(model, cuda_graphs=cuda_graphs)
-    try:
-        with torch.no_grad():
-            out = model.generate(**inputs, **opts)
-        return out, nanoserve.decode_graph_stats(model)
-    finally:
-        nanoserve.unpatch_model(model)
+    return generate_patched(model, inputs, {"cuda_graphs": cuda_graphs}, **opts)
 
 
 @gpu
