@@ -137,15 +137,13 @@ class DecodeGraphs:
         batch = input_ids.shape[0]
         key = (bucket_for(batch), host.block_tables.shape[1])
         captured = self.graphs.get(key)
-        if not self.capture:
-            static = _StaticStep.allocate(*key, input_ids.device)
-            static.load(host, input_ids, position_ids)
-            self.replays += 1
-            return _trim(run_forward(static), batch)
         if captured is None:
             static = _StaticStep.allocate(*key, input_ids.device)
             static.load(host, input_ids, position_ids)
-            return self._capture(key, static, run_forward, batch)
+            if self.capture:
+                return self._capture(key, static, run_forward, batch)
+            self.replays += 1
+            return _trim(run_forward(static), batch)
         captured.static.load(host, input_ids, position_ids)
         captured.graph.replay()
         self.replays += 1
