@@ -4,8 +4,9 @@ A random-weight Llama-3.2-1B-shaped model (16 layers, hidden 2048, 32 query / 8 
 head_dim 64, vocab 128256) in bf16, greedy, EOS off, 256 new tokens; batch 1 with a 512-token
 prompt, and a ragged batch of 32 prompts of lengths spread evenly over 128..2048 (left padded).
 Providers: stock default (sdpa, DynamicCache), stock static cache (auto torch.compile, timed on
-its second call), HF's own paged mode (`generate_batch`), and nanoserve's patched model, eager
-and with decode steps replayed as CUDA graphs (timed after a short warm-up call). Columns:
+its second call), HF's own paged mode (`generate_batch`), and nanoserve's patched model, eager,
+with decode steps replayed as CUDA graphs, and with graphs over torch.compile'd decoder layers
+(`compile_decode=True`), each timed after a short warm-up call. Columns:
 tokens/s, peak GPU memory, KV bytes reserved against KV bytes the tokens need, and how many
 generated tokens equal stock default's.
 
@@ -175,6 +176,9 @@ def capacity(model, rows: int, new: int, device: str, budget: int = 40 * GIB) ->
 PROVIDERS = {
     "stock_default": provider_stock,
     "nanoserve_graphs": functools.partial(provider_patched, cuda_graphs=True),
+    "nanoserve_graphs_compiled": functools.partial(
+        provider_patched, cuda_graphs=True, compile_decode=True
+    ),
     "nanoserve_eager": functools.partial(provider_patched, cuda_graphs=False),
     "stock_static_compile": provider_static,
     "hf_generate_batch": provider_hf_paged,

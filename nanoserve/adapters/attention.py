@@ -10,6 +10,7 @@ implementation, so a patched model called without generate behaves as stock.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,13 +31,16 @@ class PatchState:
 
     original_attn: str
     cache: object | None = None
-    last_cache: object | None = None
+    last_cache: Callable[[], object | None] = lambda: None  # a weak reference
+    last_stats: dict = field(default_factory=dict)
+    kept_pools: tuple | None = None  # (num_blocks, (key_pools, value_pools)) of last_cache
     previous_generate: object | None = None
     previous_forward: object | None = None
     undo: list = field(default_factory=list)
     cuda_graphs: bool = False
     graphs: object | None = None  # DecodeGraphs when cuda_graphs
     in_graph_step: bool = False  # the graph runner owns the step: the hooks stand aside
+    compiled_layers: object | None = None  # CompiledLayers when compile_decode
 
 
 # id(config) -> PatchState. The attention and mask functions only see the module / config.
@@ -63,6 +67,10 @@ def paged_attention(
 
     Returns (out [B, q, Hq, D], None); pad rows of the output are zero.
     """
+    if torch.compiler.is_compiling():  # compile_decode: the paged read stays Triton
+        return _paged_attention_uncompiled(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     state = STATES.get(id(module.config))
     if state is None or state.cache is None:
         original = _original_attention(module, state.original_attn if state else "sdpa")
@@ -86,6 +94,9 @@ def paged_attention(
     )
     full = torch.zeros_like(flat).index_copy_(0, step.token_index, out)
     return full.view(batch, q_len, heads, head_dim), None
+
+
+_paged_attention_uncompiled = torch.compiler.disable(paged_attention)
 
 
 def paged_mask(*args, **kwargs):

@@ -10,12 +10,16 @@ before the replay, never inside it. Rows past the batch pad the bucket: slot -1 
 stored), length 1, and their logits are dropped. Prefill and other multi-token steps stay
 eager.
 
-Graphs point at one cache's pools, so a new cache (a new ``generate`` call) captures anew.
+Graphs point at the pools' and the weights' memory. A new cache (a new ``generate`` call)
+keeps them when ``signature`` (those addresses) is unchanged, as when it took over the last
+call's pools; otherwise the graphs are dropped and captured anew.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,29 +79,34 @@ class _StaticStep:
         n, rows = input_ids.shape[0], self.rows
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the staging buffer
-        staging = self.host_buffer
+        staging = self.host_buffer.numpy()  # numpy: a tenth of torch's per-op host cost
         slots, lens = staging[:rows], staging[rows : 2 * rows]
-        tables = staging[2 * rows :].view(rows, self.width)
-        slots.fill_(-1)
-        slots[:n] = host.slot_mapping
-        lens.fill_(1)
-        lens[:n] = host.seq_lens
-        tables.zero_()
-        tables[:n, : host.block_tables.shape[1]] = host.block_tables
-        self.device_buffer[2 * rows :].copy_(staging, non_blocking=True)
+        tables = staging[2 * rows :].reshape(rows, self.width)
+        slots[:n] = host.slot_mapping.numpy()
+        slots[n:] = -1
+        lens[:n] = host.seq_lens.numpy()
+        lens[n:] = 1
+        used = host.block_tables.shape[1]
+        tables[:n, :used] = host.block_tables.numpy()
+        tables[:n, used:] = 0
+        tables[n:] = 0
+        self.device_buffer[2 * rows :].copy_(self.host_buffer, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
         self.input_ids[:n].copy_(input_ids)
-        self.input_ids[n:].zero_()
         self.position_ids[:n].copy_(position_ids)
-        self.position_ids[n:].zero_()
+        if n < rows:
+            self.input_ids[n:].zero_()
+            self.position_ids[n:].zero_()
 
 
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
     static: _StaticStep
-    output: object  # the model output object whose tensors the graph rewrites
+    output_type: type
+    fields: dict  # the captured output's fields (logits: the graph rewrites it), cache left out
+    cache_field: str | None  # the field that held the cache; each step puts its own there
 
 
 class DecodeGraphs:
@@ -109,11 +118,16 @@ class DecodeGraphs:
     buffers (no graph): this checks the bucket padding and metadata path on any device.
     """
 
-    def __init__(self, capture: bool = True):
+    def __init__(self, capture: bool = True, signature: Callable[[object], object] | None = None):
+        """``signature(cache)``: what the graphs' memory addresses depend on; graphs survive
+        a new cache whose signature equals the last one (without it, every new cache
+        captures anew)."""
         self.capture = capture
+        self.signature = signature
         self.pool = None
         self.graphs: dict[tuple[int, int], _Captured] = {}
-        self.cache = None
+        self.cache = _dead_ref  # weakly: graphs must not keep a finished cache alive
+        self.cache_signature = None
         self.disabled_reason: str | None = None
         self.captures = 0
         self.replays = 0
@@ -125,15 +139,19 @@ class DecodeGraphs:
         gone while some of its memory is still referenced is an error in PyTorch.
         """
         self.graphs.clear()
-        self.cache = None
+        self.cache = _dead_ref
+        self.cache_signature = None
         self.pool = None
 
     def step(self, cache, host: StepMetadata, input_ids, position_ids, run_forward):
         """Run one decode step whose host metadata ``host`` is already built; returns the
         model output with logits for the real rows only."""
-        if cache is not self.cache:
-            self.reset()
-            self.cache = cache
+        if cache is not self.cache():
+            signature = self.signature(cache) if self.signature is not None else None
+            if signature is None or signature != self.cache_signature:
+                self.reset()
+            self.cache = weakref.ref(cache)
+            self.cache_signature = signature
         batch = input_ids.shape[0]
         key = (bucket_for(batch), host.block_tables.shape[1])
         captured = self.graphs.get(key)
@@ -141,15 +159,17 @@ class DecodeGraphs:
             static = _StaticStep.allocate(*key, input_ids.device)
             static.load(host, input_ids, position_ids)
             if self.capture:
-                return self._capture(key, static, run_forward, batch)
+                return self._capture(key, static, run_forward, cache, batch)
             self.replays += 1
-            return _trim(run_forward(static), batch)
+            return _trim(
+                _Captured(None, static, *_template(run_forward(static), cache)), cache, batch
+            )
         captured.static.load(host, input_ids, position_ids)
         captured.graph.replay()
         self.replays += 1
-        return _trim(captured.output, batch)
+        return _trim(captured, cache, batch)
 
-    def _capture(self, key, static: _StaticStep, run_forward, batch: int):
+    def _capture(self, key, static: _StaticStep, run_forward, cache, batch: int):
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels): this run
         # computes the real step, so it is also the answer if capture fails.
         side = torch.cuda.Stream()
@@ -176,17 +196,36 @@ class DecodeGraphs:
                 stacklevel=3,
             )
             self.reset()
-            return _trim(warm, batch)
+            return _eager_answer(warm, cache, batch)
         self.captures += 1
-        self.graphs[key] = _Captured(graph, static, output)
+        captured = _Captured(graph, static, *_template(output, cache))
+        self.graphs[key] = captured
         graph.replay()
         self.replays += 1
-        return _trim(output, batch)
+        return _trim(captured, cache, batch)
 
 
-def _trim(output, batch: int):
-    """A copy of ``output`` whose logits hold the first ``batch`` rows (cloned, since the
-    next replay overwrites the static buffer)."""
-    fields = {k: v for k, v in output.items()}
-    fields["logits"] = output.logits[:batch].clone()
-    return type(output)(**fields)
+def _dead_ref():
+    return None
+
+
+def _template(output, cache) -> tuple[type, dict, str | None]:
+    """(type, fields without the cache, the cache's field name) of a model output."""
+    fields = dict(output.items())
+    cache_field = next((k for k, v in fields.items() if v is cache), None)
+    fields.pop(cache_field, None)
+    return type(output), fields, cache_field
+
+
+def _eager_answer(output, cache, batch: int):
+    return _trim(_Captured(None, None, *_template(output, cache)), cache, batch)
+
+
+def _trim(captured: _Captured, cache, batch: int):
+    """The step's model output: logits of the first ``batch`` rows (cloned, since the next
+    replay overwrites the static buffer) and ``cache`` in its field."""
+    fields = dict(captured.fields)
+    fields["logits"] = fields["logits"][:batch].clone()
+    if captured.cache_field is not None:
+        fields[captured.cache_field] = cache
+    return captured.output_type(**fields)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -20,10 +20,12 @@ class Family:
     """A model family: the ``config.model_type`` values it covers and its KV layout.
 
     ``check(config)`` raises NotImplementedError for a config feature the adapter does not
-    handle (it may be None when every config of the family is fine).
+    handle (it may be None when every config of the family is fine). ``decoder_layers(model)``
+    gives the model's decoder layers (what ``compile_decode`` compiles).
     """
 
     name: str
     model_types: tuple[str, ...]
     kv_layout: Callable[[object], KVLayout]
+    decoder_layers: Callable[[object], Sequence[object]]
     check: Callable[[object], None] | None = None

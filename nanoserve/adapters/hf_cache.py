@@ -23,10 +23,15 @@ class PagedCache(Cache):
     is_croppable = True
 
     def __init__(
-        self, num_layers: int, num_blocks: int, block_size: int = 16, table_width: int = 1
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int = 16,
+        table_width: int = 1,
+        pools: tuple[list, list] | None = None,
     ):
         super().__init__(layers=[])
-        self.paged = PagedKVCache(num_layers, num_blocks, block_size, table_width)
+        self.paged = PagedKVCache(num_layers, num_blocks, block_size, table_width, pools)
         self.num_layers = num_layers
         self.columns = 0  # padded columns seen by completed forwards
         self._pending = 0  # columns of the forward in flight
@@ -54,6 +59,8 @@ class PagedCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scatter K/V [B, Hkv, q, D] of this step; returns the layer's pools
         [num_blocks, block_size, Hkv, D] (pads are dropped by slot -1)."""
+        if torch.compiler.is_compiling():  # compile_decode: the paged write stays Triton
+            return _update_uncompiled(self, key_states, value_states, layer_idx)
         batch, heads, q_len, head_dim = key_states.shape
         key = key_states.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
         value = value_states.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
@@ -145,3 +152,6 @@ class PagedCache(Cache):
             f"PagedCache(layers={self.num_layers}, sequences={self.paged.num_seqs}, "
             f"columns={self.columns}, blocks_used={self.paged.allocator.num_used})"
         )
+
+
+_update_uncompiled = torch.compiler.disable(PagedCache.update)

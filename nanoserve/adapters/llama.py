@@ -26,5 +26,6 @@ LLAMA = Family(
     name="llama",
     model_types=("llama", "mistral", "qwen2", "qwen3"),
     kv_layout=kv_layout,
+    decoder_layers=lambda model: model.base_model.layers,
     check=check,
 )

@@ -71,12 +71,22 @@ class PagedKVCache:
     table per sequence, shared by all layers."""
 
     def __init__(
-        self, num_layers: int, num_blocks: int, block_size: int = 16, table_width: int = 1
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int = 16,
+        table_width: int = 1,
+        pools: tuple[list, list] | None = None,
     ):
         """``table_width``: the least number of columns of every step's ``block_tables``.
         A fixed width keeps shapes (and so the kernels' launch choices) the same from step
         to step, which CUDA-graph replay needs and which makes eager and replayed steps
-        compute exactly the same thing."""
+        compute exactly the same thing.
+
+        ``pools``: (key_pools, value_pools) lists, one entry per layer, to store into
+        instead of allocating new ones (a finished cache's pools, reused so that memory
+        addresses, and graphs captured over them, stay the same). The lists are shared, not
+        copied; a pool whose shape, dtype or device does not fit is replaced in them."""
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers: must be a positive int, got {num_layers!r}")
         if not isinstance(table_width, int) or table_width < 1:
@@ -86,8 +96,12 @@ class PagedKVCache:
         self.table_width = table_width
         self.allocator = BlockAllocator(num_blocks)
         BlockTable(self.allocator, block_size)  # validates block_size
-        self.key_pools: list[torch.Tensor | None] = [None] * num_layers
-        self.value_pools: list[torch.Tensor | None] = [None] * num_layers
+        if pools is None:
+            pools = ([None] * num_layers, [None] * num_layers)
+        if len(pools) != 2 or any(len(p) != num_layers for p in pools):
+            raise ValueError(f"pools: expected two lists of {num_layers} entries")
+        self.key_pools: list[torch.Tensor | None] = pools[0]
+        self.value_pools: list[torch.Tensor | None] = pools[1]
         self.tables: list[BlockTable] = []
         self.step: StepMetadata | None = None
 
@@ -210,8 +224,13 @@ class PagedKVCache:
     # -- per layer ---------------------------------------------------------------------------
 
     def _pools(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.key_pools[layer_idx] is None:
-            shape = (self.allocator.num_blocks, self.block_size, *like.shape[1:])
+        shape = (self.allocator.num_blocks, self.block_size, *like.shape[1:])
+        pool = self.key_pools[layer_idx]
+        if pool is None or (pool.shape, pool.dtype, pool.device) != (
+            shape,
+            like.dtype,
+            like.device,
+        ):
             self.key_pools[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
             self.value_pools[layer_idx] = torch.zeros_like(self.key_pools[layer_idx])
         return self.key_pools[layer_idx], self.value_pools[layer_idx]

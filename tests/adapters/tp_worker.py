@@ -30,8 +30,11 @@ def main(folder: str, out: str) -> None:
     with torch.no_grad():
         stock = model.generate(input_ids=ids, attention_mask=mask, **opts)
         nanoserve.patch_model(model, block_size=4)
-        paged = model.generate(input_ids=ids, attention_mask=mask, **opts)
-        cache = nanoserve.adapters.last_cache(model).paged
+        result = model.generate(
+            input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **opts
+        )
+        paged = result.sequences
+        cache = nanoserve.adapters.last_cache(model).paged  # held by result
     result = dict(
         rank=rank,
         world=dist.get_world_size(),
