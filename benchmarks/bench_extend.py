@@ -4,7 +4,9 @@ causal, on the same K/V laid out contiguously; TFLOP/s of the causal work.
 bf16, Llama-3-8B attention (32 query / 8 KV heads, head_dim 128) and Llama-3.2-1B (32/8/64),
 block size 16, blocks scattered at random. Prefill: batch 1/8 x 512/2048/8192 new tokens.
 Chunked prefill: 512 new tokens over 2048 / 8192 cached ones. Each provider is checked against
-SDPA in float32 first. Usage: python3 benchmarks/bench_extend.py [--sweep]
+SDPA in float32 first. Timed eager and under CUDA-graph replay (the kernels without
+the host's launch cost, which dominates the smallest shapes).
+Usage: python3 benchmarks/bench_extend.py [--sweep]
 (`--sweep`: nanoserve at fixed tile configs on a few shapes, beside SDPA; tuning data only).
 """
 
@@ -21,7 +23,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import num_input_sets, print_table, rel_err, time_eager, versions, write_csv  # noqa: E402
+from harness import (  # noqa: E402
+    num_input_sets,
+    print_table,
+    rel_err,
+    time_eager,
+    time_graph,
+    versions,
+    write_csv,
+)
 from plot import plot_rows  # noqa: E402
 
 from nanoserve.kernels import paged_extend_attention, triton_extend  # noqa: E402
@@ -97,6 +107,10 @@ def providers(s: dict) -> dict:
     return {"nanoserve": nanoserve, "sdpa_contiguous": sdpa_contiguous}
 
 
+def tflops(flops: int, us: float) -> float:
+    return round(flops / (us * 1e-6) / 1e12, 1)
+
+
 def case_name(dim: int, batch: int, history: int, new: int) -> str:
     return f"d{dim} {batch}x{new}" + (f"+{history}" if history else "")
 
@@ -168,20 +182,24 @@ def main() -> None:
                 fns = [p[name] for p in per_set]
                 err = rel_err(fns[0](), ref)
                 us = time_eager(fns)
-                tflops = round(flops / (us * 1e-6) / 1e12, 1)
+                graph_us = time_graph(fns)  # the kernels alone, without launch overhead
                 rows.append(dict(kernel="extend", shape=shape, provider=name, err=f"{err:.1e}",
-                                 us=round(us, 1), TFLOPs=tflops))  # fmt: skip
+                                 us=round(us, 1), TFLOPs=tflops(flops, us),
+                                 graph_us=round(graph_us, 1),
+                                 graph_TFLOPs=tflops(flops, graph_us)))  # fmt: skip
             sdpa_row = next(r for r in rows if r["shape"] == shape and r["provider"] != "nanoserve")
             for r in rows:
                 if r["shape"] == shape:
                     r["pct_sdpa"] = round(100 * r["TFLOPs"] / sdpa_row["TFLOPs"])
+                    r["graph_pct_sdpa"] = round(100 * r["graph_TFLOPs"] / sdpa_row["graph_TFLOPs"])
             del sets, per_set, ref
             torch.cuda.empty_cache()
     write_csv(rows, "extend.csv")
     plot_rows(rows, x="shape", y="TFLOPs", name="extend.png",
               title="paged extend vs SDPA causal, bf16")  # fmt: skip
     print("\n".join(["autotune picked:", *tuned_configs()]))
-    print_table(rows, ["shape", "provider", "err", "us", "TFLOPs", "pct_sdpa"])
+    print_table(rows, ["shape", "provider", "err", "us", "TFLOPs", "pct_sdpa", "graph_us",
+                       "graph_TFLOPs", "graph_pct_sdpa"])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ with a sliding window, wholly inside every row's window) take no mask at all; th
 tiles (and the window's lower edge) take the causal / window / length mask.
 
 On CUDA the tile shape, warps and pipeline depth come from ``triton.autotune`` over a small
-grid per head-dim family, keyed on the head dim and on whether the grid fills the GPU; off
-GPU (the interpreter) one small fixed tile keeps the tests quick.
+grid per head-dim family, keyed on the head dim, on whether the grid fills the GPU and on
+whether the sequences are short; off GPU (the interpreter) one small fixed tile keeps the
+tests quick.
 """
 
 from __future__ import annotations
@@ -164,10 +165,11 @@ def _extend_kernel(
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per family on CUDA; autotune picks among them.
-# From the H200 sweep (bench_extend.py --sweep, RESULTS.md): each is best on some shape.
+# From the H200 sweep (bench_extend.py --sweep, RESULTS.md): each is best on some shape;
+# (64, 32, 4, 2) is there for the short-sequence bucket.
 CUDA_CONFIGS: dict[str, list[tuple[int, int, int, int]]] = {
-    "16bit-d64": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
-    "16bit-d128": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+    "16bit-d64": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
+    "16bit-d128": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 32, 4, 2)],
     "16bit-d256": [(64, 32, 8, 3)],
     "fp32": [(64, 64, 4, 3)],
     "fp32-d256": [(64, 32, 8, 3)],
@@ -175,6 +177,8 @@ CUDA_CONFIGS: dict[str, list[tuple[int, int, int, int]]] = {
 INTERPRETER_CONFIG = (16, 32, 4, 1)
 # Autotune buckets: a grid under this many waves of BLOCK_M=128 tiles counts as small.
 SMALL_GRID_WAVES = 2
+# ... and sequences of at most this many new tokens on average count as short.
+SHORT_NEW_TOKENS = 512
 
 
 def config_family(head_dim: int, dtype: torch.dtype) -> str:
@@ -188,6 +192,9 @@ def config_family(head_dim: int, dtype: torch.dtype) -> str:
 
 
 _TUNED: dict[str, object] = {}
+# What autotune chose, by (family, head_dim, tune_key, dtypes): later calls launch the
+# kernel with it directly, skipping the autotuner's per-call Python (a launch-bound cost).
+_PICKED: dict[tuple, tuple[int, int, int, int]] = {}
 
 
 def _tuned_kernel(family: str):
@@ -231,10 +238,13 @@ def paged_extend_attention_triton(
     if config is None and not on_gpu:
         config = INTERPRETER_CONFIG
     waves = (total_q // 128 + num_seqs) * num_q_heads / sm_count(query.device)
+    # autotune buckets: does the grid fill the GPU; are the sequences short (many programs
+    # with few key tiles each, where a smaller fixed cost per program wins)
+    short = total_q <= SHORT_NEW_TOKENS * num_seqs
+    tune_key = (0 if waves < SMALL_GRID_WAVES else 2) + int(short)
     args = (
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out,
-        scale, softcap or 1.0, sliding_window or 0, num_seqs,
-        0 if waves < SMALL_GRID_WAVES else 2,
+        scale, softcap or 1.0, sliding_window or 0, num_seqs, tune_key,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
@@ -249,12 +259,25 @@ def paged_extend_attention_triton(
     def grid(m: dict) -> tuple[int, int]:
         return (total_q // m["BLOCK_M"] + num_seqs, num_q_heads)
 
+    family = config_family(head_dim, query.dtype)
+    picked_key = (family, head_dim, tune_key, query.dtype, key_cache.dtype)
+    if config is None:
+        config = _PICKED.get(picked_key)
     if config is not None:
         block_m, block_n, num_warps, num_stages = config
         _extend_kernel[grid({"BLOCK_M": block_m})](
             *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
-    else:
-        _tuned_kernel(config_family(head_dim, query.dtype))[grid](*args, **meta)
+        return out
+    tuner = _tuned_kernel(family)
+    tuner[grid](*args, **meta)
+    best = getattr(tuner, "best_config", None)
+    if best is not None:
+        _PICKED[picked_key] = (
+            best.kwargs["BLOCK_M"],
+            best.kwargs["BLOCK_N"],
+            best.num_warps,
+            best.num_stages,
+        )
     return out
