@@ -23,10 +23,15 @@ class BlockTable:
         self._block_ids: list[int] = []
         self._num_tokens = 0
         self.pending_copies: list[tuple[int, int]] = []
+        self.version = 0  # bumped whenever block_ids change (lets readers cache them)
 
     @property
     def block_ids(self) -> list[int]:
         return list(self._block_ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._block_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -50,7 +55,14 @@ class BlockTable:
         """Reserve slots for ``n`` new tokens and return them; all or nothing."""
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"n: must be an int >= 0, got {n!r}")
+        offset = self._num_tokens % self.block_size
+        if n == 1 and offset and self.allocator.refcount(self._block_ids[-1]) == 1:
+            # a decode step inside a private block: no allocation, no copy (the hot path)
+            self._num_tokens += 1
+            return [self._block_ids[-1] * self.block_size + offset]
         new, shared = self._blocks_needed(n)
+        if new or shared:
+            self.version += 1
         blocks = self.allocator.allocate(new + int(shared))  # raises before changing anything
         if shared:
             private = blocks.pop()
@@ -69,6 +81,8 @@ class BlockTable:
             raise ValueError(f"num_tokens: {num_tokens} outside [0, {self._num_tokens}]")
         keep = -(-num_tokens // self.block_size)
         self.allocator.free(self._block_ids[keep:])
+        if keep < len(self._block_ids):
+            self.version += 1
         del self._block_ids[keep:]
         self._num_tokens = num_tokens
 
@@ -86,3 +100,4 @@ class BlockTable:
         self._block_ids = []
         self._num_tokens = 0
         self.pending_copies = []
+        self.version += 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from nanoserve.cache.allocator import BlockAllocator
@@ -104,6 +105,8 @@ class PagedKVCache:
         self.value_pools: list[torch.Tensor | None] = pools[1]
         self.tables: list[BlockTable] = []
         self.step: StepMetadata | None = None
+        self._rows = np.zeros((0, 0), np.int32)  # see _block_table_rows
+        self._row_sources: list[tuple[BlockTable, int] | None] = []
 
     # -- sequences -------------------------------------------------------------------------
 
@@ -164,40 +167,64 @@ class PagedKVCache:
             raise ValueError(
                 f"new_token_mask: {mask.shape[0]} rows for {len(self.tables)} cached sequences"
             )
-        counts = mask.sum(dim=1).tolist()
+        mask_np = mask.numpy()
+        counts_np = mask_np.sum(axis=1, dtype=np.int32)
+        counts = counts_np.tolist()
         self._reserve(counts)
         slot_lists = [table.append(n) for table, n in zip(self.tables, counts, strict=True)]
         self._apply_pending_copies()
 
-        flat_slots = torch.tensor([s for slots in slot_lists for s in slots], dtype=torch.int64)
-        if len(flat_slots) == mask.numel():  # no padding (every decode step): no masking
-            slot_mapping, token_index = flat_slots, torch.arange(mask.numel())
+        # numpy, then one wrap per tensor: a decode step runs this for every forward
+        total = sum(counts)
+        flat_slots = np.fromiter((s for slots in slot_lists for s in slots), np.int64, total)
+        if total == mask_np.size:  # no padding (every decode step): no masking
+            slot_mapping, token_index = flat_slots, np.arange(total)
         else:
-            slot_mapping = torch.full((mask.numel(),), -1, dtype=torch.int64)
-            token_index = mask.flatten().nonzero().flatten()
+            token_index = np.flatnonzero(mask_np)
+            slot_mapping = np.full(mask_np.size, -1, np.int64)
             slot_mapping[token_index] = flat_slots
-        width = max(self.table_width, max(len(t.block_ids) for t in self.tables))
-        block_tables = torch.tensor(
-            [ids + [0] * (width - len(ids)) for ids in (t.block_ids for t in self.tables)],
-            dtype=torch.int32,
-        )
-        lens_and_counts = torch.tensor([self.seq_lens(), counts], dtype=torch.int32)
-        cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
-        cu[1:] = lens_and_counts[1].cumsum(0)
+        seq_lens = np.fromiter((t.num_tokens for t in self.tables), np.int32, len(self.tables))
+        cu = np.zeros(len(counts) + 1, np.int32)
+        np.cumsum(counts_np, out=cu[1:])
         host = StepMetadata(
-            slot_mapping=slot_mapping,
-            token_index=token_index,
-            block_tables=block_tables,
-            seq_lens=lens_and_counts[0],
-            cu_seqlens_q=cu,
+            slot_mapping=torch.from_numpy(slot_mapping),
+            token_index=torch.from_numpy(token_index.astype(np.int64, copy=False)),
+            block_tables=self._block_table_rows(),
+            seq_lens=torch.from_numpy(seq_lens),
+            cu_seqlens_q=torch.from_numpy(cu),
             new_tokens=counts,
             all_single=all(n == 1 for n in counts),
         )
         self.step = host.to(device) if torch.device(device).type != "cpu" else host
         return self.step
 
+    def _block_table_rows(self) -> torch.Tensor:
+        """Every table's block ids as int32 [S, width], zero padded.
+
+        Kept in a host array across steps; only rows whose table changed (a new block, a
+        copy-on-write swap, a new table) are rewritten, so a decode step costs little.
+        """
+        num_seqs = len(self.tables)
+        width = max(self.table_width, max(t.num_blocks for t in self.tables))
+        rows = self._rows
+        if rows.shape[0] != num_seqs or rows.shape[1] < width:
+            rows = self._rows = np.zeros((num_seqs, max(width, rows.shape[1])), np.int32)
+            self._row_sources = [None] * num_seqs
+        for i, table in enumerate(self.tables):
+            source = self._row_sources[i]
+            if source is None or source[0] is not table or source[1] != table.version:
+                ids = table.block_ids
+                rows[i, : len(ids)] = ids
+                rows[i, len(ids) :] = 0
+                self._row_sources[i] = (table, table.version)
+        return torch.from_numpy(rows[:, :width].copy())
+
     def _reserve(self, counts: list[int]) -> None:
         """Check that all tables can grow before any does (so growth is all or nothing)."""
+        # n tokens take at most ceil(n / block_size) new blocks, plus one for a copy-on-write
+        # swap; when that many are free the exact count is not needed (every decode step)
+        if sum(-(-n // self.block_size) + 1 for n in counts if n) <= self.allocator.num_free:
+            return
         needed = 0
         for table, n in zip(self.tables, counts, strict=True):
             new, shared = table._blocks_needed(n)

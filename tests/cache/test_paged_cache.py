@@ -187,3 +187,52 @@ def test_counts_must_be_ints():
     table.append(3)
     with pytest.raises(ValueError, match="num_tokens"):
         table.truncate(torch.tensor(1))
+
+
+def test_step_metadata_follows_every_table_change():
+    """The block-table rows are cached across steps and rewritten only where a table
+    changed; after any mix of growth, beam reorders (copy-on-write), drops and resets,
+    every step's metadata equals what the tables say."""
+    rng = random.Random(7)
+    cache = PagedKVCache(1, num_blocks=200, block_size=4, table_width=2)
+    scatter_blocks(cache, 200)
+    for _ in range(300):
+        action = rng.random()
+        if cache.num_seqs and action < 0.15:
+            cache.reorder([rng.randrange(cache.num_seqs) for _ in range(cache.num_seqs)])
+        elif cache.num_seqs and action < 0.25:
+            cache.drop_last(rng.randrange(6))
+        elif action < 0.28:
+            cache.reset()
+        rows = cache.num_seqs or rng.randrange(1, 5)
+        q = rng.choice([1, 1, 1, 3])
+        mask = torch.rand(rows, q) < 0.8
+        if cache.allocator.num_free < rows * 3:
+            cache.reset()
+            continue
+        meta = cache.begin_step(mask, "cpu")
+        tables = cache.tables
+        width = max(2, max(t.num_blocks for t in tables))
+        expected = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, table in enumerate(tables):
+            expected[i, : table.num_blocks] = torch.tensor(table.block_ids, dtype=torch.int32)
+        assert torch.equal(meta.block_tables, expected)
+        assert meta.seq_lens.tolist() == cache.seq_lens()
+        assert meta.new_tokens == mask.sum(1).tolist()
+        assert torch.equal(meta.token_index, mask.flatten().nonzero().flatten())
+        real = meta.slot_mapping[meta.token_index]
+        assert (meta.slot_mapping >= 0).sum() == len(real) and (real >= 0).all()
+        assert meta.cu_seqlens_q.tolist() == [0, *torch.tensor(meta.new_tokens).cumsum(0)]
+
+
+def test_step_metadata_after_a_later_copy_on_write():
+    """A row cached while its last block is shared, then swapped for a private copy in a
+    later step (no new block): the step must show the new block id."""
+    cache = PagedKVCache(1, num_blocks=16, block_size=4)
+    cache.begin_step(torch.ones(1, 6, dtype=torch.bool), "cpu")
+    cache.reorder([0, 0, 0])
+    cache.begin_step(torch.tensor([[True], [False], [False]]), "cpu")  # row 0 copies
+    meta = cache.begin_step(torch.tensor([[True], [True], [False]]), "cpu")  # row 1 copies
+    assert meta.block_tables[1, 1] != meta.block_tables[2, 1]
+    for i, table in enumerate(cache.tables):
+        assert meta.block_tables[i, : table.num_blocks].tolist() == table.block_ids
