@@ -6,7 +6,7 @@ the patched forward and its parts (begin_step, buffer load, replay launch, logit
 rest of generate's loop per step, and the kernels one eager decode step launches. The same
 tokens/s and GPU time per step for HF's static cache + torch.compile sit beside it.
 
-Usage: python3 benchmarks/profile_decode_step.py [--new-tokens 128] [--static]
+Usage: python3 benchmarks/profile_decode_step.py [--new-tokens 128] [--static] [--compile-decode]
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -30,12 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import build_model, make_batches, run_generate  # noqa: E402
 
 import nanoserve  # noqa: E402
-from nanoserve.adapters import (  # noqa: E402
-    attention,
-    decode_graphs,
-    hf_cache,
-)
-from nanoserve.adapters.attention import ATTN_NAME, STATES  # noqa: E402
+from nanoserve.adapters import decode_graphs, hf_cache  # noqa: E402
+from nanoserve.adapters.attention import STATES  # noqa: E402
 
 
 class Table(list):
@@ -140,8 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--static", action="store_true", help="also HF static + compile")
-    parser.add_argument("--compile-layers", action="store_true",
-                        help="also graphs over torch.compile'd decoder layers")  # fmt: skip
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="also patch_model(..., compile_decode=True)")  # fmt: skip
     args = parser.parse_args()
     model = build_model(False, "cuda")
     ids, mask, _ = make_batches(False, "cuda", model.config.vocab_size)["batch1_prompt512"]
@@ -183,20 +178,14 @@ def main() -> None:
         for name, us in top:
             print(f"  {us:9.1f}  {name}")
 
-    if args.compile_layers:
-        torch._dynamo.config.cache_size_limit = 64
-        for layer in model.model.layers:
-            layer.compile()
-        nanoserve.patch_model(model)
-        # the paged write and attention run eagerly between the compiled pieces
-        hf_cache.PagedCache.update = torch.compiler.disable(hf_cache.PagedCache.update)
-        AttentionInterface.register(ATTN_NAME, torch.compiler.disable(attention.paged_attention))
+    if args.compile_decode:
+        nanoserve.patch_model(model, compile_decode=True)
         start = time.perf_counter()
         run_generate(model, ids, mask, 4, "cuda")
-        table.append(("compiled layers: first call s", time.perf_counter() - start))
+        table.append(("compile_decode: first call s", time.perf_counter() - start))
         _, secs = run_generate(model, ids, mask, new, "cuda")
-        table.append(("compiled layers + graphs: ms/token (generate)", secs / new * 1e3))
-        table.append(("compiled layers + graphs: replay GPU ms", replay_gpu_us(model) / 1e3))
+        table.append(("compile_decode graphs: ms/token (generate)", secs / new * 1e3))
+        table.append(("compile_decode graphs: replay GPU ms", replay_gpu_us(model) / 1e3))
         host_breakdown(model, ids, mask, new, table)
         print("graphs:", nanoserve.decode_graph_stats(model))
         nanoserve.unpatch_model(model)
