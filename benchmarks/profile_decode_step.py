@@ -104,6 +104,18 @@ def kernels_per_step(run, steps: int) -> tuple[int, float, list]:
     return len(events) // steps, total / steps, top
 
 
+def report_kernels(label: str, model, ids, mask, steps: int, table: Table, **kwargs) -> None:
+    """Kernels per step and their summed time over a ``steps``-token generate call."""
+    launches, kernel_us, top = kernels_per_step(
+        lambda: run_generate(model, ids, mask, steps, "cuda", **kwargs), steps
+    )
+    table.append((f"{label}: kernels per step", launches))
+    table.append((f"{label}: summed kernel ms per step", kernel_us / 1e3))
+    print(f"top kernels, {label}, µs per step:")
+    for name, us in top:
+        print(f"  {us:9.1f}  {name}")
+
+
 def host_breakdown(model, ids, mask, new: int, table: Table) -> None:
     """Host time per decode step inside the patched forward, by part, and a cProfile."""
     timers = Timers()
@@ -154,29 +166,15 @@ def main() -> None:
 
     nanoserve.patch_model(model, cuda_graphs=False)
     run_generate(model, ids, mask, 4, "cuda")
-    launches, kernel_us, top = kernels_per_step(
-        lambda: run_generate(model, ids, mask, 33, "cuda"), 33
-    )
+    report_kernels("eager patched (prefill included /33)", model, ids, mask, 33, table)
     nanoserve.unpatch_model(model)
-    table.append(("eager patched: kernels per step (incl. prefill/33)", launches))
-    table.append(("eager patched: summed kernel ms per step", kernel_us / 1e3))
-    print("top kernels, eager patched, µs per step (prefill included /33):")
-    for name, us in top:
-        print(f"  {us:9.1f}  {name}")
 
     if args.static:
         kw = dict(cache_implementation="static")
         run_generate(model, ids, mask, new, "cuda", **kw)
         _, secs = run_generate(model, ids, mask, new, "cuda", **kw)
         table.append(("HF static+compile: ms/token (generate)", secs / new * 1e3))
-        launches, kernel_us, top = kernels_per_step(
-            lambda: run_generate(model, ids, mask, 64, "cuda", **kw), 64
-        )
-        table.append(("HF static+compile: kernels per step", launches))
-        table.append(("HF static+compile: summed kernel ms per step", kernel_us / 1e3))
-        print("top kernels, HF static+compile, µs per step:")
-        for name, us in top:
-            print(f"  {us:9.1f}  {name}")
+        report_kernels("HF static+compile", model, ids, mask, 64, table, **kw)
 
     if args.compile_decode:
         nanoserve.patch_model(model, compile_decode=True)
