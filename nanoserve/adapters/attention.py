@@ -31,9 +31,10 @@ class PatchState:
 
     original_attn: str
     cache: object | None = None
-    last_cache: Callable[[], object | None] = lambda: None  # a weak reference
-    last_stats: dict = field(default_factory=dict)
-    kept_pools: tuple | None = None  # (num_blocks, (key_pools, value_pools)) of last_cache
+    # the latest generate call's PagedCache: weakly, or strongly after a call that raised
+    last_cache: Callable[[], object | None] = lambda: None
+    last_stats: dict = field(default_factory=dict)  # its figures as that call left them
+    kept_pools: object | None = None  # hf.KeptPools of the latest call
     previous_generate: object | None = None
     previous_forward: object | None = None
     undo: list = field(default_factory=list)

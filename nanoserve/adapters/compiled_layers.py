@@ -15,6 +15,7 @@ equals the same compiled step run without a graph bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -38,10 +39,21 @@ class CompiledLayers:
         for layer, forward in zip(self.layers, self.compiled, strict=True):
             layer.forward = forward
         try:
-            yield
+            with _one_artifact_for_all_layers():
+                yield
         finally:
             for layer, forward in zip(self.layers, saved, strict=True):
                 if forward is None:
                     del layer.forward
                 else:
                     layer.forward = forward
+
+
+def _one_artifact_for_all_layers():
+    """Dynamo treats int attributes of modules as constants, so ``self.layer_idx`` (passed
+    to the cache) would compile the attention once per layer and, past its recompile limit
+    (8), leave the remaining layers uncompiled; tracing such ints as inputs avoids that."""
+    config = torch._dynamo.config
+    if not hasattr(config, "allow_unspec_int_on_nn_module"):
+        return contextlib.nullcontext()
+    return config.patch(allow_unspec_int_on_nn_module=True)

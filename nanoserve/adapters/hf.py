@@ -14,6 +14,8 @@ import functools
 import inspect
 import types
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -108,7 +110,7 @@ def unpatch_model(model):
         else:
             model.__dict__.pop("forward", None)
     state.cache = state.compiled_layers = state.kept_pools = None
-    state.last_cache = _dead_ref
+    state.last_cache = lambda: None
     return model
 
 
@@ -135,30 +137,10 @@ def _state(model) -> PatchState:
     return state
 
 
-def _dead_ref():
-    return None
-
-
-def _pools_for(state: PatchState, num_blocks: int):
-    """The previous call's pool lists when that cache is gone (nothing can read it any more)
-    and this call's pool has as many blocks: the same memory keeps the captured decode
-    graphs valid. Otherwise None, and the old pools are let go before new ones are made."""
-    kept, state.kept_pools = state.kept_pools, None
-    if kept is None or state.last_cache() is not None or kept[0] != num_blocks:
-        return None
-    return kept[1]
-
-
-# -- the step boundary: hooks on the base model's forward -------------------------------------
-
-
 def decode_graph_stats(model) -> dict:
     """The patched model's CUDA-graph figures: graphs held, captures, replays, and why
     graphs were turned off (None while they are on)."""
-    state = STATES.get(id(model.config))
-    if state is None:
-        raise ValueError("model: not patched (call nanoserve.patch_model first)")
-    graphs = state.graphs
+    graphs = _state(model).graphs
     if graphs is None:
         return {"enabled": False, "graphs": 0, "captures": 0, "replays": 0, "disabled": None}
     return {
@@ -168,6 +150,9 @@ def decode_graph_stats(model) -> dict:
         "replays": graphs.replays,
         "disabled": graphs.disabled_reason,
     }
+
+
+# -- the step boundary: hooks on the base model's forward -------------------------------------
 
 
 def _open_step(state: PatchState, module, args, kwargs):
@@ -208,6 +193,28 @@ def _cache_kwarg(model_class) -> str:
     return "cache" if "cache" in forward else "past_key_values"
 
 
+@dataclass
+class KeptPools:
+    """A finished call's pool lists, kept for the next call of the same pool size."""
+
+    num_blocks: int
+    dtype: torch.dtype
+    pools: tuple[list, list]  # (key_pools, value_pools)
+    owner: Callable[[], object | None]  # weak reference to the PagedKVCache storing in them
+
+
+def _pools_for(state: PatchState, num_blocks: int, dtype: torch.dtype):
+    """The previous call's pool lists when nothing can reach the store that used them (its
+    ``PagedCache``, or the ``PagedKVCache`` inside, both let go) and this call's pool has as
+    many blocks of the same dtype: the same memory keeps the captured decode graphs valid.
+    Otherwise None, and the old pools are let go before new ones are made. (A pool tensor
+    taken out of a cache by hand is the caller's to copy.)"""
+    kept, state.kept_pools = state.kept_pools, None
+    if kept is None or kept.owner() is not None:
+        return None
+    return kept.pools if (kept.num_blocks, kept.dtype) == (num_blocks, dtype) else None
+
+
 def _paged_generate(model_class, state: PatchState, options: PoolOptions):
     stock = model_class.generate
     cache_kwarg = _cache_kwarg(model_class)
@@ -222,7 +229,7 @@ def _paged_generate(model_class, state: PatchState, options: PoolOptions):
         for k in _CACHE_KWARGS:
             kwargs.pop(k, None)
         size = pool_size(options, self, args, kwargs)
-        pools = _pools_for(state, size.num_blocks)
+        pools = _pools_for(state, size.num_blocks, self.dtype)
         cache = PagedCache(
             options.layout.num_layers,
             size.num_blocks,
@@ -232,7 +239,10 @@ def _paged_generate(model_class, state: PatchState, options: PoolOptions):
         )
         # weakly: a cache the caller drops is gone, and its memory can serve the next call
         state.last_cache = weakref.ref(cache)
-        state.kept_pools = (size.num_blocks, (cache.paged.key_pools, cache.paged.value_pools))
+        paged = cache.paged
+        state.kept_pools = KeptPools(
+            size.num_blocks, self.dtype, (paged.key_pools, paged.value_pools), weakref.ref(paged)
+        )
         kwargs[cache_kwarg] = cache
         try:
             return stock(self, *args, **kwargs)

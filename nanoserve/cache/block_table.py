@@ -31,6 +31,7 @@ class BlockTable:
 
     @property
     def num_blocks(self) -> int:
+        """How many blocks this table holds (``len(block_ids)`` without the copy)."""
         return len(self._block_ids)
 
     @property
