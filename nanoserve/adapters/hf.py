@@ -4,14 +4,13 @@ Patching (1) registers nanoserve's attention and mask functions and switches the
 them, (2) hooks the base model's forward so each forward that carries a ``PagedCache`` opens
 one step (``begin_step`` with the real-token mask of its columns) and closes it, (3) wraps
 ``generate`` so that a call without a cache gets a fresh ``PagedCache``, and (4) on CUDA,
-wraps ``forward`` so that decode steps replay CUDA graphs (``decode_graphs.py``).
+wraps ``forward`` so that decode steps replay CUDA graphs (``graph_forward.py``,
+``decode_graphs.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 import types
 import weakref
 from collections.abc import Callable
@@ -22,12 +21,11 @@ import torch
 from nanoserve.adapters.attention import ATTN_NAME, STATES, PatchState, register
 from nanoserve.adapters.compiled_layers import CompiledLayers
 from nanoserve.adapters.decode_graphs import DecodeGraphs
-from nanoserve.adapters.hf_cache import PagedCache
+from nanoserve.adapters.graph_forward import graph_forward, memory_signature
+from nanoserve.adapters.hf_cache import CACHE_KWARGS, PagedCache, cache_kwarg
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.sizing import PoolOptions, pool_size
 from nanoserve.adapters.tensor_parallel import local_layout, tp_size
-
-_CACHE_KWARGS = ("cache", "past_key_values")  # 5.24 renamed past_key_values to cache
 
 
 def patch_model(
@@ -79,12 +77,12 @@ def patch_model(
     # checked capture there yet: such models decode eagerly.
     if cuda_graphs and tp_size(model) == 1:
         state.graphs = DecodeGraphs(
-            signature=functools.partial(_memory_signature, weakref.ref(model))
+            signature=functools.partial(memory_signature, weakref.ref(model))
         )
         if compile_decode:
             state.compiled_layers = CompiledLayers(family.decoder_layers(model))
         state.previous_forward = model.__dict__.get("forward")
-        model.forward = _graph_forward(model.forward, state, _cache_kwarg(type(model)))
+        model.forward = graph_forward(model.forward, state, cache_kwarg(type(model)))
     return model
 
 
@@ -159,7 +157,7 @@ def _open_step(state: PatchState, module, args, kwargs):
     if state.in_graph_step:
         return None
     state.cache = None
-    cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
     if not isinstance(cache, PagedCache):
         return None
     tokens = kwargs.get("input_ids", args[0] if args else None)
@@ -188,11 +186,6 @@ def _close_step(state: PatchState, module, args, kwargs, output):
 # -- generate ----------------------------------------------------------------------------------
 
 
-def _cache_kwarg(model_class) -> str:
-    forward = inspect.signature(model_class.forward).parameters
-    return "cache" if "cache" in forward else "past_key_values"
-
-
 @dataclass
 class KeptPools:
     """A finished call's pool lists, kept for the next call of the same pool size."""
@@ -217,16 +210,16 @@ def _pools_for(state: PatchState, num_blocks: int, dtype: torch.dtype):
 
 def _paged_generate(model_class, state: PatchState, options: PoolOptions):
     stock = model_class.generate
-    cache_kwarg = _cache_kwarg(model_class)
+    cache_name = cache_kwarg(model_class)
 
     @functools.wraps(stock)
     def generate(self, *args, **kwargs):
-        user_cache = any(kwargs.get(k) is not None for k in _CACHE_KWARGS)
+        user_cache = any(kwargs.get(k) is not None for k in CACHE_KWARGS)
         config = kwargs.get("generation_config") or self.generation_config
         use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True))
         if user_cache or use_cache is False:
             return stock(self, *args, **kwargs)
-        for k in _CACHE_KWARGS:
+        for k in CACHE_KWARGS:
             kwargs.pop(k, None)
         size = pool_size(options, self, args, kwargs)
         pools = _pools_for(state, size.num_blocks, self.dtype)
@@ -243,7 +236,7 @@ def _paged_generate(model_class, state: PatchState, options: PoolOptions):
         state.kept_pools = KeptPools(
             size.num_blocks, self.dtype, (paged.key_pools, paged.value_pools), weakref.ref(paged)
         )
-        kwargs[cache_kwarg] = cache
+        kwargs[cache_name] = cache
         try:
             return stock(self, *args, **kwargs)
         except BaseException:
@@ -253,95 +246,3 @@ def _paged_generate(model_class, state: PatchState, options: PoolOptions):
             state.last_stats = cache.stats()
 
     return generate
-
-
-# -- decode steps under CUDA graphs ------------------------------------------------------------
-
-# Forward arguments a captured decode step reproduces; any other one runs the step eagerly.
-_GRAPH_KWARGS = {
-    "input_ids", "attention_mask", "position_ids", "use_cache", "cache_position",
-    "logits_to_keep", "return_dict", *_CACHE_KWARGS,
-}  # fmt: skip
-
-
-def _graph_forward(stock_forward, state: PatchState, cache_kwarg: str):
-    """``forward`` that runs decode steps through ``state.graphs``; everything else (and any
-    step it cannot reproduce exactly) goes to ``stock_forward`` unchanged."""
-
-    @functools.wraps(stock_forward)
-    def forward(*args, **kwargs):
-        new_tokens = _graph_step_mask(state, args, kwargs)
-        if new_tokens is None:
-            return stock_forward(*args, **kwargs)
-        cache = next(kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None)
-        extra = {k: kwargs[k] for k in ("logits_to_keep",) if k in kwargs}
-
-        def run_forward(static):
-            cache.paged.step = static.meta
-            state.cache = cache
-            compiled = state.compiled_layers
-            with compiled.active() if compiled is not None else contextlib.nullcontext():
-                return stock_forward(
-                    input_ids=static.input_ids, position_ids=static.position_ids,
-                    attention_mask=None, use_cache=True, **{cache_kwarg: cache}, **extra,
-                )  # fmt: skip
-
-        host = cache.begin_step(new_tokens, "cpu")  # blocks are allocated here, on the host
-        state.in_graph_step = True
-        try:
-            output = state.graphs.step(
-                cache, host, kwargs["input_ids"], kwargs["position_ids"], run_forward
-            )
-        finally:
-            state.in_graph_step = False
-            state.cache = None
-        cache.end_step()
-        return output
-
-    return forward
-
-
-def _memory_signature(model_ref, cache: PagedCache) -> tuple:
-    """Addresses, dtypes and shapes of what a captured decode step reads and writes in
-    place: the cache's pools and the model's weights and buffers."""
-    tensors = (*cache.paged.key_pools, *cache.paged.value_pools)
-    model = model_ref()
-    if model is not None:
-        tensors += (*model.parameters(), *model.buffers())
-    return tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in tensors if t is not None)
-
-
-def _graph_step_mask(state: PatchState, args, kwargs) -> torch.Tensor | None:
-    """The step's new-token mask [B, 1] (all True) when this forward is a decode step a
-    graph can run; else None."""
-    graphs = state.graphs
-    if graphs is None or graphs.disabled_reason is not None or args:
-        return None
-    if not set(kwargs) <= _GRAPH_KWARGS or False in (
-        kwargs.get("use_cache"),
-        kwargs.get("return_dict"),
-    ):
-        return None
-    cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
-    ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
-    if not isinstance(cache, PagedCache) or ids is None or positions is None:
-        return None
-    if (
-        not (ids.is_cuda or not graphs.capture)
-        or ids.dim() != 2
-        or ids.shape[1] != 1
-        or positions.shape != ids.shape
-    ):
-        return None
-    paged = cache.paged
-    if paged.num_seqs != ids.shape[0] or any(
-        pool is None or pool.device != ids.device for pool in paged.key_pools
-    ):
-        return None  # prefill has not run yet, or layers live on several devices
-    mask = kwargs.get("attention_mask")
-    if mask is None:
-        return torch.ones(ids.shape[0], 1, dtype=torch.bool)
-    if mask.dim() != 2:
-        return None
-    new = mask[:, -1:].to("cpu", torch.bool)
-    return new if bool(new.all()) else None

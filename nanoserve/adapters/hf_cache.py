@@ -10,10 +10,21 @@ pools, which the attention function reads through the step's block tables.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import Cache
 
 from nanoserve.cache import PagedKVCache, StepMetadata
+
+# How forward and generate take the cache: 5.24 renamed past_key_values to cache.
+CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def cache_kwarg(model_class) -> str:
+    """The name ``model_class.forward`` takes the cache by."""
+    forward = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in forward else "past_key_values"
 
 
 class PagedCache(Cache):
