@@ -124,9 +124,8 @@ def sweep() -> None:
         flops = 4 * dim * HQ * batch * causal_pairs(history, new)
         shape = case_name(dim, batch, history, new)
         sdpa_us = time_eager([providers(s)["sdpa_contiguous"] for s in sets])
-        sdpa_tflops = round(flops / (sdpa_us * 1e-6) / 1e12, 1)
-        rows.append(dict(shape=shape, config="sdpa", us=round(sdpa_us, 1), TFLOPs=sdpa_tflops,
-                         pct_sdpa=100))  # fmt: skip
+        rows.append(dict(shape=shape, config="sdpa", us=round(sdpa_us, 1),
+                         TFLOPs=tflops(flops, sdpa_us), pct_sdpa=100))  # fmt: skip
         print(rows[-1], flush=True)
         for config in SWEEP_CONFIGS[dim]:
 
@@ -143,7 +142,7 @@ def sweep() -> None:
                 rows.append(dict(shape=shape, config=str(config), err=str(e)[:60]))
                 continue
             rows.append(dict(shape=shape, config=str(config), us=round(us, 1),
-                             TFLOPs=round(flops / (us * 1e-6) / 1e12, 1),
+                             TFLOPs=tflops(flops, us),
                              pct_sdpa=round(100 * sdpa_us / us), err=err))  # fmt: skip
             print(rows[-1], flush=True)
         del sets, ref

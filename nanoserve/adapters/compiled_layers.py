@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 
 import torch
 
@@ -33,7 +32,7 @@ class CompiledLayers:
         self.layers = list(layers)
         self.compiled = [torch.compile(layer.forward) for layer in self.layers]
 
-    @contextmanager
+    @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         saved = [layer.__dict__.get("forward") for layer in self.layers]
         for layer, forward in zip(self.layers, self.compiled, strict=True):

@@ -161,9 +161,7 @@ class DecodeGraphs:
             if self.capture:
                 return self._capture(key, static, run_forward, cache, batch)
             self.replays += 1
-            return _trim(
-                _Captured(None, static, *_template(run_forward(static), cache)), cache, batch
-            )
+            return _eager_answer(run_forward(static), cache, batch)
         captured.static.load(host, input_ids, position_ids)
         captured.graph.replay()
         self.replays += 1
@@ -218,6 +216,7 @@ def _template(output, cache) -> tuple[type, dict, str | None]:
 
 
 def _eager_answer(output, cache, batch: int):
+    """``_trim`` for an output computed eagerly (no captured graph behind it)."""
     return _trim(_Captured(None, None, *_template(output, cache)), cache, batch)
 
 
