@@ -12,6 +12,7 @@ bytes reserved against KV bytes the tokens need, and how many generated tokens e
 default's.
 
 Usage: python3 benchmarks/bench_generate.py [--new-tokens 256] [--tiny] [--only a,b]
+    [--capacity [--prefill-chunk 256]]
 `--tiny` runs a 2-layer model on whatever device there is (a smoke test, not a benchmark).
 """
 
@@ -152,35 +153,61 @@ def provider_patched(model, ids, mask, lens, new, device, **patch_kwargs):
     return out, secs, stats["bytes_reserved"]
 
 
-def capacity(model, rows: int, new: int, device: str, budget: int = 40 * GIB) -> None:
-    """How many ragged sequences (prompts 128..2048 + ``new``) a 40 GiB KV budget holds:
-    the static cache reserves every row at the longest length; the paged pool reserves each
-    row's own blocks (measured here on ``rows`` rows, generating with CUDA graphs)."""
+def capacity(model, new: int, device: str, budget: int, prefill_chunk: int) -> dict:
+    """The largest ragged batch (prompts drawn uniformly from 128..2048, + ``new`` tokens)
+    whose blocks fit in ``budget`` bytes of paged KV, generated in one call with CUDA graphs,
+    against the rows the static cache holds in the same bytes (every row reserved at
+    2048 + ``new``). The prompts are prefilled in chunks of ``prefill_chunk`` columns
+    (transformers' ``prefill_chunk_size``): a padded prefill of ~900 x 2048 tokens needs
+    more activation memory than the card has beside the pool."""
+    per_token = kv_bytes_per_token(model)
+    block_size = 16
+    pool_blocks = budget // (block_size * per_token)
     gen = torch.Generator().manual_seed(2)
-    lens = [int(n) for n in torch.randint(128, 2049, (rows,), generator=gen)]
-    width = max(lens)
+    drawn = [int(n) for n in torch.randint(128, 2049, (4 * pool_blocks // 80,), generator=gen)]
+    lens, used = [], 0
+    for n in drawn:  # the longest prefix of the draw whose blocks fit the pool
+        blocks = -(-(n + new) // block_size)
+        if used + blocks > pool_blocks:
+            break
+        lens.append(n)
+        used += blocks
+    rows, width = len(lens), max(lens)
     ids = torch.zeros(rows, width, dtype=torch.long)
     mask = torch.zeros(rows, width, dtype=torch.long)
     for row, n in enumerate(lens):
         ids[row, width - n :] = torch.randint(2, model.config.vocab_size, (n,), generator=gen)
         mask[row, width - n :] = 1
     ids, mask = ids.to(device), mask.to(device)
-    nanoserve.patch_model(model, max_memory=budget)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    nanoserve.patch_model(model, block_size=block_size, max_memory=budget)
     try:
-        run_generate(model, ids, mask, 2, device)
-        out, secs = run_generate(model, ids, mask, new, device)
+        # warm-up: the extend kernel tunes and the decode graph of this bucket is captured
+        run_generate(model, ids, mask, 2, device, prefill_chunk_size=prefill_chunk)
+        out, secs = run_generate(model, ids, mask, new, device, prefill_chunk_size=prefill_chunk)
         stats = nanoserve.cache_stats(model)
+        graphs = nanoserve.decode_graph_stats(model)
     finally:
         nanoserve.unpatch_model(model)
-    per_token = kv_bytes_per_token(model)
     static_rows = budget // ((2048 + new) * per_token)
-    paged_row = stats["blocks_used"] * stats["block_size"] * per_token / rows
+    needed = sum(n + new for n in lens) * per_token
+    row = dict(batch=f"capacity{rows}_128to2048", provider="nanoserve_graphs",
+               rows=rows, static_rows=static_rows, ratio=round(rows / static_rows, 3),
+               **{"tok/s": round(out.numel() / secs, 1), "seconds": round(secs, 2),
+                  "kv_reserved_GiB": round(stats["bytes_reserved"] / GIB, 3),
+                  "kv_used_GiB": round(stats["blocks_used"] * block_size * per_token / GIB, 3),
+                  "kv_needed_GiB": round(needed / GIB, 3),
+                  "graph_replays": graphs["replays"]})  # fmt: skip
+    if device == "cuda":
+        row["peak_GiB"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     print(f"capacity in {budget / GIB:.2f} GiB of KV (prompts 128..2048 + {new}): static cache "
-          f"{static_rows} rows (every row reserved at 2048 + {new}); paged "
-          f"{int(budget // paged_row)} rows ({paged_row / 2**20:.1f} MiB a row measured over "
-          f"{rows} rows, {stats['blocks_used']} blocks), ratio "
-          f"{budget // paged_row / static_rows:.2f}x; {rows} rows generated "
-          f"{out.numel() / secs:.0f} tok/s with CUDA graphs", flush=True)  # fmt: skip
+          f"{static_rows} rows (each reserved at 2048 + {new}); paged {rows} rows "
+          f"({stats['blocks_used']} of {stats['num_blocks']} blocks), ratio "
+          f"{rows / static_rows:.2f}x; generated {out.numel()} tokens at "
+          f"{out.numel() / secs:.0f} tok/s with CUDA graphs (prefill in chunks of "
+          f"{prefill_chunk}; graphs {graphs})", flush=True)  # fmt: skip
+    return row
 
 
 PROVIDERS = {
@@ -200,13 +227,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--only", default="", help="comma-separated provider names")
-    parser.add_argument("--capacity", type=int, default=0,
-                        help="also run N ragged rows on a 40 GiB paged pool (graphs)")  # fmt: skip
+    parser.add_argument(
+        "--capacity",
+        action="store_true",
+        help="also run the largest ragged batch a 40 GiB paged pool holds",
+    )
+    parser.add_argument("--prefill-chunk", type=int, default=256,
+                        help="prefill_chunk_size of the capacity run")  # fmt: skip
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(args.tiny, device)
     if args.capacity:
-        capacity(model, args.capacity, args.new_tokens, device, (2**26) if args.tiny else 40 * GIB)
+        budget = 2**22 if args.tiny else 40 * GIB
+        row = capacity(model, args.new_tokens, device, budget, args.prefill_chunk)
+        write_csv([row], "capacity.csv")
     batches = make_batches(args.tiny, device, model.config.vocab_size)
     chosen = [p for p in PROVIDERS if not args.only or p in args.only.split(",")]
     per_token = kv_bytes_per_token(model)

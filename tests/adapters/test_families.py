@@ -185,3 +185,19 @@ def test_metadata_built_once_per_forward(monkeypatch):
         model.generate(**padded_batch([5, 3], 5), max_new_tokens=6, do_sample=False)
     assert model.config.num_hidden_layers == 2
     assert len(steps) == len(forwards) == 6
+
+
+@pytest.mark.parametrize("chunk", [3, 8, 16])
+def test_chunked_prefill_matches_stock(chunk):
+    """transformers' ``prefill_chunk_size``: the prompt comes in several forwards, the first
+    ones all padding for the short rows; the block size (4) falls inside and across chunks."""
+    model = tiny_model("llama")
+    inputs = padded_batch([2, 11, 17, 5], 17)
+    opts = dict(max_new_tokens=7, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+        with patched(model, block_size=4):
+            paged = model.generate(**inputs, **opts, prefill_chunk_size=chunk)
+            stats = nanoserve.cache_stats(model)
+    assert torch.equal(paged, stock)
+    assert stats["tokens"] == sum([2, 11, 17, 5]) + 4 * 7 - 4  # the last token is not stored
