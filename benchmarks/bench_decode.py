@@ -178,7 +178,8 @@ def sweep_shape(batch: int, ctx: int, dim: int) -> list[dict]:
     sets = [make_set(batch, ctx, dim) for _ in range(num_input_sets(nbytes))]
     ref = reference_rows(sets[0])
     rows = []
-    variants = [(None, c) for c in ((64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3), (256, 8, 2))]
+    configs = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3), (256, 8, 2))
+    variants = [(splits, c) for splits in (None, 2, 4) for c in configs]
 
     def variant(s: dict, splits, config):
         def run():
@@ -216,7 +217,8 @@ def main() -> None:
     torch.manual_seed(0)
     print(versions())
     if args.sweep:
-        sweep = [r for d in dims for b, c in SWEEP_SHAPES for r in sweep_shape(b, c, d)]
+        sweep_shapes = shapes if args.shapes else SWEEP_SHAPES
+        sweep = [r for d in dims for b, c in sweep_shapes for r in sweep_shape(b, c, d)]
         write_csv(sweep, "decode_sweep.csv")
         print_table(sweep, list(sweep[0]))
         return
