@@ -128,6 +128,8 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.cache = _dead_ref  # weakly: graphs must not keep a finished cache alive
         self.cache_signature = None
+        # set at each generate call: the same cache may come back over moved weights
+        self.recheck = False
         self.disabled_reason: str | None = None
         self.captures = 0
         self.replays = 0
@@ -143,15 +145,24 @@ class DecodeGraphs:
         self.cache_signature = None
         self.pool = None
 
+    def follow(self, cache) -> None:
+        """Keep the graphs for ``cache`` only if its signature equals the one they were
+        captured under; checked on a new cache object, and on the same one after
+        ``recheck`` was set (once per generate call: ``model.half()`` or ``.to()`` between
+        calls moves the weights under a cache the caller passes back)."""
+        if cache is self.cache() and not self.recheck:
+            return
+        self.recheck = False
+        signature = self.signature(cache) if self.signature is not None else None
+        if signature is None or signature != self.cache_signature:
+            self.reset()
+        self.cache = weakref.ref(cache)
+        self.cache_signature = signature
+
     def step(self, cache, host: StepMetadata, input_ids, position_ids, run_forward):
         """Run one decode step whose host metadata ``host`` is already built; returns the
         model output with logits for the real rows only."""
-        if cache is not self.cache():
-            signature = self.signature(cache) if self.signature is not None else None
-            if signature is None or signature != self.cache_signature:
-                self.reset()
-            self.cache = weakref.ref(cache)
-            self.cache_signature = signature
+        self.follow(cache)
         batch = input_ids.shape[0]
         key = (bucket_for(batch), host.block_tables.shape[1])
         captured = self.graphs.get(key)

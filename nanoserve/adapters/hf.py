@@ -214,6 +214,8 @@ def _paged_generate(model_class, state: PatchState, options: PoolOptions):
 
     @functools.wraps(stock)
     def generate(self, *args, **kwargs):
+        if state.graphs is not None:
+            state.graphs.recheck = True
         user_cache = any(kwargs.get(k) is not None for k in CACHE_KWARGS)
         config = kwargs.get("generation_config") or self.generation_config
         use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True))

@@ -89,6 +89,57 @@ def test_compiled_decode_layers_match_stock():
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
 
 
+def test_graphs_follow_the_signature_of_a_cache_passed_back():
+    """Graphs stay while the cache's memory signature does; the same cache object is
+    checked again once ``recheck`` is set (each generate call), so weights moved by
+    ``model.half()`` / ``.to()`` between calls drop the graphs instead of replaying them."""
+
+    class Cache:
+        pass
+
+    signature = ["weights at A"]
+    graphs = DecodeGraphs(capture=False, signature=lambda cache: signature[0])
+    cache = Cache()
+    graphs.follow(cache)
+    graphs.graphs[(1, 4)] = "a captured graph"
+    graphs.follow(cache)
+    assert graphs.graphs  # same cache, same call
+    signature[0] = "weights at B"
+    graphs.recheck = True
+    graphs.follow(cache)
+    assert not graphs.graphs and not graphs.recheck
+    graphs.graphs[(1, 4)] = "a captured graph"
+    graphs.recheck = True
+    graphs.follow(cache)
+    assert graphs.graphs  # checked again, unchanged: kept
+    other = Cache()
+    graphs.follow(other)
+    assert graphs.graphs  # a new cache over the same memory keeps them too
+    signature[0] = "weights at C"
+    graphs.follow(Cache())
+    assert not graphs.graphs
+
+
+def test_each_generate_call_asks_for_a_recheck(monkeypatch):
+    model = tiny_model("llama")
+    inputs = padded_batch([7, 3], 7)
+    seen = []
+    follow = DecodeGraphs.follow
+    monkeypatch.setattr(
+        DecodeGraphs, "follow", lambda self, cache: (seen.append(self.recheck), follow(self, cache))
+    )
+    opts = dict(max_new_tokens=4, do_sample=False, eos_token_id=None)
+    nanoserve.patch_model(model, block_size=4)
+    STATES[id(model.config)].graphs = DecodeGraphs(capture=False)
+    try:
+        with torch.no_grad():
+            model.generate(**inputs, **opts)
+            model.generate(**inputs, **opts)
+    finally:
+        nanoserve.unpatch_model(model)
+    assert seen == [True, False, False] * 2  # three decode steps a call, the first rechecks
+
+
 def test_next_call_reuses_the_pools_of_a_dropped_cache_only():
     """Same memory for the next call of the same pool size (what keeps captured graphs
     valid), unless the caller still holds the last cache, or the store inside it: that one
