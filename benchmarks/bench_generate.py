@@ -158,7 +158,7 @@ def capacity(model, new: int, device: str, budget: int, prefill_chunk: int) -> d
     whose blocks fit in ``budget`` bytes of paged KV, generated in one call with CUDA graphs,
     against the rows the static cache holds in the same bytes (every row reserved at
     2048 + ``new``). The prompts are prefilled in chunks of ``prefill_chunk`` columns
-    (transformers' ``prefill_chunk_size``): a padded prefill of ~900 x 2048 tokens needs
+    (transformers' ``prefill_chunk_size``): a padded prefill of ~960 x 2048 tokens needs
     more activation memory than the card has beside the pool."""
     per_token = kv_bytes_per_token(model)
     block_size = 16
@@ -172,6 +172,10 @@ def capacity(model, new: int, device: str, budget: int, prefill_chunk: int) -> d
             break
         lens.append(n)
         used += blocks
+    else:
+        raise RuntimeError("capacity: the draw ran out before the pool was full; draw more")
+    if not lens:
+        raise RuntimeError(f"capacity: {budget} bytes of KV hold no sequence of this workload")
     rows, width = len(lens), max(lens)
     ids = torch.zeros(rows, width, dtype=torch.long)
     mask = torch.zeros(rows, width, dtype=torch.long)
@@ -205,7 +209,7 @@ def capacity(model, new: int, device: str, budget: int, prefill_chunk: int) -> d
           f"{static_rows} rows (each reserved at 2048 + {new}); paged {rows} rows "
           f"({stats['blocks_used']} of {stats['num_blocks']} blocks), ratio "
           f"{rows / static_rows:.2f}x; generated {out.numel()} tokens at "
-          f"{out.numel() / secs:.0f} tok/s with CUDA graphs (prefill in chunks of "
+          f"{out.numel() / secs:.0f} tok/s on {device} (prefill in chunks of "
           f"{prefill_chunk}; graphs {graphs})", flush=True)  # fmt: skip
     return row
 

@@ -1,11 +1,11 @@
 """Triton paged decode attention: one query token per sequence, split-KV (flash-decoding).
 
-Grid (num_kv_heads, num_seqs, num_splits). One program holds every query head of one KV
-head as the rows of one tile (padded to >= 16 rows for tl.dot), so each K/V row is read
-once. It walks its share of the sequence BLOCK_N tokens at a time straight through the block
-table (several pages per step when pages are small), with an online softmax in float32. With
-more than one split, partial results and their log-sum-exp go to a float32 scratch and a
-second kernel merges them.
+Grid (num_seqs * num_kv_heads, num_splits), KV head fastest. One program holds every query
+head of one KV head as the rows of one tile (padded to >= 16 rows for tl.dot), so each K/V
+row is read once. It walks its share of the sequence BLOCK_N tokens at a time straight
+through the block table (several pages per step when pages are small), with an online
+softmax in float32. With more than one split, partial results and their log-sum-exp go to a
+float32 scratch and a second kernel merges them.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ MAX_SPLITS = 64
 @triton.jit
 def _decode_kernel(
     query, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
-    scale, softcap, window,
+    scale, softcap, window, num_kv_heads,
     stride_qs, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_os, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
 ):  # fmt: skip
-    kv_head = tl.program_id(0)
-    seq = tl.program_id(1)
-    split = tl.program_id(2)
+    # one grid axis for (sequence, KV head): axis 1 of a CUDA grid stops at 65,535
+    kv_head = tl.program_id(0) % num_kv_heads
+    seq = tl.program_id(0) // num_kv_heads
+    split = tl.program_id(1)
     seq_len = tl.load(seq_lens + seq)
     kv_start = 0
     if HAS_WINDOW:
@@ -80,7 +81,7 @@ def _decode_kernel(
         tl.store(dst, o.to(out.dtype.element_ty), mask=row_mask)
     else:
         # Scratch: mid_o [S, Hq, NUM_SPLITS, D_PAD], mid_lse [S, Hq, NUM_SPLITS], contiguous.
-        row = (seq * (GROUP * tl.num_programs(0)) + heads).to(tl.int64) * NUM_SPLITS + split
+        row = (seq * (GROUP * num_kv_heads) + heads).to(tl.int64) * NUM_SPLITS + split
         tl.store(mid_o + row[:, None] * D_PAD + d[None, :], o, mask=row_mask)
         tl.store(mid_lse + row, m_i + tl.log2(l_safe), mask=g < GROUP)
 
@@ -152,6 +153,33 @@ def choose_num_splits(
     return 1 << (max(splits, 1).bit_length() - 1)
 
 
+def decode_plan(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    config: tuple[int, int, int] | None = None,
+    num_splits: int | None = None,
+) -> tuple[int, int, int, int]:
+    """(BLOCK_N, num_warps, num_stages, num_splits) of a launch, from shapes only; a given
+    ``config`` or ``num_splits`` is kept as given."""
+    num_seqs, _, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    capacity = block_tables.shape[1] * block_size
+    many_long = (
+        config is None
+        and num_splits is None
+        and many_long_narrow(num_seqs * num_kv_heads, capacity, head_dim, query)
+    )
+    if many_long:
+        config = (max(64, next_pow2(block_size)), 4, 2)
+    block_n, num_warps, num_stages = config or decode_config(head_dim, block_size, query.dtype)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, block_n, query.device)
+        if many_long:
+            num_splits = max(num_splits, 2)
+    return block_n, num_warps, num_stages, num_splits
+
+
 def paged_decode_attention_triton(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -179,17 +207,9 @@ def paged_decode_attention_triton(
         query = query.contiguous()
     group = num_q_heads // num_kv_heads
     d_pad = next_pow2(head_dim)
-    capacity = block_tables.shape[1] * block_size
-    many_long = config is None and many_long_narrow(
-        num_seqs * num_kv_heads, capacity, head_dim, query
+    block_n, num_warps, num_stages, num_splits = decode_plan(
+        query, key_cache, block_tables, config, num_splits
     )
-    if many_long:
-        config = (max(64, next_pow2(block_size)), 4, 2)
-    block_n, num_warps, num_stages = config or decode_config(head_dim, block_size, query.dtype)
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, block_n, query.device)
-        if many_long:
-            num_splits = max(num_splits, 2)
     if num_splits > 1:
         mid_o = torch.empty(
             (num_seqs, num_q_heads, num_splits, d_pad), dtype=torch.float32, device=query.device
@@ -199,9 +219,9 @@ def paged_decode_attention_triton(
         )
     else:
         mid_o = mid_lse = out  # unused
-    _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
+    _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
-        scale, softcap or 1.0, sliding_window or 0,
+        scale, softcap or 1.0, sliding_window or 0, num_kv_heads,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),

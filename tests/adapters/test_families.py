@@ -194,10 +194,16 @@ def test_chunked_prefill_matches_stock(chunk):
     model = tiny_model("llama")
     inputs = padded_batch([2, 11, 17, 5], 17)
     opts = dict(max_new_tokens=7, do_sample=False, eos_token_id=None)
+    widths = []
+    model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     with torch.no_grad():
         stock = model.generate(**inputs, **opts)
+        widths.clear()
         with patched(model, block_size=4):
             paged = model.generate(**inputs, **opts, prefill_chunk_size=chunk)
             stats = nanoserve.cache_stats(model)
     assert torch.equal(paged, stock)
+    assert widths[: -(-17 // chunk)] == [min(chunk, 17 - i) for i in range(0, 17, chunk)]
     assert stats["tokens"] == sum([2, 11, 17, 5]) + 4 * 7 - 4  # the last token is not stored

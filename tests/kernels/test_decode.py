@@ -72,14 +72,18 @@ def test_decode_auto_on_cpu_is_the_reference():
 def test_decode_many_long_narrow_path(poison_outputs):
     """Head dim 64, fp16, >= 4 programs per (nominal) SM and an 8k-token table: the launcher
     takes 64-token steps in at least two splits; the result still matches the reference."""
-    from nanoserve.kernels.triton_decode import many_long_narrow
+    from nanoserve.kernels.triton_decode import decode_plan
 
     lens = [1, 15, 16, 17, 300]
     key_cache, value_cache, tables, seq_lens = make_paged_kv(
         lens, 4, 64, 16, torch.float16, extra_columns=512
     )
     query = torch.randn(len(lens), 4 * 4, 64).to(torch.float16)
-    assert many_long_narrow(len(lens) * 4, tables.shape[1] * 16, 64, query)
+    block_n, warps, stages, splits = decode_plan(query, key_cache, tables)
+    assert (block_n, warps, stages) == (64, 4, 2) and splits >= 2
+    # a short table, or a split count given by the caller, keeps the usual choice
+    assert decode_plan(query, key_cache, tables[:, :40])[0] == 128
+    assert decode_plan(query, key_cache, tables, num_splits=1) == (128, 4, 2, 1)
     ref = paged_decode_attention_ref(query.double(), key_cache.double(), value_cache.double(),
                                      tables, seq_lens)  # fmt: skip
     out = paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, backend="triton")
