@@ -70,14 +70,20 @@ def make_batches(tiny: bool, device: str, vocab: int) -> dict[str, tuple]:
     batches = {}
     for name, lens in shapes.items():
         lens = [int(n) for n in lens]
-        width = max(lens)
-        ids = torch.zeros(len(lens), width, dtype=torch.long)
-        mask = torch.zeros(len(lens), width, dtype=torch.long)
-        for row, n in enumerate(lens):
-            ids[row, width - n :] = torch.randint(2, vocab, (n,), generator=gen)
-            mask[row, width - n :] = 1
-        batches[name] = (ids.to(device), mask.to(device), lens)
+        batches[name] = (*left_padded(lens, vocab, gen, device), lens)
     return batches
+
+
+def left_padded(lens: list[int], vocab: int, gen: torch.Generator, device: str):
+    """(input_ids, attention_mask) [len(lens), max(lens)] int64 on ``device``: random token
+    ids in 2..vocab-1 drawn from ``gen`` row by row, each row left padded with id 0."""
+    width = max(lens)
+    ids = torch.zeros(len(lens), width, dtype=torch.long)
+    mask = torch.zeros(len(lens), width, dtype=torch.long)
+    for row, n in enumerate(lens):
+        ids[row, width - n :] = torch.randint(2, vocab, (n,), generator=gen)
+        mask[row, width - n :] = 1
+    return ids.to(device), mask.to(device)
 
 
 def kv_bytes_per_token(model) -> int:
@@ -176,13 +182,8 @@ def capacity(model, new: int, device: str, budget: int, prefill_chunk: int) -> d
         raise RuntimeError("capacity: the draw ran out before the pool was full; draw more")
     if not lens:
         raise RuntimeError(f"capacity: {budget} bytes of KV hold no sequence of this workload")
-    rows, width = len(lens), max(lens)
-    ids = torch.zeros(rows, width, dtype=torch.long)
-    mask = torch.zeros(rows, width, dtype=torch.long)
-    for row, n in enumerate(lens):
-        ids[row, width - n :] = torch.randint(2, model.config.vocab_size, (n,), generator=gen)
-        mask[row, width - n :] = 1
-    ids, mask = ids.to(device), mask.to(device)
+    rows = len(lens)
+    ids, mask = left_padded(lens, model.config.vocab_size, gen, device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     nanoserve.patch_model(model, block_size=block_size, max_memory=budget)
