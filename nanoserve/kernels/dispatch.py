@@ -56,6 +56,20 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(index)
 
 
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def supports_pdl(device: torch.device) -> bool:
+    """True on CUDA devices of compute capability 9.0 or later (programmatic dependent launch);
+    False off CUDA (the interpreter has no griddepcontrol)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability_major(index) >= 9
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (n >= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())

@@ -88,3 +88,22 @@ def test_decode_many_long_narrow_path(poison_outputs):
                                      tables, seq_lens)  # fmt: skip
     out = paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, backend="triton")
     assert rel_err(out, ref) < TOLERANCE[torch.float16]
+
+
+def test_decode_plan_split_launch_takes_two_stages():
+    """Head dim 128, 16-bit: three pipeline stages without splits, two once the launch splits
+    (a caller's config is kept as given)."""
+    from nanoserve.kernels.triton_decode import decode_plan
+
+    key_cache, _, tables, _ = make_paged_kv([100], 2, 128, 16, torch.float16, extra_columns=64)
+    query = torch.randn(1, 8, 128).to(torch.float16)
+    assert decode_plan(query, key_cache, tables, num_splits=1) == (64, 4, 3, 1)
+    block_n, warps, stages, splits = decode_plan(query, key_cache, tables)
+    assert splits > 1 and (block_n, warps, stages) == (64, 4, 2)
+    assert decode_plan(query, key_cache, tables, config=(64, 4, 3), num_splits=4) == (64, 4, 3, 4)
+
+
+def test_programmatic_dependent_launch_is_off_the_gpu():
+    from nanoserve.kernels.dispatch import supports_pdl
+
+    assert supports_pdl(torch.device("cpu")) is False
