@@ -82,3 +82,23 @@ def test_extend_masked_unmasked_split(tiles, head_dim, window, softcap, poison_o
         sliding_window=window, softcap=softcap, config=tiles,
     )  # fmt: skip
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 7, 8, 9])
+def test_extend_finds_each_tiles_sequence(num_seqs, poison_outputs):
+    """The grid's tiles map to their sequences for batch sizes at and around powers of two."""
+    new = torch.randint(0, 40, (num_seqs,)).tolist()
+    new[0] = max(new[0], 1)
+    history = torch.randint(1, 30, (num_seqs,)).tolist()
+    lens = [h + n for h, n in zip(history, new, strict=True)]
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(lens, 1, 64, 16, torch.float32)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), 2, 64)
+    ref = paged_extend_attention_ref(
+        query.double(), key_cache.double(), value_cache.double(), tables, seq_lens, cu
+    )
+    out = paged_extend_attention_triton(
+        query, key_cache, value_cache, tables, seq_lens, cu, scale=64**-0.5,
+        sliding_window=None, softcap=None,
+    )  # fmt: skip
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
