@@ -62,9 +62,9 @@ def _capability_major(index: int) -> int:
 
 
 def supports_pdl(device: torch.device) -> bool:
-    """True on CUDA devices of compute capability 9.0 or later (programmatic dependent launch);
-    False off CUDA (the interpreter has no griddepcontrol)."""
-    if device.type != "cuda":
+    """True on NVIDIA GPUs of compute capability 9.0 or later (programmatic dependent launch);
+    False off CUDA (the interpreter has no griddepcontrol) and on ROCm (no such instruction)."""
+    if device.type != "cuda" or torch.version.hip is not None:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability_major(index) >= 9

@@ -103,7 +103,9 @@ def test_decode_plan_split_launch_takes_two_stages():
     assert decode_plan(query, key_cache, tables, config=(64, 4, 3), num_splits=4) == (64, 4, 3, 4)
 
 
-def test_programmatic_dependent_launch_is_off_the_gpu():
+def test_programmatic_dependent_launch_only_on_nvidia(monkeypatch):
     from nanoserve.kernels.dispatch import supports_pdl
 
     assert supports_pdl(torch.device("cpu")) is False
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert supports_pdl(torch.device("cuda", 0)) is False
