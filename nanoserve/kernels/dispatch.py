@@ -63,8 +63,11 @@ def _capability_major(index: int) -> int:
 
 def supports_pdl(device: torch.device) -> bool:
     """True on NVIDIA GPUs of compute capability 9.0 or later (programmatic dependent launch);
-    False off CUDA (the interpreter has no griddepcontrol) and on ROCm (no such instruction)."""
+    False off CUDA, under TRITON_INTERPRET=1 (the interpreter has no griddepcontrol, even for
+    CUDA tensors) and on ROCm (no such instruction)."""
     if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability_major(index) >= 9

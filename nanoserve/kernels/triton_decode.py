@@ -5,10 +5,10 @@ head of one KV head as the rows of one tile (padded to >= 16 rows for tl.dot), s
 row is read once. It walks its share of the sequence BLOCK_N tokens at a time straight
 through the block table (several pages per step when pages are small), with an online
 softmax in float32. With more than one split, partial results and their log-sum-exp go to a
-float32 scratch and a second kernel merges them. On Hopper and later the merge kernel is
-launched with programmatic dependent launch: its launch overlaps the split kernel's run and
-it waits on the device (griddepcontrol) for that kernel's results, which takes the launch
-gap between the two off a batch-1 step.
+float32 scratch and a second kernel merges them. On NVIDIA Hopper and later the merge kernel
+is launched with programmatic dependent launch: its launch overlaps the split kernel's run
+and it waits on the device (griddepcontrol) for that kernel's results (H200: 0.5-0.9 µs off
+each head_dim-64 batch-1 shape in two runs; no clear change at head_dim 128).
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def decode_config(head_dim: int, block_size: int, dtype: torch.dtype) -> tuple[i
     """(BLOCK_N tokens per step, num_warps, num_stages) for a head dim, page size and dtype.
 
     Three stages keep more K/V loads in flight (measured a few % faster on the H200 for bf16,
-    head_dim 128); wide fp32 tiles and 128-token steps stay at two.
+    head_dim 128, without splits; ``decode_plan`` drops split launches to two); wide fp32
+    tiles and 128-token steps stay at two.
     """
     small = next_pow2(head_dim) <= 128
     # head_dim <= 64, 16-bit: 128-token steps (H200, 32/8 heads: 32 x 8k 153 -> 147 µs,
@@ -186,8 +187,9 @@ def decode_plan(
         if many_long:
             num_splits = max(num_splits, 2)
     if config is None and num_splits > 1:
-        # A split launch pipelines two stages deep: with three, this grid ran 15-25% slower
-        # (H200, d128 graph µs: 1 x 32k 58.2 -> 50.3, 8 x 8k 98.4 -> 80.9; no split: equal).
+        # A split launch pipelines two stages deep: with three, this grid's split kernel takes
+        # 166 registers (128 with two) and ran 8-22% slower (H200, d128 graph µs: 1 x 32k
+        # 58.1 -> 50.3, 8 x 8k 98.5 -> 80.9; without splits three stages are no slower).
         num_stages = min(num_stages, 2)
     return block_n, num_warps, num_stages, num_splits
 

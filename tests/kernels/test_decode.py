@@ -107,5 +107,39 @@ def test_programmatic_dependent_launch_only_on_nvidia(monkeypatch):
     from nanoserve.kernels.dispatch import supports_pdl
 
     assert supports_pdl(torch.device("cpu")) is False
-    monkeypatch.setattr(torch.version, "hip", "6.2")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter, even with CUDA tensors
     assert supports_pdl(torch.device("cuda", 0)) is False
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert supports_pdl(torch.device("cuda", 0)) is False
+
+
+def test_split_decode_launches_its_merge_with_pdl_where_supported(monkeypatch):
+    """With PDL supported, the split kernel signals its dependents and the merge launch
+    carries launch_pdl (the merge then waits on the device); without splits, no PDL."""
+    import nanoserve.kernels.triton_decode as triton_decode
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, kwargs))
+
+    monkeypatch.setattr(triton_decode, "supports_pdl", lambda device: True)
+    monkeypatch.setattr(triton_decode, "_decode_kernel", Recorder("split"))
+    monkeypatch.setattr(triton_decode, "_reduce_kernel", Recorder("merge"))
+    key_cache, value_cache, tables, seq_lens = make_paged_kv([100, 7], 2, 64, 16, torch.float16)
+    query = torch.randn(2, 8, 64).to(torch.float16)
+    for splits in (4, 1):
+        triton_decode.paged_decode_attention_triton(
+            query, key_cache, value_cache, tables, seq_lens, scale=0.125,
+            sliding_window=None, softcap=None, num_splits=splits,
+        )  # fmt: skip
+    (split, split_kw), (merge, merge_kw), (alone, alone_kw) = launches
+    assert (split, merge, alone) == ("split", "merge", "split")
+    assert split_kw["PDL"] and merge_kw["PDL"] and merge_kw["launch_pdl"] is True
+    assert alone_kw["PDL"] is False
