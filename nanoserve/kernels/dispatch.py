@@ -38,9 +38,18 @@ def use_triton(backend: str, tensor: torch.Tensor) -> bool:
             f"backend: 'triton' does not take {str(tensor.dtype).removeprefix('torch.')} "
             "tensors; use 'torch' or 'auto'"
         )
-    if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not tensor.is_cuda and not _interpreting():
         raise ValueError("backend: 'triton' on CPU tensors needs TRITON_INTERPRET=1")
     return True
+
+
+def _interpreting() -> bool:
+    """True when Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
@@ -52,8 +61,7 @@ def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (cached per device); a nominal 4 off CUDA."""
     if device.type != "cuda":
         return NOMINAL_SM_COUNT
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count(index)
+    return _sm_count(_cuda_index(device))
 
 
 @functools.cache
@@ -67,10 +75,9 @@ def supports_pdl(device: torch.device) -> bool:
     CUDA tensors) and on ROCm (no such instruction)."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _interpreting():
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability_major(index) >= 9
+    return _capability_major(_cuda_index(device)) >= 9
 
 
 def next_pow2(n: int) -> int:
