@@ -5,8 +5,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def tanh(x):

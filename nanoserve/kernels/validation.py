@@ -68,8 +68,6 @@ def check_slot_scatter_args(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    *,
-    check_values: bool = True,
 ) -> None:
     """Validate slot-scatter arguments (see ``slot_scatter_ref`` for shapes)."""
     check_kv_pools(key_cache, value_cache)
@@ -84,7 +82,7 @@ def check_slot_scatter_args(
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=device)
     if slot_mapping.shape[0] != key.shape[0]:
         _fail("slot_mapping", f"has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
-    if check_values and slot_mapping.numel() > 0:
+    if slot_mapping.numel() > 0:
         num_slots = num_blocks * block_size
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         if lo < -1 or hi >= num_slots:
@@ -105,7 +103,6 @@ def check_attention_args(
     scale: float | None,
     sliding_window: int | None,
     softcap: float | None,
-    check_values: bool = True,
 ) -> None:
     """Validate paged attention arguments; ``cu_seqlens_q=None`` means decode (one token each)."""
     check_kv_pools(key_cache, value_cache)
@@ -137,7 +134,7 @@ def check_attention_args(
         _fail("sliding_window", f"must be a positive integer, got {sliding_window}")
     if softcap is not None and not softcap > 0:
         _fail("softcap", f"must be positive, got {softcap}")
-    if not check_values or num_seqs == 0:
+    if num_seqs == 0:
         return
     lens = seq_lens.cpu()
     capacity = block_tables.shape[1] * block_size
