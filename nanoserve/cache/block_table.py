@@ -62,9 +62,9 @@ class BlockTable:
             self._num_tokens += 1
             return [self._block_ids[-1] * self.block_size + offset]
         new, shared = self._blocks_needed(n)
+        blocks = self.allocator.allocate(new + int(shared))  # raises before changing anything
         if new or shared:
             self.version += 1
-        blocks = self.allocator.allocate(new + int(shared))  # raises before changing anything
         if shared:
             private = blocks.pop()
             old = self._block_ids[-1]

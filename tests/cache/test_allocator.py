@@ -91,3 +91,17 @@ def test_truncate_releases_trailing_blocks():
     assert table.num_tokens == 4 and len(table.block_ids) == 1 and alloc.num_free == 7
     with pytest.raises(ValueError, match="num_tokens"):
         table.truncate(5)
+
+
+def test_failed_append_leaves_the_version():
+    alloc = BlockAllocator(2)
+    table = BlockTable(alloc, block_size=4)
+    table.append(5)
+    version = table.version
+    with pytest.raises(OutOfBlocks):
+        table.append(4)
+    assert table.version == version
+    table.append(3)  # fills the last block: no new block, same ids
+    assert table.version == version
+    table.truncate(4)
+    assert table.version == version + 1
