@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
+
+
+def as_index(value: object, name: str, minimum: int | None = None) -> int:
+    """``value`` as a plain int: any integral type but bool (a numpy int is fine, a bool is
+    almost always a mistake), at least ``minimum``; else ``ValueError`` naming ``name``."""
+    if type(value) is not int:
+        if isinstance(value, bool):
+            raise ValueError(f"{name}: must be an int, got the bool {value!r}")
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise ValueError(f"{name}: must be an int, got {value!r}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+    return value
 
 
 class OutOfBlocks(RuntimeError):
@@ -24,8 +40,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks: must be a positive int, got {num_blocks!r}")
+        num_blocks = as_index(num_blocks, "num_blocks", minimum=1)
         self._num_blocks = num_blocks
         self._refcounts = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
@@ -44,8 +59,7 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (refcount 1 each); all or nothing, else ``OutOfBlocks``."""
-        if n < 0:
-            raise ValueError(f"n: must be >= 0, got {n}")
+        n = as_index(n, "n", minimum=0)
         if n > len(self._free):
             raise OutOfBlocks(n, len(self._free), self._num_blocks)
         blocks = [self._free.pop() for _ in range(n)]
@@ -53,24 +67,32 @@ class BlockAllocator:
             self._refcounts[block] = 1
         return blocks
 
-    def _check_live(self, block_ids: list[int]) -> None:
-        for block in block_ids:
-            if not isinstance(block, int) or not 0 <= block < self._num_blocks:
-                raise ValueError(f"block_ids: unknown block id {block!r}")
+    def _block_id(self, block: object, name: str) -> int:
+        try:
+            block_id = as_index(block, name)
+        except ValueError:
+            raise ValueError(f"{name}: unknown block id {block!r} (not an int)") from None
+        if not 0 <= block_id < self._num_blocks:
+            raise ValueError(f"{name}: unknown block id {block!r}")
+        return block_id
+
+    def _live(self, block_ids: Iterable[int]) -> list[int]:
+        """``block_ids`` as plain ints, each allocated; else ``ValueError``, nothing changed."""
+        ids = [self._block_id(block, "block_ids") for block in block_ids]
+        for block in ids:
             if self._refcounts[block] == 0:
                 raise ValueError(f"block_ids: block {block} is not allocated (double free?)")
+        return ids
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each allocated block (a second owner shares it)."""
-        block_ids = list(block_ids)
-        self._check_live(block_ids)
+        block_ids = self._live(block_ids)
         for block in block_ids:
             self._refcounts[block] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block; a block at zero returns to the free list."""
-        block_ids = list(block_ids)
-        self._check_live(block_ids)
+        block_ids = self._live(block_ids)
         drops: dict[int, int] = {}
         for block in block_ids:
             drops[block] = drops.get(block, 0) + 1
@@ -83,6 +105,4 @@ class BlockAllocator:
 
     def refcount(self, block_id: int) -> int:
         """Number of owners of ``block_id`` (0 when free)."""
-        if not isinstance(block_id, int) or not 0 <= block_id < self._num_blocks:
-            raise ValueError(f"block_id: unknown block id {block_id!r}")
-        return self._refcounts[block_id]
+        return self._refcounts[self._block_id(block_id, "block_id")]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nanoserve.cache.allocator import BlockAllocator
+from nanoserve.cache.allocator import BlockAllocator, as_index
 
 
 class BlockTable:
@@ -16,8 +16,7 @@ class BlockTable:
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int):
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
+        block_size = as_index(block_size, "block_size", minimum=1)
         self.allocator = allocator
         self.block_size = block_size
         self._block_ids: list[int] = []
@@ -54,7 +53,7 @@ class BlockTable:
 
     def append(self, n: int) -> list[int]:
         """Reserve slots for ``n`` new tokens and return them; all or nothing."""
-        if not isinstance(n, int) or n < 0:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"n: must be an int >= 0, got {n!r}")
         offset = self._num_tokens % self.block_size
         if n == 1 and offset and self.allocator.refcount(self._block_ids[-1]) == 1:
@@ -78,7 +77,9 @@ class BlockTable:
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens; blocks past them are released."""
-        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= self._num_tokens:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise ValueError(f"num_tokens: must be an int, got {num_tokens!r}")
+        if not 0 <= num_tokens <= self._num_tokens:
             raise ValueError(f"num_tokens: {num_tokens} outside [0, {self._num_tokens}]")
         keep = -(-num_tokens // self.block_size)
         self.allocator.free(self._block_ids[keep:])

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from nanoserve import BlockAllocator, BlockTable, OutOfBlocks
@@ -91,6 +92,50 @@ def test_truncate_releases_trailing_blocks():
     assert table.num_tokens == 4 and len(table.block_ids) == 1 and alloc.num_free == 7
     with pytest.raises(ValueError, match="num_tokens"):
         table.truncate(5)
+
+
+def test_bools_are_not_counts_or_block_ids():
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockAllocator(True)
+    alloc = BlockAllocator(4)
+    with pytest.raises(ValueError, match="^n"):
+        alloc.allocate(True)
+    with pytest.raises(ValueError, match="block_size"):
+        BlockTable(alloc, block_size=True)
+    (block,) = alloc.allocate(1)
+    assert block == 0
+    with pytest.raises(ValueError, match="block_id"):
+        alloc.refcount(False)  # not block 0
+    with pytest.raises(ValueError, match="block_ids"):
+        alloc.free([False])
+    with pytest.raises(ValueError, match="block_ids"):
+        alloc.incref([False])
+    assert alloc.refcount(0) == 1
+    table = BlockTable(alloc, block_size=4)
+    with pytest.raises(ValueError, match="^n"):
+        table.append(True)
+    table.append(2)
+    with pytest.raises(ValueError, match="num_tokens"):
+        table.truncate(True)
+    assert table.num_tokens == 2
+
+
+def test_numpy_ints_are_block_ids_and_counts():
+    alloc = BlockAllocator(np.int64(4))
+    assert alloc.num_blocks == 4 and type(alloc.num_blocks) is int
+    blocks = alloc.allocate(np.int64(2))
+    assert blocks == [0, 1]
+    alloc.incref([np.int64(1)])
+    assert alloc.refcount(np.int32(1)) == 2
+    alloc.free([np.int64(1), np.int64(1)])
+    assert alloc.refcount(np.int64(1)) == 0
+    # the freed id went back as a plain int
+    assert [type(b) for b in alloc.allocate(1)] == [int]
+    table = BlockTable(alloc, block_size=np.int64(4))
+    assert type(table.block_size) is int
+    assert table.append(5) == [table.slot(p) for p in range(5)]
+    with pytest.raises(ValueError, match="block_ids"):
+        alloc.free([np.float64(0)])
 
 
 def test_failed_append_leaves_the_version():
