@@ -236,7 +236,7 @@ def paged_decode_attention_triton(
     pdl = num_splits > 1 and supports_pdl(query.device)
     _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
-        scale, softcap or 1.0, sliding_window or 0, num_kv_heads,
+        float(scale), float(softcap or 1.0), int(sliding_window or 0), num_kv_heads,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),

@@ -274,7 +274,7 @@ def paged_extend_attention_triton(
     tune_key = (0 if waves < SMALL_GRID_WAVES else 2) + int(short)
     args = (
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out,
-        scale, softcap or 1.0, sliding_window or 0, num_seqs, tune_key,
+        float(scale), float(softcap or 1.0), int(sliding_window or 0), num_seqs, tune_key,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),

@@ -8,6 +8,9 @@ the caller passes ``check=False`` after validating its metadata once.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -40,6 +43,19 @@ def check_tensor(
     if contiguous and not tensor.is_contiguous():
         _fail(name, "must be contiguous")
     return tensor
+
+
+def check_positive(name: str, value: object, *, integer: bool = False) -> None:
+    """Check that ``value`` is a finite positive number (a whole one with ``integer``).
+
+    Bools are refused: ``sliding_window=True`` is a mistake, not a window of one token.
+    """
+    kind = "a positive integer" if integer else "a finite positive number"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _fail(name, f"must be {kind}, got {value!r} ({type(value).__name__})")
+    number = float(value)
+    if not math.isfinite(number) or number <= 0 or (integer and not number.is_integer()):
+        _fail(name, f"must be {kind}, got {value}")
 
 
 def check_kv_pools(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -128,12 +144,12 @@ def check_attention_args(
         check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
         if cu_seqlens_q.shape[0] != num_seqs + 1:
             _fail("cu_seqlens_q", f"has {cu_seqlens_q.shape[0]} entries, expected {num_seqs + 1}")
-    if scale is not None and not scale > 0:
-        _fail("scale", f"must be positive, got {scale}")
-    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
-        _fail("sliding_window", f"must be a positive integer, got {sliding_window}")
-    if softcap is not None and not softcap > 0:
-        _fail("softcap", f"must be positive, got {softcap}")
+    if scale is not None:
+        check_positive("scale", scale)
+    if sliding_window is not None:
+        check_positive("sliding_window", sliding_window, integer=True)
+    if softcap is not None:
+        check_positive("softcap", softcap)
     if num_seqs == 0:
         return
     lens = seq_lens.cpu()

@@ -62,13 +62,54 @@ def test_attention_bad_input(op, name, bad):
         ATTENTION_OPS[op](**args)
 
 
-@pytest.mark.parametrize(
-    ("kwarg", "value"),
-    [("sliding_window", 0), ("softcap", 0.0), ("scale", -1.0), ("backend", "cuda")],
-)
-def test_attention_bad_keyword(kwarg, value):
+NAN, INF = float("nan"), float("inf")
+BAD_KEYWORDS = [
+    ("sliding_window", 0),
+    ("sliding_window", 2.5),
+    ("sliding_window", "8"),
+    # Before the fix: True passed as a window of one token (Triton) and crashed the torch
+    # path; NaN and inf raised raw int() errors that named nothing.
+    ("sliding_window", True),
+    ("sliding_window", NAN),
+    ("sliding_window", INF),
+    ("softcap", 0.0),
+    # Before the fix: inf and True passed and gave non-finite or wrong output; NaN was caught
+    # only because NaN > 0 is False.
+    ("softcap", INF),
+    ("softcap", NAN),
+    ("softcap", True),
+    ("scale", -1.0),
+    ("scale", INF),
+    ("scale", NAN),
+    ("scale", True),
+    ("scale", torch.tensor([0.1, 0.2])),
+]
+
+
+@pytest.mark.parametrize(("kwarg", "value"), BAD_KEYWORDS)
+@pytest.mark.parametrize("op", list(ATTENTION_OPS))
+def test_attention_bad_keyword(op, kwarg, value):
     with pytest.raises(ValueError, match=f"^{kwarg}"):
-        paged_decode_attention(**{"backend": "triton", **_attention_args(), kwarg: value})
+        ATTENTION_OPS[op](**{**_attention_args(), kwarg: value})
+
+
+def test_attention_bad_backend():
+    with pytest.raises(ValueError, match="^backend"):
+        paged_decode_attention(**_attention_args(), backend="cuda")
+
+
+@pytest.mark.parametrize("op", list(ATTENTION_OPS))
+def test_attention_whole_float_window_and_numpy_numbers_accepted(op):
+    """Numbers that are not Python ints/floats but mean one still pass (and compute the
+    same as their plain forms)."""
+    import numpy as np
+
+    args = _attention_args()
+    plain = ATTENTION_OPS[op](**args, sliding_window=5, scale=0.125, softcap=30.0)
+    other = ATTENTION_OPS[op](
+        **args, sliding_window=5.0, scale=np.float32(0.125), softcap=np.int64(30)
+    )
+    torch.testing.assert_close(other, plain, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("extend", [paged_extend_attention, paged_extend_attention_ref])
