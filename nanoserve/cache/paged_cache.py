@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from nanoserve.cache.allocator import BlockAllocator
+from nanoserve.cache.allocator import BlockAllocator, as_index
 from nanoserve.cache.block_table import BlockTable
-from nanoserve.kernels.reference import gather_history
 from nanoserve.kernels.slot_scatter import slot_scatter
 
 
@@ -67,6 +66,23 @@ class StepMetadata:
         )
 
 
+def _misfit(layer_idx: int, pool: torch.Tensor, like: torch.Tensor) -> str:
+    """Why ``like`` [tokens, kv_heads, head_dim] cannot be stored in layer ``layer_idx``'s
+    ``pool`` [num_blocks, block_size, kv_heads, head_dim]."""
+    figures = [
+        ("dtype", pool.dtype, like.dtype),
+        ("heads", pool.shape[2], like.shape[1]),
+        ("head_dim", pool.shape[3], like.shape[2]),
+        ("device", pool.device, like.device),
+    ]
+    differs = ", ".join(f"{name} {old} -> {new}" for name, old, new in figures if old != new)
+    return (
+        f"layer {layer_idx} already holds this cache's K/V and cannot take this write "
+        f"({differs}); replacing the pool would lose the cached tokens. Start a new cache "
+        "after changing the model's dtype or device."
+    )
+
+
 class PagedKVCache:
     """K/V pools ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer, one block
     table per sequence, shared by all layers."""
@@ -87,22 +103,23 @@ class PagedKVCache:
         ``pools``: (key_pools, value_pools) lists, one entry per layer, to store into
         instead of allocating new ones (a finished cache's pools, reused so that memory
         addresses, and graphs captured over them, stay the same). The lists are shared, not
-        copied; a pool whose shape, dtype or device does not fit is replaced in them."""
-        if not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers: must be a positive int, got {num_layers!r}")
-        if not isinstance(table_width, int) or table_width < 1:
-            raise ValueError(f"table_width: must be a positive int, got {table_width!r}")
+        copied; a pool whose shape, dtype or device does not fit is replaced in them, until
+        this cache has written into it: from then on a write that does not fit the layer's
+        pool raises ``ValueError`` (replacing it would zero the cached history)."""
+        num_layers = as_index(num_layers, "num_layers", minimum=1)
+        table_width = as_index(table_width, "table_width", minimum=1)
+        block_size = as_index(block_size, "block_size", minimum=1)
         self.num_layers = num_layers
         self.block_size = block_size
         self.table_width = table_width
         self.allocator = BlockAllocator(num_blocks)
-        BlockTable(self.allocator, block_size)  # validates block_size
         if pools is None:
             pools = ([None] * num_layers, [None] * num_layers)
         if len(pools) != 2 or any(len(p) != num_layers for p in pools):
             raise ValueError(f"pools: expected two lists of {num_layers} entries")
         self.key_pools: list[torch.Tensor | None] = pools[0]
         self.value_pools: list[torch.Tensor | None] = pools[1]
+        self._written = [False] * num_layers  # whether this cache has stored into the layer
         self.tables: list[BlockTable] = []
         self.step: StepMetadata | None = None
         self._rows = np.zeros((0, 0), np.int32)  # see _block_table_rows
@@ -161,17 +178,21 @@ class PagedKVCache:
         mask = new_token_mask.to("cpu", torch.bool)
         if mask.dim() != 2:
             raise ValueError(f"new_token_mask: expected [num_seqs, q], got {tuple(mask.shape)}")
-        if not self.tables:
-            self.add_sequences(mask.shape[0])
-        if mask.shape[0] != len(self.tables):
+        if mask.shape[0] == 0:
+            raise ValueError("new_token_mask: an empty batch (0 rows); a step needs a sequence")
+        tables = self.tables
+        if not tables:  # the first step starts the sequences, kept only if it succeeds
+            tables = [BlockTable(self.allocator, self.block_size) for _ in range(mask.shape[0])]
+        if mask.shape[0] != len(tables):
             raise ValueError(
-                f"new_token_mask: {mask.shape[0]} rows for {len(self.tables)} cached sequences"
+                f"new_token_mask: {mask.shape[0]} rows for {len(tables)} cached sequences"
             )
         mask_np = mask.numpy()
         counts_np = mask_np.sum(axis=1, dtype=np.int32)
         counts = counts_np.tolist()
-        self._reserve(counts)
-        slot_lists = [table.append(n) for table, n in zip(self.tables, counts, strict=True)]
+        self._reserve(tables, counts)
+        self.tables = tables
+        slot_lists = [table.append(n) for table, n in zip(tables, counts, strict=True)]
         self._apply_pending_copies()
 
         # numpy, then one wrap per tensor: a decode step runs this for every forward
@@ -219,14 +240,14 @@ class PagedKVCache:
                 self._row_sources[i] = (table, table.version)
         return torch.from_numpy(rows[:, :width].copy())
 
-    def _reserve(self, counts: list[int]) -> None:
+    def _reserve(self, tables: list[BlockTable], counts: list[int]) -> None:
         """Check that all tables can grow before any does (so growth is all or nothing)."""
         # n tokens take at most ceil(n / block_size) new blocks, plus one for a copy-on-write
         # swap; when that many are free the exact count is not needed (every decode step)
         if sum(-(-n // self.block_size) + 1 for n in counts if n) <= self.allocator.num_free:
             return
         needed = 0
-        for table, n in zip(self.tables, counts, strict=True):
+        for table, n in zip(tables, counts, strict=True):
             new, shared = table._blocks_needed(n)
             needed += new + int(shared)
         if needed > self.allocator.num_free:
@@ -258,6 +279,8 @@ class PagedKVCache:
             like.dtype,
             like.device,
         ):
+            if pool is not None and self._written[layer_idx]:
+                raise ValueError(f"key: {_misfit(layer_idx, pool, like)}")
             self.key_pools[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
             self.value_pools[layer_idx] = torch.zeros_like(self.key_pools[layer_idx])
         return self.key_pools[layer_idx], self.value_pools[layer_idx]
@@ -269,24 +292,27 @@ class PagedKVCache:
 
         Returns the layer's (key_pool, value_pool).
         """
+        if type(layer_idx) is not int or not 0 <= layer_idx < self.num_layers:
+            layer_idx = self._layer_index(layer_idx)
         if self.step is None:
             raise RuntimeError("write() before begin_step(): the step boundary is missing")
+        if key.dim() != 3:
+            raise ValueError(f"key: expected [tokens, kv_heads, head_dim], got {tuple(key.shape)}")
         key_pool, value_pool = self._pools(layer_idx, key)
         step = self.step.to(key_pool.device)
         slot_scatter(key, value, key_pool, value_pool, step.slot_mapping, check=check)
+        self._written[layer_idx] = True
         return key_pool, value_pool
 
-    def gather(self, layer_idx: int, seq_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The plain read path: sequence ``seq_idx``'s K, V [seq_len, Hkv, D], oldest first."""
-        key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
-        if key_pool is None:
-            raise ValueError(f"layer_idx: layer {layer_idx} has no K/V written yet")
-        table = self.tables[seq_idx]
-        ids = torch.tensor(table.block_ids, dtype=torch.int64, device=key_pool.device)
-        return (
-            gather_history(key_pool, ids, table.num_tokens),
-            gather_history(value_pool, ids, table.num_tokens),
-        )
+    def _layer_index(self, layer_idx: object) -> int:
+        """``layer_idx`` as an int in [0, num_layers) (a numpy int too); else ValueError."""
+        index = as_index(layer_idx, "layer_idx")
+        if not 0 <= index < self.num_layers:
+            raise ValueError(
+                f"layer_idx: {layer_idx!r} outside [0, {self.num_layers}) "
+                f"(this cache has {self.num_layers} layers)"
+            )
+        return index
 
     # -- figures -----------------------------------------------------------------------------
 

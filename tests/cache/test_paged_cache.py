@@ -1,5 +1,6 @@
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,18 @@ def scatter_blocks(cache: PagedKVCache, n: int) -> None:
     taken = cache.allocator.allocate(n)
     random.Random(0).shuffle(taken)
     cache.allocator.free(taken)
+
+
+def read_back(cache: PagedKVCache, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain read path: sequence ``seq``'s K, V [seq_len, Hkv, D] in ``layer``, oldest
+    first, gathered through its block table."""
+    table = cache.tables[seq]
+    key_pool, value_pool = cache.key_pools[layer], cache.value_pools[layer]
+    ids = torch.tensor(table.block_ids, dtype=torch.int64, device=key_pool.device)
+    return (
+        gather_history(key_pool, ids, table.num_tokens),
+        gather_history(value_pool, ids, table.num_tokens),
+    )
 
 
 def step(cache: PagedKVCache, mask: torch.Tensor, layers: int, dtype=torch.float32):
@@ -48,7 +61,7 @@ def test_matches_a_contiguous_cache_byte_for_byte(dtype):
     ), "blocks should be scattered"
     for layer in range(layers):
         for row in range(3):
-            k, v = cache.gather(layer, row)
+            k, v = read_back(cache, layer, row)
             assert torch.equal(k, torch.cat(contiguous[layer][row][0]))
             assert torch.equal(v, torch.cat(contiguous[layer][row][1]))
     assert cache.seq_lens() == [3 + 6, 5 + 6, 1 + 6]
@@ -77,7 +90,7 @@ def test_out_of_blocks_loses_nothing():
     assert cache.seq_lens() == [4, 4]
     for layer, (k, _) in enumerate(written):
         for row in range(2):
-            assert torch.equal(cache.gather(layer, row)[0], k[row])
+            assert torch.equal(read_back(cache, layer, row)[0], k[row])
 
 
 def test_reorder_shares_blocks_and_copies_on_write():
@@ -88,7 +101,7 @@ def test_reorder_shares_blocks_and_copies_on_write():
     ((k1, _),) = step(cache, torch.ones(2, 1, dtype=torch.bool), 1)
     for row in range(2):
         expected = torch.cat([k0[1], k1[row]])
-        assert torch.equal(cache.gather(0, row)[0], expected)
+        assert torch.equal(read_back(cache, 0, row)[0], expected)
     first = cache.tables[0].block_ids
     assert first[0] == cache.tables[1].block_ids[0]  # the full block is still shared
     assert cache.allocator.refcount(first[0]) == 2
@@ -170,7 +183,7 @@ def test_drop_last_and_fixed_table_width():
     assert cache.step.block_tables.shape == (2, 5)  # fixed width, though 2 blocks suffice
     cache.drop_last(3)
     assert cache.seq_lens() == [2, 4]
-    assert torch.equal(cache.gather(0, 0)[0], k[0, 2:4])
+    assert torch.equal(read_back(cache, 0, 0)[0], k[0, 2:4])
     assert cache.allocator.num_used == 2
     cache.drop_last(10)
     assert cache.seq_lens() == [0, 0] and cache.allocator.num_used == 0
@@ -236,3 +249,98 @@ def test_step_metadata_after_a_later_copy_on_write():
     assert meta.block_tables[1, 1] != meta.block_tables[2, 1]
     for i, table in enumerate(cache.tables):
         assert meta.block_tables[i, : table.num_blocks].tolist() == table.block_ids
+
+
+def test_first_step_out_of_blocks_starts_no_sequence():
+    cache = PagedKVCache(1, num_blocks=2, block_size=4)
+    with pytest.raises(OutOfBlocks, match="num_blocks"):
+        cache.begin_step(torch.ones(3, 4, dtype=torch.bool), "cpu")  # 3 blocks, 2 in the pool
+    assert cache.num_seqs == 0 and cache.allocator.num_free == 2
+    ((k, _),) = step(cache, torch.ones(2, 4, dtype=torch.bool), 1)  # a smaller batch fits
+    assert cache.seq_lens() == [4, 4]
+    for row in range(2):
+        assert torch.equal(read_back(cache, 0, row)[0], k[row])
+
+
+def test_sizes_are_ints_not_bools():
+    for name in ("num_layers", "num_blocks", "block_size", "table_width"):
+        sizes = {"num_layers": 1, "num_blocks": 4, "block_size": 4, "table_width": 1}
+        sizes[name] = True
+        with pytest.raises(ValueError, match=name):
+            PagedKVCache(**sizes)
+    cache = PagedKVCache(np.int64(2), np.int64(4), block_size=np.int64(4))
+    assert (cache.num_layers, cache.block_size) == (2, 4)
+    assert type(cache.num_layers) is int and type(cache.block_size) is int
+    step(cache, torch.ones(1, 5, dtype=torch.bool), 2)
+    assert cache.seq_lens() == [5]
+
+
+def test_write_takes_only_a_layer_of_this_cache():
+    cache = PagedKVCache(2, num_blocks=4, block_size=4)
+    cache.begin_step(torch.ones(1, 2, dtype=torch.bool), "cpu")
+    k = torch.randn(2, HEADS, DIM)
+    for bad in (-1, -2, 2, 5, True, False, 1.0, "0", None):
+        with pytest.raises(ValueError, match="layer_idx"):
+            cache.write(bad, k, k)
+    assert cache.key_pools == [None, None]  # nothing was written, no pool was made
+    cache.write(np.int64(1), k, k)
+    assert cache.key_pools[0] is None and torch.equal(read_back(cache, 1, 0)[0], k)
+
+
+def test_an_empty_batch_is_an_error():
+    cache = PagedKVCache(1, num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="new_token_mask"):
+        cache.begin_step(torch.ones(0, 3, dtype=torch.bool), "cpu")
+    assert cache.num_seqs == 0 and cache.step is None
+    step(cache, torch.ones(2, 3, dtype=torch.bool), 1)
+    with pytest.raises(ValueError, match="new_token_mask"):
+        cache.begin_step(torch.ones(0, 1, dtype=torch.bool), "cpu")
+    assert cache.seq_lens() == [3, 3]
+    # a step of zero columns stores nothing and is no error (as a row of padding is not)
+    meta = cache.begin_step(torch.ones(2, 0, dtype=torch.bool), "cpu")
+    assert meta.new_tokens == [0, 0] and meta.slot_mapping.numel() == 0
+    assert cache.seq_lens() == [3, 3] and meta.seq_lens.tolist() == [3, 3]
+
+
+def test_a_written_layer_is_never_replaced():
+    """A write that does not fit a layer this cache has stored into (another dtype, head
+    count, head_dim or device, e.g. after model.to(torch.float64)) raises, and the layer's
+    pool and the tokens in it stay as they were (replacing it zeroed the history)."""
+    cache = PagedKVCache(2, num_blocks=4, block_size=4)
+    written = step(cache, torch.ones(1, 3, dtype=torch.bool), 2)
+    pools = list(cache.key_pools)
+    kept = [p.clone() for p in pools]
+    cache.begin_step(torch.ones(1, 1, dtype=torch.bool), "cpu")
+    misfits = {
+        "dtype torch.float32 -> torch.float64": torch.randn(1, HEADS, DIM, dtype=torch.float64),
+        "heads 2 -> 3": torch.randn(1, 3, DIM),
+        "head_dim 8 -> 16": torch.randn(1, HEADS, 16),
+        "device cpu -> meta": torch.empty(1, HEADS, DIM, device="meta"),
+    }
+    for differs, key in misfits.items():
+        with pytest.raises(ValueError, match=f"^key: .*{differs}"):
+            cache.write(0, key, key.clone())
+    assert all(a is b for a, b in zip(cache.key_pools, pools, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(cache.key_pools, kept, strict=True))
+    for layer, (k, _) in enumerate(written):
+        assert torch.equal(read_back(cache, layer, 0)[0][:3], k[0])
+
+
+def test_reused_pools_are_replaced_only_until_written():
+    """Pools handed in through ``pools=`` (a finished cache's memory) are used when they fit
+    and replaced in the shared lists when they do not, as long as this cache has not
+    written into them."""
+    first = PagedKVCache(1, num_blocks=4, block_size=4)
+    step(first, torch.ones(1, 3, dtype=torch.bool), 1)
+    lists = (first.key_pools, first.value_pools)
+    old = lists[0][0]
+    same = PagedKVCache(1, num_blocks=4, block_size=4, pools=lists)
+    step(same, torch.ones(1, 2, dtype=torch.bool), 1)
+    assert same.key_pools[0] is old  # fits: the same memory
+    wider = PagedKVCache(1, num_blocks=4, block_size=4, pools=lists)
+    ((k, _),) = step(wider, torch.ones(1, 2, dtype=torch.bool), 1, dtype=torch.float64)
+    assert lists[0][0] is not old and lists[0][0].dtype == torch.float64
+    assert torch.equal(read_back(wider, 0, 0)[0], k[0])
+    wider.begin_step(torch.ones(1, 1, dtype=torch.bool), "cpu")
+    with pytest.raises(ValueError, match="dtype torch.float64 -> torch.float32"):
+        wider.write(0, torch.randn(1, HEADS, DIM), torch.randn(1, HEADS, DIM))
