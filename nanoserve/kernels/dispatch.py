@@ -80,6 +80,19 @@ def supports_pdl(device: torch.device) -> bool:
     return _capability_major(_cuda_index(device)) >= 9
 
 
+def unit_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when its last dim is dense (stride 1, or at most one element), else a
+    contiguous copy.
+
+    The kernels index metadata (slot_mapping, seq_lens, cu_seqlens_q, a block_tables row) as
+    ``base + i``: a strided view would silently read the wrong entries. Metadata built by the
+    cache is already dense, so this costs nothing there and adds no copy to a captured graph.
+    """
+    if tensor.dim() == 0 or tensor.shape[-1] <= 1 or tensor.stride(-1) == 1:
+        return tensor
+    return tensor.contiguous()
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (n >= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.dispatch import next_pow2, sm_count, supports_pdl
+from nanoserve.kernels.dispatch import next_pow2, sm_count, supports_pdl, unit_stride
 from nanoserve.kernels.triton_common import mma, scores_to_log2
 
 MAX_SPLITS = 64
@@ -219,6 +219,7 @@ def paged_decode_attention_triton(
         return out
     if query.stride(2) != 1:
         query = query.contiguous()
+    block_tables, seq_lens = unit_stride(block_tables), unit_stride(seq_lens)
     group = num_q_heads // num_kv_heads
     d_pad = next_pow2(head_dim)
     block_n, num_warps, num_stages, num_splits = decode_plan(

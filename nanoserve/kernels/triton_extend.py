@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.dispatch import next_pow2, sm_count
+from nanoserve.kernels.dispatch import next_pow2, sm_count, unit_stride
 from nanoserve.kernels.triton_common import mma, mma_acc, scores_to_log2
 
 
@@ -264,6 +264,8 @@ def paged_extend_attention_triton(
         return out
     if query.stride(2) != 1:
         query = query.contiguous()
+    block_tables, seq_lens = unit_stride(block_tables), unit_stride(seq_lens)
+    cu_seqlens_q = unit_stride(cu_seqlens_q)
     on_gpu = query.device.type == "cuda"
     if config is None and not on_gpu:
         config = INTERPRETER_CONFIG

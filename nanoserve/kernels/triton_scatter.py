@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.dispatch import next_pow2
+from nanoserve.kernels.dispatch import next_pow2, unit_stride
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -72,6 +72,7 @@ def slot_scatter_triton(
         key = key.contiguous()
     if value.stride(2) != 1:
         value = value.contiguous()
+    slot_mapping = unit_stride(slot_mapping)
     elements, num_warps = config or (ELEMENTS_PER_PROGRAM, NUM_WARPS)
     block_t, block_h, block_d = scatter_config(num_kv_heads, head_dim, elements)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_kv_heads, block_h))
