@@ -47,6 +47,13 @@ def attend_sequence(
     visible = k_pos <= q_pos
     if sliding_window is not None:
         visible &= k_pos > q_pos - sliding_window
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scores.masked_fill(~visible, float("-inf"))  # also drops NaN scores of hidden keys
     probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v).transpose(0, 1)  # [q, Hq, D]
+    # A hidden value row must not reach the output: its weight is 0, but 0 * NaN is NaN. So
+    # non-finite value rows are zeroed for the product, and a query row that does see one
+    # comes out NaN (what attention over a non-finite value gives).
+    bad_v = ~torch.isfinite(v).all(dim=-1)  # [Hq, s]
+    out = torch.matmul(probs, v.masked_fill(bad_v[..., None], 0.0))
+    sees_bad = (visible & bad_v[:, None, :]).any(dim=-1)  # [Hq, q]
+    out = out.masked_fill(sees_bad[..., None], float("nan"))
+    return out.transpose(0, 1)  # [q, Hq, D]

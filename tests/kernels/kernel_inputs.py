@@ -62,6 +62,17 @@ def make_paged_kv(
     return key_cache, value_cache, table.to(device), lens
 
 
+def poison_hidden(pool: torch.Tensor, tables, lens, new, window) -> torch.Tensor:
+    """A copy of ``pool`` with NaN at every position that no new token's window reaches."""
+    pool = pool.clone()
+    block_size = pool.shape[1]
+    flat = pool.view(-1, *pool.shape[2:])
+    for row, (n, q) in enumerate(zip(lens, new, strict=True)):
+        for p in range(max(n - q - window + 1, 0)):  # p <= first query position - window
+            flat[int(tables[row, p // block_size]) * block_size + p % block_size] = float("nan")
+    return pool
+
+
 @pytest.fixture
 def poison_outputs(monkeypatch):
     """Make every float torch.empty / torch.empty_like inside the test come back NaN-filled."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import TOLERANCE, make_paged_kv, needs_interpreter, rel_err
+from kernel_inputs import TOLERANCE, make_paged_kv, needs_interpreter, poison_hidden, rel_err
 
 from nanoserve.kernels import paged_extend_attention, paged_extend_attention_ref
 from nanoserve.kernels.triton_extend import paged_extend_attention_triton
@@ -102,3 +102,28 @@ def test_extend_finds_each_tiles_sequence(num_seqs, poison_outputs):
         sliding_window=None, softcap=None,
     )  # fmt: skip
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+def test_extend_and_decode_kernels_ignore_nan_outside_the_window(poison_outputs):
+    """K/V that no new token's window reaches are never read: NaN there changes nothing."""
+    from nanoserve.kernels import paged_decode_attention
+
+    history, new, window = [60, 33, 5], [6, 1, 9], 17
+    lens = [h + n for h, n in zip(history, new, strict=True)]
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(lens, 1, 64, 8, torch.float32)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), 2, 64)
+    decode_q = torch.randn(len(lens), 2, 64)
+    for q_lens, attend in (
+        (new, lambda k, v: paged_extend_attention(
+            query, k, v, tables, seq_lens, cu, sliding_window=window, backend="triton")),
+        ([1] * 3, lambda k, v: paged_decode_attention(
+            decode_q, k, v, tables, seq_lens, sliding_window=window, backend="triton")),
+    ):  # fmt: skip
+        clean = attend(key_cache, value_cache)
+        poisoned = attend(
+            poison_hidden(key_cache, tables, lens, q_lens, window),
+            poison_hidden(value_cache, tables, lens, q_lens, window),
+        )
+        assert torch.isfinite(clean).all()
+        assert torch.equal(poisoned, clean)

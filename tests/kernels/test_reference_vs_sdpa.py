@@ -4,6 +4,7 @@ bad-input errors are tested with the ops' in test_bad_inputs.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_inputs import poison_hidden
 
 from nanoserve.kernels import (
     paged_decode_attention_ref,
@@ -132,3 +133,49 @@ def test_scatter_skips_padding_slots():
     assert torch.equal(flat[5], key[0]) and torch.equal(flat[0], key[2])
     untouched = [i for i in range(8) if i not in (0, 5)]
     assert torch.equal(flat[untouched], torch.zeros(6, 1, 8))
+
+
+def test_refs_ignore_nan_outside_the_window():
+    """NaN in K and V where no query row looks leaves the output finite and unchanged; NaN in
+    a value row a query row does see makes that row non-finite. (The old reference let the
+    hidden NaN through: 0 * NaN in probs @ v made every row NaN.)"""
+    gen = torch.Generator().manual_seed(1)
+    lens, new, window, block_size = [40, 23, 9], [5, 3, 1], 7, 8
+    keys = [torch.randn(n, 2, 16, dtype=torch.float64, generator=gen) for n in lens]
+    values = [torch.randn(n, 2, 16, dtype=torch.float64, generator=gen) for n in lens]
+    k_pool, tables = paged_copy(keys, block_size, 16, torch.Generator().manual_seed(2))
+    v_pool, tables_v = paged_copy(values, block_size, 16, torch.Generator().manual_seed(2))
+    assert torch.equal(tables, tables_v)  # same draw of blocks: V sits where K sits
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), 4, 16, dtype=torch.float64, generator=gen)
+    decode_q = torch.randn(len(lens), 4, 16, dtype=torch.float64, generator=gen)
+    runs = {
+        "extend": (
+            lambda k, v: paged_extend_attention_ref(
+                query, k, v, tables, seq_lens, cu, sliding_window=window
+            ),
+            new,
+        ),
+        "decode": (
+            lambda k, v: paged_decode_attention_ref(
+                decode_q, k, v, tables, seq_lens, sliding_window=window
+            ),
+            [1] * len(lens),
+        ),
+    }
+    for name, (attend, q_lens) in runs.items():
+        clean = attend(k_pool, v_pool)
+        poisoned = attend(
+            poison_hidden(k_pool, tables, lens, q_lens, window),
+            poison_hidden(v_pool, tables, lens, q_lens, window),
+        )
+        assert torch.isfinite(poisoned).all(), name
+        torch.testing.assert_close(poisoned, clean, rtol=0, atol=0, msg=name)
+    # the newest key of sequence 0 is visible to its decode row: NaN there must show
+    v_seen = v_pool.clone()
+    last = lens[0] - 1
+    v_seen[int(tables[0, last // block_size]), last % block_size, 0, 3] = float("nan")
+    out = runs["decode"][0](k_pool, v_seen)
+    assert not torch.isfinite(out[0, :2]).any() and torch.isfinite(out[0, 2:]).all()
+    assert torch.equal(out[1:], runs["decode"][0](k_pool, v_pool)[1:])
