@@ -37,7 +37,8 @@ def paged_extend_attention_ref(
     """Reference extend attention: returns [total_q, Hq, D] in the query's dtype.
 
     The new tokens of sequence i are its last ``cu_seqlens_q[i+1] - cu_seqlens_q[i]``
-    positions; each sees positions <= its own (and > pos - sliding_window).
+    positions; each sees positions <= its own (and > pos - sliding_window). A sequence with
+    seq_len 0 has no new tokens, hence no output rows.
     """
     if check:
         check_attention_args(
@@ -50,6 +51,9 @@ def paged_extend_attention_ref(
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = cu[i], cu[i + 1]
         if start == end:
+            continue
+        if seq_len == 0:  # an empty sequence's decode row (all padding) sees nothing: zeros
+            out[start:end] = 0
             continue
         keys = gather_history(key_cache, block_tables[i], seq_len)
         values = gather_history(value_cache, block_tables[i], seq_len)
@@ -74,7 +78,8 @@ def paged_decode_attention_ref(
 ) -> torch.Tensor:
     """Reference decode attention: query [S, Hq, D] is each sequence's last position.
 
-    Returns [S, Hq, D] in the query's dtype.
+    Returns [S, Hq, D] in the query's dtype; the row of a sequence with seq_len 0 (no token
+    yet: all padding) is zeros.
     """
     if check:
         check_attention_args(

@@ -106,7 +106,8 @@ def _reduce_kernel(
     d = tl.arange(0, D_PAD)
     row = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
     lse = tl.load(mid_lse + row + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
-    # Empty splits carry lse = -1e30 and weigh 0; split 0 is never empty (seq_len >= 1).
+    # Empty splits carry lse = -1e30 and weigh 0 beside a split that saw keys; when every
+    # split is empty (seq_len 0) they all weigh 1 and the zeros they hold average to zeros.
     w = tl.exp2(lse - tl.max(lse, 0))
     mask = (sp < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :]
     o = tl.load(mid_o + (row + sp)[:, None] * D_PAD + d[None, :], mask=mask, other=0.0)

@@ -154,8 +154,8 @@ def check_attention_args(
         return
     lens = seq_lens.cpu()
     capacity = block_tables.shape[1] * block_size
-    if int(lens.min()) < 1:
-        _fail("seq_lens", f"must be >= 1, got min {int(lens.min())}")
+    if int(lens.min()) < 0:  # 0: a row with no tokens yet (all padding so far)
+        _fail("seq_lens", f"must be >= 0, got min {int(lens.min())}")
     if int(lens.max()) > capacity:
         _fail(
             "seq_lens",

@@ -40,7 +40,7 @@ ATTENTION_BAD = [
     ("block_tables", torch.tensor([[0, 1], [2, 3]], dtype=torch.int64)),
     ("block_tables", torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)),  # id outside the pool
     ("seq_lens", torch.tensor([9, 17], dtype=torch.int32)),  # beyond the table
-    ("seq_lens", torch.tensor([0, 16], dtype=torch.int32)),
+    ("seq_lens", torch.tensor([-1, 16], dtype=torch.int32)),  # 0 is allowed (an empty row)
     ("seq_lens", torch.tensor([9], dtype=torch.int32)),
 ]
 

@@ -51,6 +51,31 @@ def test_decode_matches_reference(case, dtype, poison_outputs):
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("splits", [1, 4, None])
+def test_decode_empty_rows_are_zero(splits, window, poison_outputs):
+    """A row with seq_len 0 (no token yet: all padding, as the cache builds it) passes
+    check=True and comes out exactly zero in the reference and the kernel, split or not; the
+    other rows are unaffected. (check=True refused seq_len 0 before.)"""
+    lens = [0, 20, 0, 33]
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(lens, 2, 64, 8, torch.float32)
+    query = torch.randn(len(lens), 4, 64)
+    ref = paged_decode_attention_ref(query, key_cache, value_cache, tables, seq_lens,
+                                     sliding_window=window)  # fmt: skip
+    if splits is None:
+        out = paged_decode_attention(query, key_cache, value_cache, tables, seq_lens,
+                                     sliding_window=window, backend="triton")  # fmt: skip
+    else:
+        out = paged_decode_attention_triton(
+            query, key_cache, value_cache, tables, seq_lens, scale=64**-0.5,
+            sliding_window=window, softcap=None, num_splits=splits,
+        )  # fmt: skip
+    for row in (0, 2):
+        assert torch.equal(ref[row], torch.zeros(4, 64)), row
+        assert torch.equal(out[row], torch.zeros(4, 64)), row
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
 def test_decode_custom_scale_and_strided_query(poison_outputs):
     key_cache, value_cache, tables, seq_lens = make_paged_kv([37, 5], 2, 64, 16, torch.float32)
     query = torch.randn(4, 2, 64).transpose(0, 1)  # [2 seqs, 4 heads, 64], not contiguous

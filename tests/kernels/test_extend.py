@@ -19,6 +19,8 @@ CASES = {
     "gqa8-d128-prefix": (1, 8, 128, 32, [31], [33], None, None),
     "empty-seq-between": (1, 4, 64, 8, [9, 4, 0], [4, 0, 6], 7, 5.0),
     "speculative-verify": (2, 2, 64, 16, [17, 40, 63, 1], [2, 8, 4, 3], None, None),
+    # seq_len 0 rows (no token yet, no new token: all padding) have no output rows
+    "empty-rows": (1, 4, 64, 8, [0, 9, 0, 0], [0, 4, 0, 5], 6, None),
 }
 
 
