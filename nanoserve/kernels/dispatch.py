@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import torch
@@ -24,23 +25,34 @@ def use_triton(backend: str, tensor: torch.Tensor) -> bool:
     """True when ``backend`` picks the Triton kernel for data living where ``tensor`` lives.
 
     "auto" picks Triton for CUDA tensors of a dtype the kernels take (float16, bfloat16,
-    float32) and the reference otherwise; "triton" forces it (on CPU this needs
-    TRITON_INTERPRET=1); "torch" forces the reference.
+    float32) when Triton is installed, and the reference otherwise; "triton" forces it (on
+    CPU this needs TRITON_INTERPRET=1); "torch" forces the reference.
     """
     check_backend(backend)
     if backend == "torch":
         return False
     supported = tensor.dtype in (torch.float16, torch.bfloat16, torch.float32)
     if backend == "auto":
-        return tensor.is_cuda and supported
+        return tensor.is_cuda and supported and triton_installed()
     if not supported:
         raise ValueError(
             f"backend: 'triton' does not take {str(tensor.dtype).removeprefix('torch.')} "
             "tensors; use 'torch' or 'auto'"
         )
+    if not triton_installed():
+        raise ValueError("backend: 'triton' needs the triton package, which is not installed")
     if not tensor.is_cuda and not _interpreting():
         raise ValueError("backend: 'triton' on CPU tensors needs TRITON_INTERPRET=1")
     return True
+
+
+@functools.cache
+def triton_installed() -> bool:
+    """True when the triton package can be imported (checked once; nothing is imported)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # ValueError: a module in sys.modules without a spec
+        return False
 
 
 def _interpreting() -> bool:

@@ -4,6 +4,9 @@
 Shapes (DESIGN.md): pools [num_blocks, block_size, Hkv, D]; block_tables int32 [S, max_blocks];
 seq_lens int32 [S] counting every cached token including the new ones (already written);
 decode query [S, Hq, D]; extend query packed [total_q, Hq, D] with cu_seqlens_q int32 [S + 1].
+
+Triton is imported only when a Triton kernel is launched, so the references (and the package)
+work where Triton is not installed.
 """
 
 from __future__ import annotations
@@ -12,8 +15,6 @@ import torch
 
 from nanoserve.kernels.dispatch import check_backend, use_triton
 from nanoserve.kernels.reference import attend_sequence, gather_history
-from nanoserve.kernels.triton_decode import paged_decode_attention_triton
-from nanoserve.kernels.triton_extend import paged_extend_attention_triton
 from nanoserve.kernels.validation import check_attention_args
 
 
@@ -120,6 +121,8 @@ def paged_decode_attention(
             scale=scale, sliding_window=sliding_window, softcap=softcap,
         )  # fmt: skip
     if use_triton(backend, key_cache):
+        from nanoserve.kernels.triton_decode import paged_decode_attention_triton
+
         return paged_decode_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens,
             scale=_default_scale(query.shape[-1], scale),
@@ -157,6 +160,8 @@ def paged_extend_attention(
             scale=scale, sliding_window=sliding_window, softcap=softcap,
         )  # fmt: skip
     if use_triton(backend, key_cache):
+        from nanoserve.kernels.triton_extend import paged_extend_attention_triton
+
         return paged_extend_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
             scale=_default_scale(query.shape[-1], scale),

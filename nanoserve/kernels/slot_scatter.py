@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from nanoserve.kernels.dispatch import check_backend, use_triton
-from nanoserve.kernels.triton_scatter import slot_scatter_triton
 from nanoserve.kernels.validation import check_slot_scatter_args
 
 
@@ -50,6 +49,8 @@ def slot_scatter(
     if check:
         check_slot_scatter_args(key, value, key_cache, value_cache, slot_mapping)
     if use_triton(backend, key_cache):
+        from nanoserve.kernels.triton_scatter import slot_scatter_triton  # imports triton
+
         slot_scatter_triton(key, value, key_cache, value_cache, slot_mapping)
     else:
         slot_scatter_ref(key, value, key_cache, value_cache, slot_mapping, check=False)
