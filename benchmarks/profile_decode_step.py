@@ -30,7 +30,6 @@ from bench_generate import build_model, make_batches, run_generate  # noqa: E402
 
 import nanoserve  # noqa: E402
 from nanoserve.adapters import decode_graphs, hf_cache  # noqa: E402
-from nanoserve.adapters.attention import STATES  # noqa: E402
 
 
 class Table(list):
@@ -75,7 +74,7 @@ class Timers:
 
 def replay_gpu_us(model, reps: int = 200) -> float:
     """GPU microseconds of one replay of the patched model's batch-1 decode graph."""
-    graphs = STATES[id(model.config)].graphs
+    graphs = nanoserve.adapters.state_of(model).graphs
     captured = next(iter(graphs.graphs.values()))
     for _ in range(10):
         captured.graph.replay()

@@ -8,7 +8,6 @@ _ADAPTER_NAMES = (
     "PagedCache",
     "cache_stats",
     "decode_graph_stats",
-    "decode_graph_stats",
     "patch_model",
     "unpatch_model",
 )

@@ -1,8 +1,9 @@
 """HF adapters: all of nanoserve's knowledge of transformers lives here.
 
 ``registry.py`` lists the supported model families; ``hf.py`` patches a model
-(``patch_model`` / ``unpatch_model`` / ``cache_stats``); ``hf_cache.py`` is the transformers
-``Cache`` over the paged store; ``attention.py`` the attention and mask functions.
+(``patch_model`` / ``unpatch_model`` / ``cache_stats``); ``step.py`` owns the patch state and
+each forward's paged step; ``hf_cache.py`` is the transformers ``Cache`` over the paged store;
+``attention.py`` the attention and mask functions.
 """
 
 from nanoserve.adapters.family import Family, KVLayout
@@ -15,6 +16,7 @@ from nanoserve.adapters.hf import (
 )
 from nanoserve.adapters.hf_cache import PagedCache
 from nanoserve.adapters.registry import FAMILIES, family_for, supported_model_types
+from nanoserve.adapters.step import state_of
 
 __all__ = [
     "FAMILIES",
@@ -26,6 +28,7 @@ __all__ = [
     "family_for",
     "last_cache",
     "patch_model",
+    "state_of",
     "supported_model_types",
     "unpatch_model",
 ]

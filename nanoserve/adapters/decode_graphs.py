@@ -11,8 +11,8 @@ stored), length 1, and their logits are dropped. Prefill and other multi-token s
 eager.
 
 Graphs point at the pools' and the weights' memory. A new cache (a new ``generate`` call)
-keeps them when ``signature`` (those addresses) is unchanged, as when it took over the last
-call's pools; otherwise the graphs are dropped and captured anew.
+keeps them when the step's ``signature`` (those addresses) is unchanged, as when it took over
+the last call's pools; otherwise the graphs are dropped and captured anew.
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ class _StaticStep:
             block_tables=tables,
             seq_lens=lens,
             cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32, device=device),
-            new_tokens=[1] * rows,
             all_single=True,
         )
         event = None
@@ -118,12 +117,8 @@ class DecodeGraphs:
     buffers (no graph): this checks the bucket padding and metadata path on any device.
     """
 
-    def __init__(self, capture: bool = True, signature: Callable[[object], object] | None = None):
-        """``signature(cache)``: what the graphs' memory addresses depend on; graphs survive
-        a new cache whose signature equals the last one (without it, every new cache
-        captures anew)."""
+    def __init__(self, capture: bool = True):
         self.capture = capture
-        self.signature = signature
         self.pool = None
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.cache = _dead_ref  # weakly: graphs must not keep a finished cache alive
@@ -145,24 +140,25 @@ class DecodeGraphs:
         self.cache_signature = None
         self.pool = None
 
-    def follow(self, cache) -> None:
-        """Keep the graphs for ``cache`` only if its signature equals the one they were
-        captured under; checked on a new cache object, and on the same one after
-        ``recheck`` was set (once per generate call: ``model.half()`` or ``.to()`` between
-        calls moves the weights under a cache the caller passes back)."""
+    def follow(self, cache, signature: Callable[[object], object] | None = None) -> None:
+        """Keep the graphs for ``cache`` only if ``signature(cache)`` (what the graphs'
+        memory addresses depend on) equals the one they were captured under; checked on a
+        new cache object, and on the same one after ``recheck`` was set (once per generate
+        call: ``model.half()`` or ``.to()`` between calls moves the weights under a cache the
+        caller passes back). Without ``signature`` every new cache captures anew."""
         if cache is self.cache() and not self.recheck:
             return
         self.recheck = False
-        signature = self.signature(cache) if self.signature is not None else None
+        signature = signature(cache) if signature is not None else None
         if signature is None or signature != self.cache_signature:
             self.reset()
         self.cache = weakref.ref(cache)
         self.cache_signature = signature
 
-    def step(self, cache, host: StepMetadata, input_ids, position_ids, run_forward):
+    def step(self, cache, host: StepMetadata, input_ids, position_ids, run_forward, signature=None):
         """Run one decode step whose host metadata ``host`` is already built; returns the
-        model output with logits for the real rows only."""
-        self.follow(cache)
+        model output with logits for the real rows only. ``signature`` as in ``follow``."""
+        self.follow(cache, signature)
         batch = input_ids.shape[0]
         key = (bucket_for(batch), host.block_tables.shape[1])
         captured = self.graphs.get(key)

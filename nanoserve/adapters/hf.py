@@ -1,31 +1,49 @@
 """patch_model / unpatch_model / cache_stats: put the paged cache under a stock HF model.
 
 Patching (1) registers nanoserve's attention and mask functions and switches the model to
-them, (2) hooks the base model's forward so each forward that carries a ``PagedCache`` opens
-one step (``begin_step`` with the real-token mask of its columns) and closes it, (3) wraps
-``generate`` so that a call without a cache gets a fresh ``PagedCache``, and (4) on CUDA,
-wraps ``forward`` so that decode steps replay CUDA graphs (``graph_forward.py``,
-``decode_graphs.py``).
+them, (2) replaces the model's ``forward`` so that each forward that carries a ``PagedCache``
+opens one paged step (``step.paged_step``; decode steps on CUDA through the CUDA-graph runner)
+and (3) replaces ``generate`` so that a call without a cache gets a fresh ``PagedCache``. The
+state all of that needs lives on the model instance (``step.PatchState``).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
+import transformers
+from packaging.version import Version
+from transformers import GenerationMixin
 
-from nanoserve.adapters.attention import ATTN_NAME, STATES, PatchState, register
-from nanoserve.adapters.compiled_layers import CompiledLayers
+from nanoserve.adapters.attention import ATTN_NAME, register
 from nanoserve.adapters.decode_graphs import DecodeGraphs
-from nanoserve.adapters.graph_forward import graph_forward, memory_signature
-from nanoserve.adapters.hf_cache import CACHE_KWARGS, PagedCache, cache_kwarg
+from nanoserve.adapters.graph_forward import graph_decode_step, graph_step_possible
+from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.sizing import PoolOptions, pool_size
+from nanoserve.adapters.step import (
+    CACHE_KWARGS,
+    STATE_ATTR,
+    KeptPools,
+    PatchState,
+    check_left_padded,
+    find_cache,
+    forget_original_attn,
+    new_token_mask,
+    paged_step,
+    remember_original_attn,
+    state_of,
+)
 from nanoserve.adapters.tensor_parallel import local_layout, tp_size
+from nanoserve.cache import PagedKVCache
+from nanoserve.kernels.dispatch import check_backend
+
+# transformers releases the adapter was written and tested against: [lowest, first unsupported)
+SUPPORTED_TRANSFORMERS = ("5.17", "6")
 
 
 def patch_model(
@@ -36,6 +54,7 @@ def patch_model(
     max_memory=None,
     cuda_graphs: bool = True,
     compile_decode: bool = False,
+    backend: str = "auto",
 ):
     """Make ``model.generate`` run on the paged KV cache; returns ``model``.
 
@@ -44,80 +63,105 @@ def patch_model(
     ``cuda_graphs`` (the default) decode steps on CUDA replay captured CUDA graphs; on CPU,
     or with ``cuda_graphs=False``, every step runs eagerly. ``compile_decode`` also runs the
     decoder layers of those graph steps through ``torch.compile`` (fewer, fused kernels;
-    close to but not bit-equal with stock eager; see ``compiled_layers.py``).
+    close to but not bit-equal with stock eager; see ``compiled_layers.py``). ``backend``
+    picks the kernels of every paged step: "auto" (Triton on CUDA, the torch references on
+    CPU), "triton" (on CPU under ``TRITON_INTERPRET=1``) or "torch".
+
+    Every argument is checked before anything changes: a failed call leaves the model as it
+    was. Patching a patched model again replaces its options.
     """
-    family = family_for(model.config)  # NotImplementedError first
+    check_transformers_version()
+    if not isinstance(model, GenerationMixin):
+        raise ValueError(
+            f"model: {type(model).__name__} has no generate(); patch the model with the "
+            "language-model head (e.g. AutoModelForCausalLM), not its base model"
+        )
+    family = family_for(model.config)  # NotImplementedError names the supported families
     layout = local_layout(family.kv_layout(model.config), model)  # this rank's KV heads
     options = PoolOptions(layout, block_size, num_blocks, max_memory)
-    if not isinstance(cuda_graphs, bool):
-        raise ValueError(f"cuda_graphs: must be True or False, got {cuda_graphs!r}")
-    if not isinstance(compile_decode, bool):
-        raise ValueError(f"compile_decode: must be True or False, got {compile_decode!r}")
+    for name, value in (("cuda_graphs", cuda_graphs), ("compile_decode", compile_decode)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: must be True or False, got {value!r}")
     if compile_decode and not cuda_graphs:
         raise ValueError("compile_decode: needs cuda_graphs=True (it compiles the graph steps)")
-    if id(model.config) in STATES:
-        unpatch_model(model)
+    check_backend(backend)
+
+    unpatch_model(model)
     register()
-    state = PatchState(original_attn=model.config._attn_implementation, cuda_graphs=cuda_graphs)
-    base = model.base_model
-    state.undo.append(
-        base.register_forward_pre_hook(functools.partial(_open_step, state), with_kwargs=True)
+    current = model.config._attn_implementation
+    state = PatchState(
+        config=model.config,
+        pool=options,
+        backend=backend,
+        # Under tensor parallelism every rank would capture the step's collectives; one rank
+        # falling back to eager while another replays would hang them, and no multi-GPU run
+        # has checked capture there yet: such models decode eagerly.
+        cuda_graphs=cuda_graphs and tp_size(model) == 1,
+        compile_decode=compile_decode,
+        original_attn=remember_original_attn(model.config, current),
+        previous_generate=model.__dict__.get("generate"),
+        previous_forward=model.__dict__.get("forward"),
     )
-    state.undo.append(
-        base.register_forward_hook(functools.partial(_close_step, state), with_kwargs=True)
-    )
-    key = id(model.config)
-    state.undo.append(weakref.finalize(model, STATES.pop, key, None))
-    STATES[key] = state
-    model.set_attn_implementation(ATTN_NAME)
-    state.previous_generate = model.__dict__.get("generate")
-    model.generate = types.MethodType(_paged_generate(type(model), state, options), model)
-    # Under tensor parallelism every rank would capture the step's collectives; one rank
-    # falling back to eager while another replays would hang them, and no multi-GPU run has
-    # checked capture there yet: such models decode eagerly.
-    if cuda_graphs and tp_size(model) == 1:
-        state.graphs = DecodeGraphs(
-            signature=functools.partial(memory_signature, weakref.ref(model))
-        )
-        if compile_decode:
-            state.compiled_layers = CompiledLayers(family.decoder_layers(model))
-        state.previous_forward = model.__dict__.get("forward")
-        model.forward = graph_forward(model.forward, state, cache_kwarg(type(model)))
+    model.__dict__[STATE_ATTR] = state
+    try:
+        if state.cuda_graphs:
+            state.graphs = DecodeGraphs()
+        model.set_attn_implementation(ATTN_NAME)
+        model.generate = _method(model, "generate", _paged_generate)
+        model.forward = _method(model, "forward", _paged_forward)
+    except BaseException:
+        unpatch_model(model)
+        raise
     return model
 
 
 def unpatch_model(model):
-    """Undo ``patch_model``: attention implementation, generate and hooks as they were."""
-    state = STATES.pop(id(model.config), None)
+    """Undo ``patch_model``: attention implementation, generate and forward as they were.
+    A model that is not patched is returned unchanged."""
+    state = model.__dict__.pop(STATE_ATTR, None)
     if state is None:
         return model
-    for handle in state.undo:
-        if isinstance(handle, weakref.finalize):
-            handle.detach()
+    for name, previous in (
+        ("generate", state.previous_generate),
+        ("forward", state.previous_forward),
+    ):
+        if previous is not None:
+            model.__dict__[name] = previous
         else:
-            handle.remove()
-    model.set_attn_implementation(state.original_attn)
-    if state.previous_generate is not None:
-        model.generate = state.previous_generate
-    else:
-        model.__dict__.pop("generate", None)
+            model.__dict__.pop(name, None)
     if state.graphs is not None:
         state.graphs.reset()
-        if state.previous_forward is not None:
-            model.forward = state.previous_forward
-        else:
-            model.__dict__.pop("forward", None)
-    state.cache = state.compiled_layers = state.kept_pools = None
-    state.last_cache = lambda: None
+    # a config shared with another patched model stays switched until that one is unpatched
+    if forget_original_attn(model.config) and model.config._attn_implementation == ATTN_NAME:
+        model.set_attn_implementation(state.original_attn)
     return model
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """NotImplementedError naming the supported range when transformers is outside it."""
+    version = version or transformers.__version__
+    low, high = SUPPORTED_TRANSFORMERS
+    if not Version(low) <= Version(version) < Version(high):
+        raise NotImplementedError(
+            f"nanoserve supports transformers >= {low}, < {high}; this is {version} "
+            f'(pip install "transformers>={low},<{high}")'
+        )
+
+
+def _state(model) -> PatchState:
+    state = state_of(model)
+    if state is None:
+        raise ValueError("model: not patched (call nanoserve.patch_model first)")
+    return state
 
 
 def cache_stats(model) -> dict[str, float]:
     """Pool figures of the patched model's latest paged cache (empty before any call):
     num_blocks, blocks_used, tokens, bytes_reserved, bytes_holding_tokens, unused_share.
     Taken from the cache itself while the caller still holds it, else as the call left it."""
-    cache = last_cache(model)
-    return cache.stats() if cache is not None else dict(_state(model).last_stats)
+    state = _state(model)
+    cache = state.last_cache()
+    return cache.stats() if cache is not None else dict(state.last_stats)
 
 
 def last_cache(model) -> PagedCache | None:
@@ -126,13 +170,6 @@ def last_cache(model) -> PagedCache | None:
     that call raised (say ``OutOfBlocks``); else None, and the next call of the same pool
     size reuses its memory."""
     return _state(model).last_cache()
-
-
-def _state(model) -> PatchState:
-    state = STATES.get(id(model.config))
-    if state is None:
-        raise ValueError("model: not patched (call nanoserve.patch_model first)")
-    return state
 
 
 def decode_graph_stats(model) -> dict:
@@ -150,50 +187,72 @@ def decode_graph_stats(model) -> dict:
     }
 
 
-# -- the step boundary: hooks on the base model's forward -------------------------------------
+# -- forward: one paged step per forward that carries a PagedCache --------------------------
 
 
-def _open_step(state: PatchState, module, args, kwargs):
-    if state.in_graph_step:
-        return None
-    state.cache = None
-    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+def _method(model, name: str, body):
+    """``body`` bound to ``model`` under the name and signature of the class's ``name``
+    (generate inspects ``forward``'s parameters to choose what it passes)."""
+
+    @functools.wraps(getattr(type(model), name))
+    def method(self, *args, **kwargs):
+        return body(self, *args, **kwargs)
+
+    return types.MethodType(method, model)
+
+
+def _stock(model, previous, name: str):
+    """What ``model.<name>`` was before patching: a bound method."""
+    return previous if previous is not None else getattr(type(model), name).__get__(model)
+
+
+def _paged_forward(self, *args, **kwargs):
+    state = _state(self)
+    stock = _stock(self, state.previous_forward, "forward")
+    if args:
+        kwargs = _keywords(stock, args, kwargs)
+        args = ()
+    cache = find_cache(kwargs)
     if not isinstance(cache, PagedCache):
-        return None
-    tokens = kwargs.get("input_ids", args[0] if args else None)
-    if tokens is None:
-        tokens = kwargs["inputs_embeds"]
-    batch, q_len = tokens.shape[:2]
-    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-    if mask is None:
-        new = torch.ones(batch, q_len, dtype=torch.bool)
-    elif mask.dim() == 2:
-        new = mask[:, -q_len:].bool()
-    else:
-        raise NotImplementedError("nanoserve: a 4D attention_mask with the paged cache")
-    cache.begin_step(new, tokens.device)
-    state.cache = cache
-    return None
+        return stock(**kwargs)  # attention and mask run as before patching
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            "output_attentions: the paged kernels compute no attention weights; generate "
+            "without a PagedCache (a patched model's generate does that for this option)"
+        )
+    with state.lock:
+        new = new_token_mask(kwargs, cache.paged.seq_lens)
+        if graph_step_possible(state, cache, kwargs, new):
+            return graph_decode_step(self, state, stock, cache, kwargs, new)
+        tokens = kwargs.get("input_ids")
+        device = (tokens if tokens is not None else kwargs["inputs_embeds"]).device
+        meta = cache.begin_step(new, device)  # OutOfBlocks here leaves everything as it was
+        try:
+            with paged_step(cache, meta, state.backend):
+                output = stock(**kwargs)
+        except BaseException:
+            cache.abort_step()  # the step's tokens were never all written: forget them
+            raise
+        cache.end_step()
+        return output
 
 
-def _close_step(state: PatchState, module, args, kwargs, output):
-    if state.cache is not None and not state.in_graph_step:
-        state.cache.end_step()
-        state.cache = None
-    return None
+def _keywords(forward, args: tuple, kwargs: dict) -> dict:
+    """``forward``'s positional ``args`` and ``kwargs`` as keywords only."""
+    signature = inspect.signature(forward)
+    bound = signature.bind_partial(*args, **kwargs).arguments
+    out = {}
+    for name, value in bound.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif signature.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
+            raise ValueError(f"{name}: extra positional arguments to a paged forward")
+        else:
+            out[name] = value
+    return out
 
 
-# -- generate ----------------------------------------------------------------------------------
-
-
-@dataclass
-class KeptPools:
-    """A finished call's pool lists, kept for the next call of the same pool size."""
-
-    num_blocks: int
-    dtype: torch.dtype
-    pools: tuple[list, list]  # (key_pools, value_pools)
-    owner: Callable[[], object | None]  # weak reference to the PagedKVCache storing in them
+# -- generate -----------------------------------------------------------------------------
 
 
 def _pools_for(state: PatchState, num_blocks: int, dtype: torch.dtype):
@@ -208,43 +267,55 @@ def _pools_for(state: PatchState, num_blocks: int, dtype: torch.dtype):
     return kept.pools if (kept.num_blocks, kept.dtype) == (num_blocks, dtype) else None
 
 
-def _paged_generate(model_class, state: PatchState, options: PoolOptions):
-    stock = model_class.generate
-    cache_name = cache_kwarg(model_class)
+def _paged_generate(self, *args, **kwargs):
+    state = _state(self)
+    stock = _stock(self, state.previous_generate, "generate")
+    config = kwargs.get("generation_config") or self.generation_config
 
-    @functools.wraps(stock)
-    def generate(self, *args, **kwargs):
-        if state.graphs is not None:
-            state.graphs.recheck = True
-        user_cache = any(kwargs.get(k) is not None for k in CACHE_KWARGS)
-        config = kwargs.get("generation_config") or self.generation_config
-        use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True))
-        if user_cache or use_cache is False:
-            return stock(self, *args, **kwargs)
-        for k in CACHE_KWARGS:
-            kwargs.pop(k, None)
-        size = pool_size(options, self, args, kwargs)
+    def option(name):
+        value = kwargs.get(name)
+        return getattr(config, name, None) if value is None else value
+
+    if state.graphs is not None:
+        state.graphs.recheck = True  # the weights may have moved since the last call
+    if find_cache(kwargs) is not None or option("use_cache") is False:
+        return stock(*args, **kwargs)  # the caller's cache (a PagedCache stays paged)
+    if option("output_attentions"):
+        return stock(*args, **kwargs)  # stock's cache and attention, which return the weights
+    implementation = option("cache_implementation")
+    if implementation is not None:
+        raise ValueError(
+            f"cache_implementation: {implementation!r} asks for a transformers cache, but this "
+            "model is patched by nanoserve and generates on its paged cache; leave "
+            "cache_implementation unset, or call nanoserve.unpatch_model(model) first"
+        )
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        check_left_padded(mask)
+    with state.lock:
+        for name in CACHE_KWARGS:
+            kwargs.pop(name, None)
+        size = pool_size(state.pool, self, args, kwargs)
         pools = _pools_for(state, size.num_blocks, self.dtype)
-        cache = PagedCache(
-            options.layout.num_layers,
+        paged = PagedKVCache(
+            state.pool.layout.num_layers,
             size.num_blocks,
-            options.block_size,
+            state.pool.block_size,
             size.table_width,
             pools=pools,
+            backend=state.backend,
         )
+        cache = PagedCache(paged)
         # weakly: a cache the caller drops is gone, and its memory can serve the next call
         state.last_cache = weakref.ref(cache)
-        paged = cache.paged
         state.kept_pools = KeptPools(
             size.num_blocks, self.dtype, (paged.key_pools, paged.value_pools), weakref.ref(paged)
         )
-        kwargs[cache_name] = cache
+        kwargs[cache_kwarg(type(self))] = cache
         try:
-            return stock(self, *args, **kwargs)
+            return stock(*args, **kwargs)
         except BaseException:
             state.last_cache = lambda: cache  # held, so the caller can see what was kept
             raise
         finally:
             state.last_stats = cache.stats()
-
-    return generate

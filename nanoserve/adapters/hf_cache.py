@@ -3,9 +3,10 @@
 HF counts a cache in columns of the padded batch (``get_seq_length`` slices the prompt and
 sizes masks by it), while the paged store keeps only real tokens, so this class keeps both:
 ``columns`` (what HF sees) and the block tables (what is stored). The step boundary is
-``begin_step`` (called once per forward by the hook ``hf.py`` puts on the base model) and
-``end_step`` after it; every layer's ``update`` then scatters into its pool and returns the
-pools, which the attention function reads through the step's block tables.
+``begin_step`` (called once per forward by the patched model's forward, ``hf.py``) and
+``end_step`` after it (``abort_step`` when the forward failed); every layer's ``update``
+then scatters into its pool and returns the pools, which the attention function reads
+through the step's block tables.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ import inspect
 import torch
 from transformers.cache_utils import Cache
 
+from nanoserve.adapters.step import current_step
 from nanoserve.cache import PagedKVCache, StepMetadata
-
-# How forward and generate take the cache: 5.24 renamed past_key_values to cache.
-CACHE_KWARGS = ("cache", "past_key_values")
 
 
 def cache_kwarg(model_class) -> str:
@@ -33,32 +32,44 @@ class PagedCache(Cache):
     is_compileable = False  # a compileable cache makes generate auto-compile the forward
     is_croppable = True
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int = 16,
-        table_width: int = 1,
-        pools: tuple[list, list] | None = None,
-    ):
+    def __init__(self, paged: PagedKVCache):
+        if not isinstance(paged, PagedKVCache):
+            raise ValueError(f"paged: expected a PagedKVCache, got {type(paged).__name__}")
         super().__init__(layers=[])
-        self.paged = PagedKVCache(num_layers, num_blocks, block_size, table_width, pools)
-        self.num_layers = num_layers
+        self.paged = paged
+        self.num_layers = paged.num_layers
         self.columns = 0  # padded columns seen by completed forwards
         self._pending = 0  # columns of the forward in flight
+        self._lens_before: list[int] | None = None  # each row's tokens before that forward
 
     # -- the step boundary (once per forward) -----------------------------------------------
 
     def begin_step(self, new_token_mask: torch.Tensor, device: torch.device) -> StepMetadata:
         """Grow the tables for this forward's real tokens; ``new_token_mask`` bool [S, q]."""
+        before = self.paged.seq_lens()
         step = self.paged.begin_step(new_token_mask, device)  # OutOfBlocks leaves all intact
         self._pending = new_token_mask.shape[1]
+        self._lens_before = before
         return step
 
     def end_step(self) -> None:
         self.columns += self._pending
         self._pending = 0
+        self._lens_before = None
 
+    def abort_step(self) -> None:
+        """Forget the tokens of a forward that failed after ``begin_step`` (some layers
+        stored them, others not): every row is cut back to what it held before, so the
+        cache can be continued, or a call retried, as if that forward never ran."""
+        before, self._lens_before, self._pending = self._lens_before, None, 0
+        if before is None:
+            return
+        if not before:  # the forward that started the sequences
+            self.paged.reset()
+            return
+        for table, length in zip(self.paged.tables, before, strict=True):
+            table.truncate(length)
+        self.paged.step = None
     @property
     def step(self) -> StepMetadata:
         return self.paged.step
@@ -72,6 +83,12 @@ class PagedCache(Cache):
         [num_blocks, block_size, Hkv, D] (pads are dropped by slot -1)."""
         if torch.compiler.is_compiling():  # compile_decode: the paged write stays Triton
             return _update_uncompiled(self, key_states, value_states, layer_idx)
+        step = current_step()
+        if step is None or step.cache is not self:
+            raise RuntimeError(
+                "PagedCache.update outside a paged step: a PagedCache is driven by the forward "
+                "of a model patched with nanoserve.patch_model (call the model, not its base)"
+            )
         batch, heads, q_len, head_dim = key_states.shape
         key = key_states.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
         value = value_states.transpose(1, 2).reshape(batch * q_len, heads, head_dim)

@@ -20,6 +20,7 @@ import torch
 
 from nanoserve.cache.allocator import BlockAllocator, as_index
 from nanoserve.cache.block_table import BlockTable
+from nanoserve.kernels.dispatch import check_backend
 from nanoserve.kernels.slot_scatter import slot_scatter
 
 
@@ -31,7 +32,7 @@ class StepMetadata:
     Tensors (on ``device``): ``slot_mapping`` int64 [S * q] (-1 for padding),
     ``token_index`` int64 [T] flat indices of the real tokens in the padded [S * q] layout,
     ``block_tables`` int32 [S, max_blocks], ``seq_lens`` int32 [S], ``cu_seqlens_q`` int32
-    [S + 1] over the real tokens. ``new_tokens`` and ``all_single`` are host values.
+    [S + 1] over the real tokens. ``all_single`` is a host value.
     """
 
     slot_mapping: torch.Tensor
@@ -39,7 +40,6 @@ class StepMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
-    new_tokens: list[int]
     all_single: bool
     _mirrors: dict[torch.device, StepMetadata] = field(default_factory=dict, repr=False)
 
@@ -51,7 +51,6 @@ class StepMetadata:
         if device not in self._mirrors:
             self._mirrors[device] = StepMetadata(
                 *(t.to(device, non_blocking=True) for t in self._tensors()),
-                new_tokens=self.new_tokens,
                 all_single=self.all_single,
             )
         return self._mirrors[device]
@@ -94,6 +93,7 @@ class PagedKVCache:
         block_size: int = 16,
         table_width: int = 1,
         pools: tuple[list, list] | None = None,
+        backend: str = "auto",
     ):
         """``table_width``: the least number of columns of every step's ``block_tables``.
         A fixed width keeps shapes (and so the kernels' launch choices) the same from step
@@ -105,13 +105,17 @@ class PagedKVCache:
         addresses, and graphs captured over them, stay the same). The lists are shared, not
         copied; a pool whose shape, dtype or device does not fit is replaced in them, until
         this cache has written into it: from then on a write that does not fit the layer's
-        pool raises ``ValueError`` (replacing it would zero the cached history)."""
+        pool raises ``ValueError`` (replacing it would zero the cached history).
+
+        ``backend``: the slot-scatter kernel ``write`` uses ("auto", "triton" or "torch")."""
+        check_backend(backend)
         num_layers = as_index(num_layers, "num_layers", minimum=1)
         table_width = as_index(table_width, "table_width", minimum=1)
         block_size = as_index(block_size, "block_size", minimum=1)
         self.num_layers = num_layers
         self.block_size = block_size
         self.table_width = table_width
+        self.backend = backend
         self.allocator = BlockAllocator(num_blocks)
         if pools is None:
             pools = ([None] * num_layers, [None] * num_layers)
@@ -213,7 +217,6 @@ class PagedKVCache:
             block_tables=self._block_table_rows(),
             seq_lens=torch.from_numpy(seq_lens),
             cu_seqlens_q=torch.from_numpy(cu),
-            new_tokens=counts,
             all_single=all(n == 1 for n in counts),
         )
         self.step = host.to(device) if torch.device(device).type != "cpu" else host
@@ -300,7 +303,9 @@ class PagedKVCache:
             raise ValueError(f"key: expected [tokens, kv_heads, head_dim], got {tuple(key.shape)}")
         key_pool, value_pool = self._pools(layer_idx, key)
         step = self.step.to(key_pool.device)
-        slot_scatter(key, value, key_pool, value_pool, step.slot_mapping, check=check)
+        slot_scatter(
+            key, value, key_pool, value_pool, step.slot_mapping, check=check, backend=self.backend
+        )
         self._written[layer_idx] = True
         return key_pool, value_pool
 

@@ -10,8 +10,8 @@ import torch
 from test_families import padded_batch, tiny_model
 
 import nanoserve
-from nanoserve.adapters.attention import STATES
 from nanoserve.adapters.decode_graphs import DecodeGraphs, bucket_for
+from nanoserve.adapters.step import state_of
 
 GREEDY = dict(do_sample=False, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
 
@@ -27,7 +27,7 @@ def generate_patched(model, inputs, patch_options, graphs=None, **opts):
     graph runner (``DecodeGraphs(capture=False)`` runs the static buffers eagerly)."""
     nanoserve.patch_model(model, **patch_options)
     if graphs is not None:
-        STATES[id(model.config)].graphs = graphs
+        state_of(model).graphs = graphs
     try:
         with torch.no_grad():
             out = model.generate(**inputs, **opts)
@@ -98,25 +98,29 @@ def test_graphs_follow_the_signature_of_a_cache_passed_back():
         pass
 
     signature = ["weights at A"]
-    graphs = DecodeGraphs(capture=False, signature=lambda cache: signature[0])
+    graphs = DecodeGraphs(capture=False)
+
+    def sig(cache):
+        return signature[0]
+
     cache = Cache()
-    graphs.follow(cache)
+    graphs.follow(cache, sig)
     graphs.graphs[(1, 4)] = "a captured graph"
-    graphs.follow(cache)
+    graphs.follow(cache, sig)
     assert graphs.graphs  # same cache, same call
     signature[0] = "weights at B"
     graphs.recheck = True
-    graphs.follow(cache)
+    graphs.follow(cache, sig)
     assert not graphs.graphs and not graphs.recheck
     graphs.graphs[(1, 4)] = "a captured graph"
     graphs.recheck = True
-    graphs.follow(cache)
+    graphs.follow(cache, sig)
     assert graphs.graphs  # checked again, unchanged: kept
     other = Cache()
-    graphs.follow(other)
+    graphs.follow(other, sig)
     assert graphs.graphs  # a new cache over the same memory keeps them too
     signature[0] = "weights at C"
-    graphs.follow(Cache())
+    graphs.follow(Cache(), sig)
     assert not graphs.graphs
 
 
@@ -126,11 +130,13 @@ def test_each_generate_call_asks_for_a_recheck(monkeypatch):
     seen = []
     follow = DecodeGraphs.follow
     monkeypatch.setattr(
-        DecodeGraphs, "follow", lambda self, cache: (seen.append(self.recheck), follow(self, cache))
+        DecodeGraphs,
+        "follow",
+        lambda self, cache, sig=None: (seen.append(self.recheck), follow(self, cache, sig)),
     )
     opts = dict(max_new_tokens=4, do_sample=False, eos_token_id=None)
     nanoserve.patch_model(model, block_size=4)
-    STATES[id(model.config)].graphs = DecodeGraphs(capture=False)
+    state_of(model).graphs = DecodeGraphs(capture=False)
     try:
         with torch.no_grad():
             model.generate(**inputs, **opts)
@@ -148,7 +154,7 @@ def test_next_call_reuses_the_pools_of_a_dropped_cache_only():
     inputs = padded_batch([13, 6, 2], 13)
     opts = dict(max_new_tokens=5, do_sample=False, eos_token_id=None)
     nanoserve.patch_model(model, block_size=4)
-    state = STATES[id(model.config)]
+    state = state_of(model)
 
     def first_pool():
         return state.kept_pools.pools[0][0]
@@ -203,7 +209,7 @@ def test_cuda_graphs_argument_and_unpatch():
     nanoserve.unpatch_model(model)
     assert "forward" not in model.__dict__ and model.forward == forward
     nanoserve.patch_model(model, cuda_graphs=False)
-    assert "forward" not in model.__dict__
+    assert state_of(model).graphs is None
     assert nanoserve.decode_graph_stats(model)["enabled"] is False
     nanoserve.unpatch_model(model)
 

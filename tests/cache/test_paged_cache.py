@@ -231,11 +231,11 @@ def test_step_metadata_follows_every_table_change():
             expected[i, : table.num_blocks] = torch.tensor(table.block_ids, dtype=torch.int32)
         assert torch.equal(meta.block_tables, expected)
         assert meta.seq_lens.tolist() == cache.seq_lens()
-        assert meta.new_tokens == mask.sum(1).tolist()
+        assert meta.cu_seqlens_q.diff().tolist() == mask.sum(1).tolist()
         assert torch.equal(meta.token_index, mask.flatten().nonzero().flatten())
         real = meta.slot_mapping[meta.token_index]
         assert (meta.slot_mapping >= 0).sum() == len(real) and (real >= 0).all()
-        assert meta.cu_seqlens_q.tolist() == [0, *torch.tensor(meta.new_tokens).cumsum(0)]
+        assert meta.cu_seqlens_q[0] == 0
 
 
 def test_step_metadata_after_a_later_copy_on_write():
@@ -298,7 +298,7 @@ def test_an_empty_batch_is_an_error():
     assert cache.seq_lens() == [3, 3]
     # a step of zero columns stores nothing and is no error (as a row of padding is not)
     meta = cache.begin_step(torch.ones(2, 0, dtype=torch.bool), "cpu")
-    assert meta.new_tokens == [0, 0] and meta.slot_mapping.numel() == 0
+    assert meta.cu_seqlens_q.tolist() == [0, 0, 0] and meta.slot_mapping.numel() == 0
     assert cache.seq_lens() == [3, 3] and meta.seq_lens.tolist() == [3, 3]
 
 

@@ -1,0 +1,219 @@
+"""One owner for a patched model's state and for the paged step of each forward.
+
+- ``PatchState`` lives on the model instance (``state_of(model)``): the patch options, what
+  patching replaced, the CUDA-graph runner, the pools kept between calls. A deep copy of a
+  patched model gets a fresh state of its own (``PatchState.__deepcopy__``), so the copy runs
+  its own weights and ``unpatch_model(copy)`` works.
+- A paged forward opens exactly one step (``paged_step``), whether it runs eagerly or through
+  the graph runner: the step's cache and metadata are the current ``Step`` (a context
+  variable, so each thread and each nested call sees its own) that ``PagedCache.update`` and
+  the attention and mask functions read.
+- ``find_cache`` and ``new_token_mask`` are the one place that reads HF's forward arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.adapters.sizing import PoolOptions
+from nanoserve.cache import StepMetadata
+
+# How forward and generate take the cache: 5.24 renamed past_key_values to cache.
+CACHE_KWARGS = ("cache", "past_key_values")
+STATE_ATTR = "_nanoserve_state"
+
+
+@dataclass
+class KeptPools:
+    """A finished call's pool lists, kept for the next call of the same pool size."""
+
+    num_blocks: int
+    dtype: torch.dtype
+    pools: tuple[list, list]  # (key_pools, value_pools)
+    owner: Callable[[], object | None]  # weak reference to the PagedKVCache storing in them
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass
+class PatchState:
+    """What a patched model remembers. Options are fixed at patch time; the rest is the
+    model's runtime (graphs, kept pools, the latest call's cache), reset in a deep copy."""
+
+    config: object  # the model's config (its attention is switched while patched)
+    pool: PoolOptions
+    backend: str  # kernel backend for every paged step: "auto", "triton" or "torch"
+    cuda_graphs: bool  # decode steps on CUDA replay captured graphs
+    compile_decode: bool
+    original_attn: str
+    previous_generate: object | None = None  # an instance attribute patching replaced
+    previous_forward: object | None = None
+    graphs: object | None = None  # DecodeGraphs when cuda_graphs (and not tensor parallel)
+    compiled_layers: object | None = None  # CompiledLayers, built on first use
+    # the latest generate call's PagedCache: weakly, or strongly after a call that raised
+    last_cache: Callable[[], object | None] = _nothing
+    last_stats: dict = field(default_factory=dict)  # its figures as that call left them
+    kept_pools: KeptPools | None = None
+    # one paged call at a time per model: a second thread waits for the first to finish
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def __deepcopy__(self, memo) -> PatchState:
+        config = copy.deepcopy(self.config, memo)  # the copy's own config (memo: same object)
+        remember_original_attn(config, self.original_attn)
+        fresh = PatchState(
+            config=config,
+            pool=self.pool,
+            backend=self.backend,
+            cuda_graphs=self.cuda_graphs,
+            compile_decode=self.compile_decode,
+            original_attn=self.original_attn,
+            previous_generate=copy.deepcopy(self.previous_generate, memo),
+            previous_forward=copy.deepcopy(self.previous_forward, memo),
+        )
+        if self.graphs is not None:
+            fresh.graphs = type(self.graphs)(capture=self.graphs.capture)
+        return fresh
+
+
+def state_of(model) -> PatchState | None:
+    """The patch state of ``model`` (None when it is not patched)."""
+    return model.__dict__.get(STATE_ATTR)
+
+
+# -- the attention implementation a config had before patching -----------------------------
+# Attention modules read ``config._attn_implementation``; models built from one config object
+# share it, so patching one switches all of them. A model that shares the config but is not
+# patched (or a patched one outside a paged forward) must still run what it ran before:
+# the original name is kept per config object, with the number of patched models using it.
+
+_ORIGINAL_ATTN: dict[int, tuple[weakref.ref, str, int]] = {}
+
+
+def remember_original_attn(config, name: str) -> str:
+    """Record ``config``'s attention before the first patch of a model using it; returns the
+    original name (the recorded one when another patched model shares this config)."""
+    entry = _ORIGINAL_ATTN.get(id(config))
+    if entry is not None and entry[0]() is config:
+        _ORIGINAL_ATTN[id(config)] = (entry[0], entry[1], entry[2] + 1)
+        return entry[1]
+    ref = weakref.ref(config, lambda _, key=id(config): _ORIGINAL_ATTN.pop(key, None))
+    _ORIGINAL_ATTN[id(config)] = (ref, name, 1)
+    return name
+
+
+def forget_original_attn(config) -> bool:
+    """One patched model of ``config`` is gone; True when it was the last one."""
+    entry = _ORIGINAL_ATTN.get(id(config))
+    if entry is None or entry[0]() is not config:
+        return True
+    if entry[2] > 1:
+        _ORIGINAL_ATTN[id(config)] = (entry[0], entry[1], entry[2] - 1)
+        return False
+    del _ORIGINAL_ATTN[id(config)]
+    return True
+
+
+def original_attn(config) -> str:
+    """The attention ``config`` used before it was patched ("sdpa" when unknown)."""
+    entry = _ORIGINAL_ATTN.get(id(config)) if config is not None else None
+    if entry is not None and entry[0]() is config:
+        return entry[1]
+    return "sdpa"
+
+
+# -- the step of the forward in flight ---------------------------------------------------
+
+
+@dataclass
+class Step:
+    """The paged forward in flight: its cache (a ``PagedCache``), the step metadata every
+    layer reads, and the kernel backend."""
+
+    cache: object
+    meta: StepMetadata
+    backend: str
+
+
+_CURRENT: ContextVar[Step | None] = ContextVar("nanoserve_step", default=None)
+
+
+def current_step() -> Step | None:
+    """The paged step of the forward running in this context, or None."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def paged_step(cache, meta: StepMetadata, backend: str) -> Iterator[Step]:
+    """Make ``meta`` the step every layer of ``cache`` reads for the duration of a forward.
+
+    Both the eager path and the graph runner open steps through this one function."""
+    cache.paged.step = meta
+    token = _CURRENT.set(Step(cache, meta, backend))
+    try:
+        yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)
+
+
+def find_cache(kwargs: dict):
+    """The cache object HF passes to ``forward`` or ``generate`` (either name), or None."""
+    for name in CACHE_KWARGS:
+        value = kwargs.get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def new_token_mask(kwargs: dict, cached_lens: Callable[[], list[int]]) -> torch.Tensor:
+    """bool [B, q] on the CPU: which columns of this forward are real tokens to store.
+
+    From ``attention_mask`` (its last q columns), else all True. Raises ValueError for what
+    the paged cache cannot store as stock computes it: a 4-D mask, and a real token followed
+    by padding (right padding), within the step or after tokens a row already cached
+    (``cached_lens()``: each row's cached token count)."""
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None:
+        raise ValueError("input_ids: a paged forward needs input_ids or inputs_embeds")
+    batch, q_len = tokens.shape[:2]
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        return torch.ones(batch, q_len, dtype=torch.bool)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        raise ValueError(
+            "attention_mask: nanoserve's paged cache takes a 2-D [batch, columns] padding mask; "
+            "a custom 4-D mask needs the stock cache (nanoserve.unpatch_model(model))"
+        )
+    new = mask[:, -q_len:].to("cpu", torch.bool)
+    if new.shape != (batch, q_len):
+        raise ValueError(
+            f"attention_mask: {tuple(mask.shape)} does not cover the {q_len} new columns"
+        )
+    if not bool(new.all()):
+        check_left_padded(new, cached_lens())
+    return new
+
+
+def check_left_padded(mask: torch.Tensor, cached_lens: list[int] | None = None) -> None:
+    """ValueError naming ``attention_mask`` when a row of ``mask`` [B, n] has padding after a
+    real token, or any padding after tokens it already cached (``cached_lens``)."""
+    mask = mask.to("cpu", torch.bool)
+    holes = (mask[:, 1:] < mask[:, :-1]).any(dim=1)
+    if cached_lens:
+        holes |= torch.tensor([n > 0 for n in cached_lens]) & ~mask.all(dim=1)
+    if bool(holes.any()):
+        raise ValueError(
+            "attention_mask: padding after a real token (right padding) is not supported by "
+            'nanoserve\'s paged cache; tokenize with padding_side="left"'
+        )
