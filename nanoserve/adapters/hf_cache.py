@@ -70,6 +70,7 @@ class PagedCache(Cache):
         for table, length in zip(self.paged.tables, before, strict=True):
             table.truncate(length)
         self.paged.step = None
+
     @property
     def step(self) -> StepMetadata:
         return self.paged.step

@@ -106,8 +106,9 @@ def remember_original_attn(config, name: str) -> str:
     if entry is not None and entry[0]() is config:
         _ORIGINAL_ATTN[id(config)] = (entry[0], entry[1], entry[2] + 1)
         return entry[1]
-    ref = weakref.ref(config, lambda _, key=id(config): _ORIGINAL_ATTN.pop(key, None))
-    _ORIGINAL_ATTN[id(config)] = (ref, name, 1)
+    key = id(config)
+    ref = weakref.ref(config, lambda _: _ORIGINAL_ATTN.pop(key, None))
+    _ORIGINAL_ATTN[key] = (ref, name, 1)
     return name
 
 
