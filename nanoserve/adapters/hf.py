@@ -24,7 +24,7 @@ from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.graph_forward import graph_decode_step, graph_step_possible
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.registry import family_for
-from nanoserve.adapters.sizing import PoolOptions, pool_size
+from nanoserve.adapters.sizing import PoolOptions, blocks_to_continue, pool_size
 from nanoserve.adapters.step import (
     CACHE_KWARGS,
     STATE_ATTR,
@@ -267,6 +267,18 @@ def _pools_for(state: PatchState, num_blocks: int, dtype: torch.dtype):
     return kept.pools if (kept.num_blocks, kept.dtype) == (num_blocks, dtype) else None
 
 
+def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs) -> None:
+    """A returned cache passed back to generate grows its pool to fit the call, as stock's
+    cache would, unless the pool size was fixed (``num_blocks`` / ``max_memory``: then
+    ``OutOfBlocks`` says so)."""
+    if state.pool.num_blocks is not None or state.pool.max_memory is not None:
+        return
+    paged = cache.paged
+    need = blocks_to_continue(paged, cache.get_seq_length(), model, args, kwargs)
+    if need > paged.allocator.num_free:
+        paged.grow(need - paged.allocator.num_free)
+
+
 def _paged_generate(self, *args, **kwargs):
     state = _state(self)
     stock = _stock(self, state.previous_generate, "generate")
@@ -278,8 +290,13 @@ def _paged_generate(self, *args, **kwargs):
 
     if state.graphs is not None:
         state.graphs.recheck = True  # the weights may have moved since the last call
-    if find_cache(kwargs) is not None or option("use_cache") is False:
-        return stock(*args, **kwargs)  # the caller's cache (a PagedCache stays paged)
+    passed = find_cache(kwargs)
+    if isinstance(passed, PagedCache):
+        with state.lock:
+            _room_to_continue(state, passed, self, args, kwargs)
+            return stock(*args, **kwargs)
+    if passed is not None or option("use_cache") is False:
+        return stock(*args, **kwargs)  # the caller's own transformers cache
     if option("output_attentions"):
         return stock(*args, **kwargs)  # stock's cache and attention, which return the weights
     implementation = option("cache_implementation")

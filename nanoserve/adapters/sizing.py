@@ -49,10 +49,21 @@ class PoolSize:
     table_width: int
 
 
-def pool_size(options: PoolOptions, model, args: tuple, kwargs: dict) -> PoolSize:
-    """``num_blocks``; else what fits in ``max_memory``; else what this call needs: for each
-    row, blocks for its real prompt tokens (padding is never stored) plus the new tokens,
-    and with beam search one spare block per beam for copy-on-write."""
+@dataclass(frozen=True)
+class CallShape:
+    """What a generate call stores: each row's real prompt tokens (padding is never
+    stored), the columns of its prompt, the new tokens, how many copies of each row
+    (beams, ``num_return_sequences``) and the spare block a beam takes for copy-on-write."""
+
+    prompt_lens: list[int]
+    width: int
+    new_tokens: int
+    copies: int
+    spare: int
+
+
+def call_shape(model, args: tuple, kwargs: dict) -> CallShape:
+    """The ``CallShape`` of ``model.generate(*args, **kwargs)``."""
     inputs = args[0] if args else None
     for name in ("input_ids", "inputs", "inputs_embeds"):
         if inputs is None:
@@ -67,8 +78,23 @@ def pool_size(options: PoolOptions, model, args: tuple, kwargs: dict) -> PoolSiz
     new_tokens = get("max_new_tokens")
     if new_tokens is None:
         new_tokens = max((get("max_length") or 20) - width, 0)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        prompt_lens = [int(n) for n in mask.sum(dim=1).tolist()]
+    else:
+        prompt_lens = [width] * batch
+    beams = get("num_beams") or 1
+    copies = max(beams, get("num_return_sequences") or 1)
+    return CallShape(prompt_lens, width, new_tokens, copies, 1 if beams > 1 else 0)
+
+
+def pool_size(options: PoolOptions, model, args: tuple, kwargs: dict) -> PoolSize:
+    """``num_blocks``; else what fits in ``max_memory``; else what this call needs: for each
+    row, blocks for its real prompt tokens plus the new tokens, and with beam search one
+    spare block per beam for copy-on-write."""
+    shape = call_shape(model, args, kwargs)
     bs = options.block_size
-    table_width = math.ceil((width + new_tokens) / bs) + 1
+    table_width = math.ceil((shape.width + shape.new_tokens) / bs) + 1
     if options.num_blocks is not None:
         return PoolSize(options.num_blocks, table_width)
     if options.max_memory is not None:
@@ -78,13 +104,18 @@ def pool_size(options: PoolOptions, model, args: tuple, kwargs: dict) -> PoolSiz
                 f"max_memory: {options.max_memory} bytes is less than one block ({size} bytes)"
             )
         return PoolSize(options.max_memory // size, table_width)
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        prompt_lens = mask.sum(dim=1).tolist()
-    else:
-        prompt_lens = [width] * batch
-    beams = get("num_beams") or 1
-    copies = max(beams, get("num_return_sequences") or 1)
-    spare = 1 if beams > 1 else 0
-    blocks = sum(math.ceil((int(n) + new_tokens) / bs) + spare for n in prompt_lens)
-    return PoolSize(max(1, blocks * copies), table_width)
+    blocks = sum(math.ceil((n + shape.new_tokens) / bs) + shape.spare for n in shape.prompt_lens)
+    return PoolSize(max(1, blocks * shape.copies), table_width)
+
+
+def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) -> int:
+    """Blocks a generate call that continues ``paged`` (a returned cache passed back, which
+    has seen ``columns`` columns) may need beyond those its rows hold: each row grows by at
+    most the columns not cached yet plus the new tokens, and may copy its last block."""
+    shape = call_shape(model, args, kwargs)
+    grow = max(shape.width - columns, 0) + shape.new_tokens
+    bs = paged.block_size
+    need = sum(
+        math.ceil((t.num_tokens + grow) / bs) - t.num_blocks + 1 + shape.spare for t in paged.tables
+    )
+    return need * shape.copies

@@ -57,6 +57,15 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self._num_blocks - len(self._free)
 
+    def grow(self, n: int) -> None:
+        """Add ``n`` free blocks, ids ``[num_blocks, num_blocks + n)``, handed out after the
+        blocks already free."""
+        n = as_index(n, "n", minimum=0)
+        old = self._num_blocks
+        self._num_blocks += n
+        self._refcounts.extend([0] * n)
+        self._free[:0] = range(old + n - 1, old - 1, -1)
+
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (refcount 1 each); all or nothing, else ``OutOfBlocks``."""
         n = as_index(n, "n", minimum=0)

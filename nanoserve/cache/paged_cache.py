@@ -170,6 +170,20 @@ class PagedKVCache:
         self.tables = []
         self.step = None
 
+    def grow(self, n: int) -> None:
+        """Give the pool ``n`` more blocks: every allocated pool is copied into a larger one
+        (its tokens and block ids stay), so memory addresses change."""
+        n = as_index(n, "n", minimum=0)
+        if n == 0:
+            return
+        for pools in (self.key_pools, self.value_pools):
+            for layer, pool in enumerate(pools):
+                if pool is not None:
+                    larger = pool.new_zeros((pool.shape[0] + n, *pool.shape[1:]))
+                    larger[: pool.shape[0]] = pool
+                    pools[layer] = larger
+        self.allocator.grow(n)
+
     # -- the step boundary -------------------------------------------------------------------
 
     def begin_step(self, new_token_mask: torch.Tensor, device: torch.device) -> StepMetadata:

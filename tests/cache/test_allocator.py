@@ -150,3 +150,13 @@ def test_failed_append_leaves_the_version():
     assert table.version == version
     table.truncate(4)
     assert table.version == version + 1
+
+
+def test_grow_appends_free_blocks_after_the_free_ones():
+    alloc = BlockAllocator(2)
+    first = alloc.allocate(1)
+    alloc.grow(3)
+    assert alloc.num_blocks == 5 and alloc.num_free == 4 and alloc.num_used == 1
+    assert alloc.allocate(1) != first and alloc.allocate(3) == [2, 3, 4]
+    with pytest.raises(ValueError, match="^n"):
+        alloc.grow(True)

@@ -80,7 +80,7 @@ def test_pads_are_never_stored():
 
 
 def test_out_of_blocks_loses_nothing():
-    cache = PagedKVCache(2, num_blocks=3, block_size=4)
+    cache = PagedKVCache(2, num_blocks=4, block_size=4)
     written = step(cache, torch.ones(2, 4, dtype=torch.bool), 2)
     before = [t.block_ids for t in cache.tables]
     free = cache.allocator.num_free
@@ -344,3 +344,24 @@ def test_reused_pools_are_replaced_only_until_written():
     wider.begin_step(torch.ones(1, 1, dtype=torch.bool), "cpu")
     with pytest.raises(ValueError, match="dtype torch.float64 -> torch.float32"):
         wider.write(0, torch.randn(1, HEADS, DIM), torch.randn(1, HEADS, DIM))
+
+
+def test_grow_keeps_every_token_and_adds_free_blocks():
+    """A returned cache continued by a longer call grows its pool: the tokens and block ids
+    stay, the new blocks are free, and a full pool can then take the step it refused."""
+    cache = PagedKVCache(2, num_blocks=4, block_size=4)
+    written = step(cache, torch.ones(2, 6, dtype=torch.bool), 2)
+    ids = [t.block_ids for t in cache.tables]
+    with pytest.raises(OutOfBlocks):
+        cache.begin_step(torch.ones(2, 3, dtype=torch.bool), "cpu")
+    cache.grow(4)
+    assert cache.allocator.num_blocks == 8 and cache.allocator.num_free == 4
+    assert cache.key_pools[0].shape[0] == 8 and [t.block_ids for t in cache.tables] == ids
+    for layer, (k, v) in enumerate(written):
+        for row in range(2):
+            assert torch.equal(read_back(cache, layer, row)[0], k[row])
+            assert torch.equal(read_back(cache, layer, row)[1], v[row])
+    later = step(cache, torch.ones(2, 3, dtype=torch.bool), 2)
+    assert torch.equal(read_back(cache, 1, 0)[0], torch.cat([written[1][0][0], later[1][0][0]]))
+    with pytest.raises(ValueError, match="^n"):
+        cache.grow(-1)

@@ -1,0 +1,277 @@
+"""Misuse of a patched model ends as stock's exact tokens or as a clear error raised before
+anything changes (issue 13): copies, threads, shared configs, failed patches and calls,
+right padding, dtype changes under a returned cache, options nanoserve cannot serve."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import threading
+
+import pytest
+import torch
+import transformers
+from helpers import patched
+from test_families import padded_batch, tiny_model
+
+import nanoserve
+from nanoserve.adapters.step import state_of
+
+GREEDY = dict(do_sample=False, eos_token_id=None)
+
+
+def cache_name(model) -> str:
+    """How this transformers version's forward takes the cache (5.24: ``cache``)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def stock_generate(model, **kwargs):
+    with torch.no_grad():
+        return model.generate(**kwargs)
+
+
+def continued(inputs, sequences):
+    """generate kwargs that continue ``sequences`` (the mask grown by the new columns)."""
+    mask = inputs["attention_mask"]
+    grown = torch.ones(mask.shape[0], sequences.shape[1] - mask.shape[1], dtype=mask.dtype)
+    return dict(input_ids=sequences, attention_mask=torch.cat([mask, grown], dim=1))
+
+
+def test_deepcopy_of_a_patched_model_runs_its_own_weights():
+    """The copy's forward and generate are bound to the copy, with a state of its own; its
+    weights changed after the copy are the ones it runs, and unpatching it works."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4], 9)
+    opts = dict(max_new_tokens=8, **GREEDY)
+    nanoserve.patch_model(model, block_size=4)
+    try:
+        clone = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in clone.parameters():
+                p.mul_(-1.5)
+        assert state_of(clone) is not state_of(model)
+        twin = nanoserve.unpatch_model(copy.deepcopy(clone))  # the clone's weights, stock
+        assert state_of(twin) is None and "forward" not in twin.__dict__
+        expected = stock_generate(twin, **inputs, **opts)
+        with torch.no_grad():
+            out = clone.generate(**inputs, **opts)
+            original = model.generate(**inputs, **opts)
+        assert torch.equal(out, expected)
+        assert not torch.equal(out, original)  # the clone did not run the original's weights
+        nanoserve.unpatch_model(clone)
+        assert state_of(clone) is None
+        assert clone.config._attn_implementation != "nanoserve_paged"
+        assert "generate" not in clone.__dict__ and "forward" not in clone.__dict__
+    finally:
+        nanoserve.unpatch_model(model)
+    assert torch.equal(original, stock_generate(model, **inputs, **opts))
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_two_threads_on_one_patched_model_get_stock_tokens(run):
+    model = tiny_model("llama")
+    batches = [padded_batch([11, 3, 7], 11, seed=run), padded_batch([5], 5, seed=run + 10)]
+    opts = dict(max_new_tokens=12, **GREEDY)
+    expected = [stock_generate(model, **b, **opts) for b in batches]
+    results, errors = [None, None], []
+    start = threading.Barrier(2)
+
+    def worker(i):
+        try:
+            start.wait()
+            with torch.no_grad():
+                results[i] = model.generate(**batches[i], **opts)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    with patched(model, block_size=4):
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    for out, want in zip(results, expected, strict=True):
+        assert torch.equal(out, want)
+
+
+def test_two_models_sharing_one_config_stay_independent():
+    """Patching (and unpatching) one model never breaks another built on the same config
+    object, patched or not."""
+    first = tiny_model("llama", seed=0)
+    torch.manual_seed(5)
+    second = transformers.LlamaForCausalLM(first.config).eval()
+    assert second.config is first.config
+    inputs = padded_batch([8, 5], 8)
+    opts = dict(max_new_tokens=6, **GREEDY)
+    stock = [stock_generate(m, **inputs, **opts) for m in (first, second)]
+
+    def both():
+        return [stock_generate(m, **inputs, **opts) for m in (first, second)]
+
+    nanoserve.patch_model(first)
+    assert all(torch.equal(a, b) for a, b in zip(both(), stock, strict=True))  # second unpatched
+    nanoserve.patch_model(second)
+    assert all(torch.equal(a, b) for a, b in zip(both(), stock, strict=True))
+    nanoserve.unpatch_model(second)
+    assert first.config._attn_implementation == "nanoserve_paged"  # first is still patched
+    assert all(torch.equal(a, b) for a, b in zip(both(), stock, strict=True))
+    nanoserve.patch_model(second)
+    nanoserve.unpatch_model(first)
+    assert all(torch.equal(a, b) for a, b in zip(both(), stock, strict=True))
+    nanoserve.unpatch_model(second)
+    assert first.config._attn_implementation == "sdpa"
+    assert all(torch.equal(a, b) for a, b in zip(both(), stock, strict=True))
+
+
+def _snapshot(model):
+    return (model.config._attn_implementation, dict(model.__dict__))
+
+
+def test_a_failed_patch_changes_nothing(monkeypatch):
+    model = tiny_model("llama")
+    before = _snapshot(model.model)
+    with pytest.raises(ValueError, match="^model: LlamaModel has no generate"):
+        nanoserve.patch_model(model.model)
+    assert _snapshot(model.model) == before
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="^backend"):
+        nanoserve.patch_model(model, backend="cuda")
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    with pytest.raises(NotImplementedError, match=r"transformers >= 5\.17, < 6; this is 4\.57"):
+        nanoserve.patch_model(model)
+    assert _snapshot(model) == before
+    monkeypatch.undo()
+
+    def broken(self, name):  # fails halfway through the patch, after the state is attached
+        raise RuntimeError("set_attn_implementation failed")
+
+    monkeypatch.setattr(type(model), "set_attn_implementation", broken)
+    with pytest.raises(RuntimeError, match="set_attn_implementation failed"):
+        nanoserve.patch_model(model)
+    monkeypatch.undo()
+    assert _snapshot(model) == before
+
+
+def test_right_padding_is_refused_before_anything_changes():
+    model = tiny_model("llama")
+    left = padded_batch([9, 4], 9)
+    right = dict(input_ids=left["input_ids"].clone(), attention_mask=left["attention_mask"].flip(1))
+    opts = dict(max_new_tokens=5, **GREEDY)
+    with patched(model, block_size=4), torch.no_grad():
+        with pytest.raises(ValueError, match='padding_side="left"'):
+            model.generate(**right, **opts)
+        assert nanoserve.adapters.last_cache(model) is None  # no cache was made
+        out = model.generate(**left, **opts)
+    assert torch.equal(out, stock_generate(model, **left, **opts))
+
+
+def test_output_attentions_returns_stocks_weights():
+    model = tiny_model("llama")
+    model.set_attn_implementation("eager")
+    inputs = padded_batch([7, 3], 7)
+    opts = dict(max_new_tokens=3, output_attentions=True, return_dict_in_generate=True, **GREEDY)
+    stock = stock_generate(model, **inputs, **opts)
+    with patched(model), torch.no_grad():
+        paged = model.generate(**inputs, **opts)
+        with pytest.raises(ValueError, match="^output_attentions"):
+            cache = nanoserve.PagedCache(nanoserve.PagedKVCache(2, 8, 4))
+            model(**inputs, output_attentions=True, **{cache_name(model): cache})
+    assert model.config._attn_implementation == "eager"
+    assert torch.equal(stock.sequences, paged.sequences)
+    assert len(stock.attentions) == len(paged.attentions) == 3
+    for step_a, step_b in zip(stock.attentions, paged.attentions, strict=True):
+        for a, b in zip(step_a, step_b, strict=True):
+            assert a is not None and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("implementation", ["static", "paged", "dynamic"])
+def test_cache_implementation_names_nanoserve(implementation):
+    model = tiny_model("llama")
+    with patched(model), pytest.raises(ValueError, match="^cache_implementation.*nanoserve"):
+        model.generate(
+            **padded_batch([4], 4), max_new_tokens=2, cache_implementation=implementation
+        )
+
+
+def test_a_returned_cache_refuses_a_dtype_change_and_loses_nothing():
+    """Continuing a returned cache after ``model.to(float64)`` raises naming the mismatch,
+    before any row grows; back in float32 the continuation gives stock's tokens."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4], 9)
+    opts = dict(max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
+    stock = stock_generate(model, **inputs, **opts)
+    stock_next = stock_generate(
+        model, **continued(inputs, stock.sequences), max_new_tokens=5,
+        **{cache_name(model): stock.past_key_values}, **GREEDY,
+    )  # fmt: skip
+    with patched(model, block_size=4), torch.no_grad():
+        first = model.generate(**inputs, **opts)
+        cache = first.past_key_values
+        lens, columns = cache.paged.seq_lens(), cache.get_seq_length()
+        following = dict(
+            **continued(inputs, first.sequences), max_new_tokens=5,
+            **{cache_name(model): cache}, **GREEDY,
+        )  # fmt: skip
+        model.to(torch.float64)
+        with pytest.raises(ValueError, match="^key: .*dtype torch.float32 -> torch.float64"):
+            model.generate(**following)
+        assert cache.paged.seq_lens() == lens and cache.get_seq_length() == columns
+        model.to(torch.float32)
+        out = model.generate(**following)
+    assert torch.equal(first.sequences, stock.sequences)
+    assert torch.equal(out, stock_next)
+
+
+def test_a_forward_that_fails_midway_is_rolled_back():
+    """A layer raising in the middle of a decode step (after layer 0 stored its K/V) leaves
+    the returned cache as it was: a retry continues with stock's tokens."""
+    model = tiny_model("llama")
+    inputs = padded_batch([10, 6], 10)
+    opts = dict(max_new_tokens=3, return_dict_in_generate=True, **GREEDY)
+    stock = stock_generate(model, **inputs, **opts)
+    stock_next = stock_generate(
+        model, **continued(inputs, stock.sequences), max_new_tokens=6,
+        **{cache_name(model): stock.past_key_values}, **GREEDY,
+    )  # fmt: skip
+
+    def fail(*args):
+        raise RuntimeError("layer 1 failed")
+
+    with patched(model, block_size=4), torch.no_grad():
+        first = model.generate(**inputs, **opts)
+        cache = first.past_key_values
+        lens = cache.paged.seq_lens()
+        following = dict(
+            **continued(inputs, first.sequences), max_new_tokens=6,
+            **{cache_name(model): cache}, **GREEDY,
+        )  # fmt: skip
+        hook = model.model.layers[1].register_forward_pre_hook(fail)
+        with pytest.raises(RuntimeError, match="layer 1 failed"):
+            model.generate(**following)
+        hook.remove()
+        assert cache.paged.seq_lens() == lens
+        out = model.generate(**following)
+    assert torch.equal(out, stock_next)
+
+
+def test_a_paged_cache_outside_a_patched_forward_is_an_error():
+    model = tiny_model("llama")
+    cache = nanoserve.PagedCache(nanoserve.PagedKVCache(2, 8, 4))
+    inputs = padded_batch([4], 4)
+    with patched(model), pytest.raises(RuntimeError, match="outside a paged step"):
+        model.model(**inputs, use_cache=True, **{cache_name(model): cache})
+    with pytest.raises(ValueError, match="^paged"):
+        nanoserve.PagedCache(2)
+
+
+def test_positional_arguments_reach_the_paged_forward():
+    model = tiny_model("llama")
+    inputs = padded_batch([6, 6], 6)
+    with torch.no_grad():
+        stock = model(inputs["input_ids"], inputs["attention_mask"]).logits
+        with patched(model):
+            cache = nanoserve.PagedCache(nanoserve.PagedKVCache(2, 8, 4))
+            paged = model(inputs["input_ids"], inputs["attention_mask"], None, cache).logits
+            assert cache.get_seq_length() == 6 and cache.paged.seq_lens() == [6, 6]
+    torch.testing.assert_close(paged, stock, rtol=1e-5, atol=1e-5)
