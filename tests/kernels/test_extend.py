@@ -129,3 +129,65 @@ def test_extend_and_decode_kernels_ignore_nan_outside_the_window(poison_outputs)
         )
         assert torch.isfinite(clean).all()
         assert torch.equal(poisoned, clean)
+
+
+def _window_edge_tiles() -> list[tuple[int, int, int, int]]:
+    """One tile for every BLOCK_N the launcher can pick (the CUDA autotune lists and the
+    interpreter's tile), with the smallest BLOCK_M that goes with it: with at most 16 new
+    tokens per sequence BLOCK_M does not move the window edge, BLOCK_N does. One warp count
+    and one stage suffice under the interpreter."""
+    from nanoserve.kernels.triton_extend import CUDA_CONFIGS, INTERPRETER_CONFIG
+
+    tiles = [(m, n) for family in CUDA_CONFIGS.values() for m, n, _, _ in family]
+    tiles.append(INTERPRETER_CONFIG[:2])
+    smallest_m = {n: min(m for m, n2 in tiles if n2 == n) for _, n in tiles}
+    return [(m, n, 4, 1) for n, m in sorted(smallest_m.items())]
+
+
+@pytest.mark.parametrize("tile", _window_edge_tiles(), ids=lambda t: f"m{t[0]}n{t[1]}")
+def test_extend_window_edge_on_every_residue(tile, poison_outputs):
+    """With a sliding window, keys from ``full_lo`` on are taken without a mask, so full_lo
+    must not undershoot the last query row's window start ``ctx + q_end - window``. An
+    off-by-one there errs only when that start falls on one residue modulo BLOCK_N, so one
+    ragged batch puts it on every residue (history, new tokens and window all vary), with
+    enough history below that the shifted tile lands in the unmasked run; rows are compared
+    one by one, since one wrong key in one row vanishes in a norm over the batch.
+
+    Planted bug: ``full_lo`` computed from ``ctx + q_end - window - 1`` (one token low) made
+    this test fail for each BLOCK_N (edge residue 1, relative error 1e-2 to 5e-2 in one row)
+    while every other extend test passed."""
+    block_m, block_n = tile[:2]
+    max_new = min(block_m, 16)
+    history, new, windows = [], [], []
+    for r in range(block_n):
+        q_len = 1 + (5 * r) % max_new
+        window = q_len + block_n + r % 3  # a whole tile between the edge and the diagonal
+        edge = r + 1  # ctx + q_len - window: every residue modulo block_n once
+        new.append(q_len)
+        windows.append(window)
+        history.append(edge + window - q_len)
+    # one window for the launch: shift each sequence's history so its edge keeps its residue
+    window = max(windows)
+    history = [h + window - w for h, w in zip(history, windows, strict=True)]
+    edges = [h + n - window for h, n in zip(history, new, strict=True)]
+    assert sorted(e % block_n for e in edges) == list(range(block_n))
+    lens = [h + n for h, n in zip(history, new, strict=True)]
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(lens, 1, 16, 16, torch.float32)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), 1, 16)
+    ref = paged_extend_attention_ref(
+        query.double(), key_cache.double(), value_cache.double(), tables, seq_lens, cu,
+        sliding_window=window,
+    )  # fmt: skip
+    out = paged_extend_attention_triton(
+        query, key_cache, value_cache, tables, seq_lens, cu, scale=16**-0.5,
+        sliding_window=window, softcap=None, config=tile,
+    )  # fmt: skip
+    assert torch.isfinite(out).all()
+    row_err = (out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)  # [tokens, heads]
+    worst = int(row_err.amax(dim=1).argmax())
+    seq = int(torch.searchsorted(cu, worst, right=True)) - 1
+    assert row_err.max() < TOLERANCE[torch.float32], (
+        f"token {worst} (sequence {seq}, edge residue {edges[seq] % block_n}): "
+        f"relative error {row_err.max():.2e}"
+    )
