@@ -83,3 +83,129 @@ def poison_outputs(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poisoned(real_empty_like(*a, **k)))
+
+
+def row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Relative error of every row (last dim) in float64: [..] without the last dim.
+    Non-finite rows of ``out`` give inf."""
+    err = (out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)
+    return torch.where(torch.isfinite(out).all(dim=-1), err, float("inf"))
+
+
+def decode_split_bounds(seq_len: int, window: int | None, block_n: int, splits: int) -> list[int]:
+    """First position of every non-empty split after the first, as the decode kernel cuts
+    [first tile of the window, seq_len) (see ``_decode_kernel``)."""
+
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    start = max(seq_len - window, 0) if window else 0
+    base = start // block_n * block_n
+    per_split = cdiv(cdiv(seq_len - base, splits), block_n) * block_n
+    return [base + k * per_split for k in range(1, splits) if base + k * per_split < seq_len]
+
+
+def check_decode_planted(
+    lens: list[int],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    *,
+    device: str = "cpu",
+    window: int | None = None,
+    num_splits: int | None = None,
+    max_bounds: int | None = None,
+    row_tol: float,
+) -> None:
+    """Decode with one planted key per (sequence, KV head) whose score beats every other key
+    by about 40 nats: that head group's output must be (close to) the planted value row, and
+    every (sequence, head) row must match the float64 reference on its own (an error in one
+    row cannot hide in a norm over all of them).
+
+    For each length in ``lens`` the planted positions are: the newest key, the oldest
+    visible key (the oldest in the window with one), the key just before the window (which
+    must NOT dominate), and both sides of each split boundary (``max_bounds`` of them, spread
+    out, or all); the batch holds as many sequences of that length as these need, one
+    position per KV head. The query heads of a KV head share one vector, so the planted key
+    dominates for each of them.
+    """
+    from nanoserve.kernels import paged_decode_attention_ref
+    from nanoserve.kernels.triton_decode import decode_plan, paged_decode_attention_triton
+
+    def plan(num_seqs: int) -> tuple[int, int]:
+        """(BLOCK_N, splits) the launcher picks for a batch of ``num_seqs`` (shapes only)."""
+        probe = torch.empty(num_seqs, num_kv_heads * group, head_dim, dtype=dtype, device=device)
+        pool = torch.empty(1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        width = -(-max(lens) // block_size) + 1  # make_paged_kv adds one column
+        table = torch.empty(num_seqs, width, dtype=torch.int32, device=device)
+        block_n, _, _, splits = decode_plan(probe, pool, table, num_splits=num_splits)
+        return block_n, splits
+
+    def wishes_for(block_n: int, splits: int) -> list[tuple[int, int, bool]]:
+        """(seq_len, pos, must_dominate), one (sequence, KV head) each, by sequence."""
+        wishes = []
+        for n in lens:
+            oldest = max(n - window, 0) if window else 0
+            mine = [(n, n - 1, True), (n, oldest, True)]
+            if oldest > 0:
+                mine.append((n, oldest - 1, False))
+            bounds = decode_split_bounds(n, window, block_n, splits)
+            if max_bounds is not None and len(bounds) > max_bounds:
+                bounds = [bounds[round(i * (len(bounds) - 1) / (max_bounds - 1))]
+                          for i in range(max_bounds)]  # fmt: skip
+            for b in bounds:
+                mine += [(n, b - 1, b - 1 >= oldest), (n, b, True)]
+            mine += [mine[0]] * (-len(mine) % num_kv_heads)  # fill the last sequence
+            wishes += mine
+        return wishes
+
+    # The split count depends on the batch size, which depends on the split count: grow the
+    # batch until the wishes fit (more sequences never mean more splits), then pad it.
+    num_seqs = len(lens)
+    while True:
+        chosen_plan = plan(num_seqs)
+        wishes = wishes_for(*chosen_plan)
+        if len(wishes) <= num_seqs * num_kv_heads:
+            wishes += [wishes[0]] * (num_seqs * num_kv_heads - len(wishes))
+            break
+        num_seqs = len(wishes) // num_kv_heads
+    seq_list = [wishes[i][0] for i in range(0, len(wishes), num_kv_heads)]
+    planted = [(i // num_kv_heads, i % num_kv_heads, pos, dom)
+               for i, (_, pos, dom) in enumerate(wishes)]  # fmt: skip
+
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(
+        seq_list, num_kv_heads, head_dim, block_size, dtype, device=device
+    )
+    num_seqs = len(seq_list)
+    assert plan(num_seqs) == chosen_plan
+    shared = torch.randn(num_seqs, num_kv_heads, 1, head_dim, device=device)
+    query = shared.expand(-1, -1, group, -1).reshape(num_seqs, num_kv_heads * group, head_dim)
+    query = query.to(dtype).contiguous()
+    for seq, kv_head, pos, _ in planted:
+        q = shared[seq, kv_head, 0]
+        key = q * (40.0 / (q.norm() ** 2 * head_dim**-0.5))  # scale * q.k = 40
+        key_cache[int(tables[seq, pos // block_size]), pos % block_size, kv_head] = key.to(dtype)
+    ref = paged_decode_attention_ref(
+        query.double(), key_cache.double(), value_cache.double(), tables, seq_lens,
+        sliding_window=window,
+    )  # fmt: skip
+    out = paged_decode_attention_triton(
+        query, key_cache, value_cache, tables, seq_lens, scale=head_dim**-0.5,
+        sliding_window=window, softcap=None, num_splits=num_splits,
+    )  # fmt: skip
+    err = row_errors(out, ref)  # [S, Hq]
+    seq, head = divmod(int(err.argmax()), err.shape[1])
+    assert err.max() < row_tol, (
+        f"sequence {seq} (len {seq_list[seq]}), head {head}: relative error {err.max():.2e}"
+    )
+    for seq, kv_head, pos, dominate in planted:
+        v_row = value_cache[int(tables[seq, pos // block_size]), pos % block_size, kv_head]
+        heads = slice(kv_head * group, (kv_head + 1) * group)
+        dist = row_errors(out[seq, heads], v_row.expand(group, -1))
+        where = f"sequence {seq} (len {seq_list[seq]}), KV head {kv_head}, key at {pos}"
+        if dominate:
+            assert dist.max() < row_tol, f"{where} should dominate: distance {dist.max():.2e}"
+        else:
+            assert dist.min() > 0.1, f"{where} lies outside the window yet dominates"

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import TOLERANCE, make_paged_kv, needs_interpreter, rel_err
+from kernel_inputs import (
+    TOLERANCE,
+    check_decode_planted,
+    make_paged_kv,
+    needs_interpreter,
+    rel_err,
+)
 
 from nanoserve.kernels import paged_decode_attention, paged_decode_attention_ref
 from nanoserve.kernels.triton_decode import paged_decode_attention_triton
@@ -74,6 +80,29 @@ def test_decode_empty_rows_are_zero(splits, window, poison_outputs):
         assert torch.equal(ref[row], torch.zeros(4, 64)), row
         assert torch.equal(out[row], torch.zeros(4, 64)), row
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize(
+    ("window", "splits"),
+    [(None, 1), (None, 3), (None, 4), (None, None), (90, 3), (150, 4)],
+    ids=["nowin-1split", "nowin-3splits", "nowin-4splits", "nowin-auto", "win90-3splits",
+         "win150-4splits"],
+)  # fmt: skip
+def test_decode_planted_key_dominates(window, splits, poison_outputs):
+    """One key per (sequence, KV head) scores ~40 nats above the rest, at the newest
+    position, the oldest (in-window) one, just before the window, and on both sides of
+    every split boundary: each row must come out as that key's value row, compared per
+    (sequence, head), not in a norm over the batch.
+
+    Planted bugs, each reverted: ``hi = tl.minimum(lo + per_split, seq_len - 1)`` (the
+    newest key dropped) failed every case here with relative error ~1 in the planted rows
+    (on the GPU at 32k the same bug gave 4.9e-3 over all rows against a 1e-2 tolerance);
+    ``hi = tl.minimum(lo + per_split - 1, seq_len)`` (each split's last key dropped) failed
+    every split case here."""
+    check_decode_planted(
+        [200, 77, 130], 2, 2, 64, 16, torch.float32,
+        window=window, num_splits=splits, row_tol=1e-4,
+    )  # fmt: skip
 
 
 def test_decode_custom_scale_and_strided_query(poison_outputs):
