@@ -1,5 +1,5 @@
 """Fixtures for the kernel tests."""
 
-from kernel_inputs import poison_outputs
+from kernel_inputs import forbid_triton, poison_outputs
 
-__all__ = ["poison_outputs"]
+__all__ = ["forbid_triton", "poison_outputs"]

@@ -74,6 +74,21 @@ def poison_hidden(pool: torch.Tensor, tables, lens, new, window) -> torch.Tensor
 
 
 @pytest.fixture
+def forbid_triton(monkeypatch):
+    """Make every Triton launcher raise inside the test (the ops look them up per call)."""
+    import nanoserve.kernels.triton_decode as triton_decode
+    import nanoserve.kernels.triton_extend as triton_extend
+    import nanoserve.kernels.triton_scatter as triton_scatter
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a Triton kernel was launched")
+
+    monkeypatch.setattr(triton_decode, "paged_decode_attention_triton", launched)
+    monkeypatch.setattr(triton_extend, "paged_extend_attention_triton", launched)
+    monkeypatch.setattr(triton_scatter, "slot_scatter_triton", launched)
+
+
+@pytest.fixture
 def poison_outputs(monkeypatch):
     """Make every float torch.empty / torch.empty_like inside the test come back NaN-filled."""
     real_empty, real_empty_like = torch.empty, torch.empty_like

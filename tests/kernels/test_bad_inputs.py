@@ -129,7 +129,9 @@ def test_triton_refuses_float64():
     args = {k: v.double() if v.is_floating_point() else v for k, v in _attention_args().items()}
     with pytest.raises(ValueError, match="^backend"):
         paged_decode_attention(**args, backend="triton")
-    paged_decode_attention(**args, backend="auto")  # auto falls back to the reference
+    out = paged_decode_attention(**args, backend="auto")  # auto falls back to the reference
+    assert out.dtype == torch.float64
+    assert torch.equal(out, paged_decode_attention_ref(**args))
 
 
 @pytest.mark.parametrize("scatter", ["triton", "ref"])

@@ -46,15 +46,32 @@ def test_extend_matches_reference(case, dtype, poison_outputs):
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
-def test_extend_one_token_each_equals_decode(poison_outputs):
-    key_cache, value_cache, tables, seq_lens = make_paged_kv([3, 26], 2, 64, 8, torch.float32)
-    query = torch.randn(2, 4, 64)
-    cu = torch.arange(3, dtype=torch.int32)
-    out = paged_extend_attention(
-        query, key_cache, value_cache, tables, seq_lens, cu, backend="triton"
+@pytest.mark.parametrize("window", [None, 5])
+def test_extend_one_token_each_equals_decode(window, poison_outputs):
+    """One new token per sequence: the extend kernel, the decode kernel (split and not) and
+    the decode reference all agree."""
+    from nanoserve.kernels import paged_decode_attention, paged_decode_attention_ref
+    from nanoserve.kernels.triton_decode import paged_decode_attention_triton
+
+    key_cache, value_cache, tables, seq_lens = make_paged_kv([3, 26, 1], 2, 64, 8, torch.float32)
+    query = torch.randn(3, 4, 64)
+    cu = torch.arange(4, dtype=torch.int32)
+    extend = paged_extend_attention(
+        query, key_cache, value_cache, tables, seq_lens, cu, sliding_window=window,
+        backend="triton",
+    )  # fmt: skip
+    args = (query, key_cache, value_cache, tables, seq_lens)
+    decode = paged_decode_attention(*args, sliding_window=window, backend="triton")
+    decode_split = paged_decode_attention_triton(
+        *args, scale=64**-0.5, sliding_window=window, softcap=None, num_splits=2
     )
-    ref = paged_extend_attention_ref(query, key_cache, value_cache, tables, seq_lens, cu)
-    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    ref = paged_decode_attention_ref(
+        query.double(), key_cache.double(), value_cache.double(), tables, seq_lens,
+        sliding_window=window,
+    )  # fmt: skip
+    for out in (extend, decode, decode_split):
+        assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    torch.testing.assert_close(extend, decode, rtol=1e-5, atol=1e-6)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): tiles that the lengths below never line up with,

@@ -60,13 +60,20 @@ CASES = [
 ]
 
 
+# Two fixed seeds and one drawn per session (fresh inputs each run); every assertion
+# message names the seed, so a failure can be rerun with it.
+SEEDS = [0, 1, int(torch.randint(2, 2**31, (1,), generator=torch.Generator().manual_seed(
+    torch.seed())))]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=[f"seed{s}" for s in SEEDS])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,window,softcap", CASES)
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_extend_and_decode_refs_match_sdpa(
-    q_heads, kv_heads, head_dim, window, softcap, block_size
+    q_heads, kv_heads, head_dim, window, softcap, block_size, seed
 ):
-    gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(torch.seed())  # fresh inputs each run
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
     lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 2]
     new = [1, 3, block_size, 2, 7]
     keys = [torch.randn(n, kv_heads, head_dim, dtype=torch.float64) for n in lens]
@@ -93,7 +100,9 @@ def test_extend_and_decode_refs_match_sdpa(
         expected = sdpa_last_rows(
             query[rows], keys[row], values[row], scale=scale, window=window, softcap=softcap
         )
-        torch.testing.assert_close(out[rows], expected, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(
+            out[rows], expected, rtol=1e-10, atol=1e-10, msg=lambda m: f"seed {seed}: {m}"
+        )
 
     decode_q = torch.randn(len(lens), q_heads, head_dim, dtype=torch.float64)
     out = paged_decode_attention_ref(
@@ -108,7 +117,10 @@ def test_extend_and_decode_refs_match_sdpa(
             window=window,
             softcap=softcap,
         )
-        torch.testing.assert_close(out[row : row + 1], expected, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(
+            out[row : row + 1], expected, rtol=1e-10, atol=1e-10,
+            msg=lambda m: f"seed {seed}: {m}",
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
