@@ -7,8 +7,8 @@ through the block table (several pages per step when pages are small), with an o
 softmax in float32. With more than one split, partial results and their log-sum-exp go to a
 float32 scratch and a second kernel merges them. On NVIDIA Hopper and later the merge kernel
 is launched with programmatic dependent launch: its launch overlaps the split kernel's run
-and it waits on the device (griddepcontrol) for that kernel's results (H200: 0.5-0.9 µs off
-each head_dim-64 batch-1 shape in two runs; no clear change at head_dim 128).
+and it waits on the device (griddepcontrol) for that kernel's results, which hides part of the
+launch cost of small shapes (see benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -119,13 +119,12 @@ def _reduce_kernel(
 def decode_config(head_dim: int, block_size: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_N tokens per step, num_warps, num_stages) for a head dim, page size and dtype.
 
-    Three stages keep more K/V loads in flight (measured a few % faster on the H200 for bf16,
-    head_dim 128, without splits; ``decode_plan`` drops split launches to two); wide fp32
-    tiles and 128-token steps stay at two.
+    Three stages keep more K/V loads in flight for 16-bit tiles of up to 64 tokens
+    (``decode_plan`` drops split launches to two); wide fp32 tiles and 128-token steps stay
+    at two. See benchmarks/RESULTS.md.
     """
     small = next_pow2(head_dim) <= 128
-    # head_dim <= 64, 16-bit: 128-token steps (H200, 32/8 heads: 32 x 8k 153 -> 147 µs,
-    # 128 x 512 55 -> 50 µs against 64-token steps).
+    # head_dim <= 64, 16-bit: 128-token steps, which beat 64-token ones there (see RESULTS.md).
     narrow = next_pow2(head_dim) <= 64 and dtype != torch.float32
     block_n = max(128 if narrow else 64 if small else 32, next_pow2(block_size))
     stages = 3 if small and dtype != torch.float32 and block_n <= 64 else 2
@@ -135,8 +134,8 @@ def decode_config(head_dim: int, block_size: int, dtype: torch.dtype) -> tuple[i
 def many_long_narrow(programs: int, capacity: int, head_dim: int, query: torch.Tensor) -> bool:
     """Head dim <= 64, 16-bit, at least four programs per SM, tables of >= 8k tokens: there
     64-token steps in two splits beat one 128-token run per program (smaller tiles, more
-    programs resident per SM; H200, 32/8 heads, graph µs: 128 x 8k 537 -> 522, 128 x 32k
-    2120 -> 2050; no gain at 32 x 8k or 128 x 2k, a loss at 128 x 512)."""
+    programs resident per SM); on smaller batches or shorter tables they do not (see
+    benchmarks/RESULTS.md)."""
     return (
         next_pow2(head_dim) <= 64
         and query.dtype != torch.float32
@@ -150,11 +149,10 @@ def choose_num_splits(
 ) -> int:
     """Splits per (sequence, KV head) from shapes only (no read of seq_lens: no sync).
 
-    Measured on the H200 (bf16, Llama-3-8B shapes): with fewer programs than SMs, about four
-    programs per SM keep enough loads in flight (1 x 32k: 64 splits); once one wave is full,
-    two programs per SM are enough (32 x 4k: 2 splits) and more only adds merge traffic.
-    Rounded down to a power of two so power-of-two lengths cut into equal whole tiles
-    (the first sweep had 8 splits fastest at 8 x 8k). Never more splits than tiles in capacity.
+    With fewer programs than SMs, about four programs per SM keep enough loads in flight;
+    once one wave is full, two programs per SM are enough and more only adds merge traffic
+    (the split sweeps are in benchmarks/RESULTS.md). Rounded down to a power of two so
+    power-of-two lengths cut into equal whole tiles. Never more splits than tiles in capacity.
     """
     programs = max(num_seqs * num_kv_heads, 1)
     sms = sm_count(device)
@@ -188,9 +186,8 @@ def decode_plan(
         if many_long:
             num_splits = max(num_splits, 2)
     if config is None and num_splits > 1:
-        # A split launch pipelines two stages deep: with three, this grid's split kernel takes
-        # 166 registers (128 with two) and ran 8-22% slower (H200, d128 graph µs: 1 x 32k
-        # 58.1 -> 50.3, 8 x 8k 98.5 -> 80.9; without splits three stages are no slower).
+        # A split launch pipelines two stages deep: a third stage costs this grid's split
+        # kernel registers, hence occupancy, and ran slower (see RESULTS.md).
         num_stages = min(num_stages, 2)
     return block_n, num_warps, num_stages, num_splits
 

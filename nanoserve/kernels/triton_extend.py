@@ -99,9 +99,8 @@ def _extend_kernel(
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # latest (longest) tiles first
     head = tl.program_id(1)
     # Largest i with cu[i] // BLOCK_M + i <= tile, in num_seqs.bit_length() steps: one more
-    # than needed at powers of two, and one for a single sequence. With none there (seq a
-    # constant 0) batch-1 prefills ran 9% slower on the H200 (d128 1x2048 128.6 -> 140.3 µs,
-    # 1x8192 1422 -> 1561 µs).
+    # than needed at powers of two, and one for a single sequence, which keeps one code path
+    # (skipping the search for batch 1 made those prefills slower; see RESULTS.md).
     lo = 0
     hi = num_seqs
     for _ in tl.static_range(SEARCH_STEPS):
@@ -168,11 +167,9 @@ def _extend_kernel(
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per family on CUDA; autotune picks among them.
-# From the H200 sweeps (bench_extend.py --sweep, RESULTS.md): each is best on some shape;
+# From the sweeps (bench_extend.py --sweep; see RESULTS.md): each is best on some shape;
 # (64, 32, 4, 2) is there for the short-sequence bucket. For head_dim 128, (64, 64, 4, 2)
-# replaced (64, 64, 4, 3): 8-9% faster at 1x2048, 1x8192 and 8x8192, yet autotune picked the
-# three-stage tile in one of two runs with both listed (8x8192: 67% of SDPA instead of 73%).
-# Head_dim 64 gained (64, 64, 4, 2) as well; the final run picked it for all three keys.
+# replaced (64, 64, 4, 3), which was slower yet sometimes won the autotune's timing.
 CUDA_CONFIGS: dict[str, list[tuple[int, int, int, int]]] = {
     "16bit-d64": [
         (128, 64, 8, 3),
@@ -217,8 +214,7 @@ _PICKED: dict[tuple, tuple[int, int, int, int]] = {}
 def _graph_bench(kernel_call, quantiles):
     """Autotune's timer: CUDA-graph replay, the kernel alone. With plain launches a small
     prefill times the host's launch cost, not the kernel, and the pick for its key (which
-    larger prefills then share) was noise: on the H200, 1x512 over 8k of history ran at 79%
-    of SDPA with such a pick, 92% in a later run with this timer."""
+    larger prefills then share) was noise (see RESULTS.md)."""
     # do_bench_cudagraph launches on a new stream that does not wait for the caller's: the
     # inputs (metadata copied non-blocking, K/V just scattered) must have landed first.
     torch.cuda.current_stream().synchronize()
