@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
+import os
+from collections import Counter
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 import nanoserve
@@ -41,3 +45,55 @@ def chat(tokenizer, questions, **kwargs):
     ]
     tokenizer.padding_side = "left"
     return dict(tokenizer(texts, return_tensors="pt", padding=True, **kwargs))
+
+
+# -- which kernels ran: backend="auto" on CPU must run the torch references, "triton" the
+# Triton kernels (under TRITON_INTERPRET=1), so a parametrization cannot silently run one
+# where it claims the other
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+BACKENDS = pytest.mark.parametrize(
+    "backend",
+    [
+        "auto",
+        pytest.param(
+            "triton",
+            marks=pytest.mark.skipif(
+                not INTERPRETING, reason="Triton on CPU tensors needs TRITON_INTERPRET=1"
+            ),
+        ),
+    ],
+)
+
+_LAUNCHERS = {
+    "decode": ("nanoserve.kernels.triton_decode", "paged_decode_attention_triton"),
+    "extend": ("nanoserve.kernels.triton_extend", "paged_extend_attention_triton"),
+    "scatter": ("nanoserve.kernels.triton_scatter", "slot_scatter_triton"),
+}
+
+
+def count_triton_launches(monkeypatch) -> Counter:
+    """Wrap each Triton launcher (the public ops look them up at every call) so that it
+    counts its calls; returns the live Counter {"decode": n, "extend": n, "scatter": n}."""
+    launches: Counter = Counter()
+    for kind, (module_name, name) in _LAUNCHERS.items():
+        module = importlib.import_module(module_name)
+        launcher = getattr(module, name)
+
+        def counted(*args, _kind=kind, _launcher=launcher, **kwargs):
+            launches[_kind] += 1
+            return _launcher(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return launches
+
+
+def check_launches(launches: Counter, backend: str, kinds=("decode", "extend", "scatter")):
+    """``backend="triton"``: every kernel of ``kinds`` was launched; otherwise (CPU tensors,
+    "auto" or "torch") no Triton kernel was."""
+    if backend == "triton":
+        missing = [kind for kind in kinds if launches[kind] == 0]
+        assert not missing, f"backend='triton' never launched {missing}: {dict(launches)}"
+    else:
+        assert sum(launches.values()) == 0, f"backend={backend!r} launched Triton: {launches}"

@@ -7,6 +7,7 @@ The GPU tests capture and replay real graphs.
 
 import pytest
 import torch
+from helpers import BACKENDS, check_launches, count_triton_launches
 from test_families import padded_batch, tiny_model
 
 import nanoserve
@@ -36,30 +37,41 @@ def generate_patched(model, inputs, patch_options, graphs=None, **opts):
         nanoserve.unpatch_model(model)
 
 
-def generate_with_static_buffers(model, inputs, **opts):
-    return generate_patched(model, inputs, {"block_size": 4}, DecodeGraphs(capture=False), **opts)
+def generate_with_static_buffers(model, inputs, backend="auto", **opts):
+    patch = {"block_size": 4, "backend": backend}
+    return generate_patched(model, inputs, patch, DecodeGraphs(capture=False), **opts)
 
 
+@BACKENDS
 @pytest.mark.parametrize("lengths", [[13], [13, 6, 2]])  # batch 3 pads the bucket of 4
-def test_static_decode_path_matches_stock(lengths):
+def test_static_decode_path_matches_stock(lengths, backend, monkeypatch):
+    """With backend="triton" the Triton decode kernel reads the static buffers (bucket
+    padding rows of length 1, fixed-width tables). Planted: Triton decode dropping the
+    newest key failed the triton cases; patch_model dropping ``backend`` failed them on the
+    launch count."""
     model = tiny_model("llama")
     inputs = padded_batch(lengths, 13)
     with torch.no_grad():
         stock = model.generate(**inputs, max_new_tokens=9, **GREEDY)
-    paged, stats = generate_with_static_buffers(model, inputs, max_new_tokens=9, **GREEDY)
+    launches = count_triton_launches(monkeypatch)
+    paged, stats = generate_with_static_buffers(model, inputs, backend, max_new_tokens=9, **GREEDY)
+    check_launches(launches, backend)
     assert torch.equal(stock.sequences, paged.sequences)
     for a, b in zip(stock.logits, paged.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert stats["replays"] == 8  # every step after the prefill went through the buffers
 
 
-def test_static_decode_path_with_beams_matches_stock():
+@BACKENDS
+def test_static_decode_path_with_beams_matches_stock(backend, monkeypatch):
     model = tiny_model("llama")
     inputs = padded_batch([11, 5], 11)
     opts = dict(max_new_tokens=7, num_beams=3, do_sample=False, eos_token_id=None)
     with torch.no_grad():
         stock = model.generate(**inputs, **opts)
-    paged, stats = generate_with_static_buffers(model, inputs, **opts)
+    launches = count_triton_launches(monkeypatch)
+    paged, stats = generate_with_static_buffers(model, inputs, backend, **opts)
+    check_launches(launches, backend)
     assert torch.equal(stock, paged)
     assert stats["replays"] == 6
 

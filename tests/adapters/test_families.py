@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 import transformers
-from helpers import patched, stock_and_paged
+from helpers import BACKENDS, check_launches, count_triton_launches, patched, stock_and_paged
 
 import nanoserve
 
@@ -37,6 +37,9 @@ CONFIGS = {
 }
 
 
+GREEDY = dict(do_sample=False, eos_token_id=None)
+
+
 def tiny_model(name: str, seed: int = 0, **overrides):
     config_name, model_name, extra = CONFIGS[name]
     config = getattr(transformers, config_name)(**{**SMALL, **extra, **overrides})
@@ -54,8 +57,14 @@ def padded_batch(lengths, width, vocab=97, seed=1):
     return dict(input_ids=ids.masked_fill(mask == 0, 0), attention_mask=mask)
 
 
+@BACKENDS
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_per_step_logits_match_stock(name):
+def test_per_step_logits_match_stock(name, backend, monkeypatch):
+    """Every family, the sliding-window ones too, through the torch references ("auto" on
+    CPU) and through the Triton kernels under the interpreter ("triton"). With the Triton
+    decode window planted one key wider (kv_start = seq_len - window - 1) the triton cases of
+    mistral and qwen2-sliding failed and their auto cases passed; with patch_model planted
+    to drop ``backend`` (always "auto") every triton case failed on its launch count."""
     model = tiny_model(name)
     if name == "qwen2-sliding":
         assert "sliding_attention" in model.config.layer_types
@@ -67,7 +76,11 @@ def test_per_step_logits_match_stock(name):
         return_dict_in_generate=True,
         eos_token_id=None,
     )
-    stock, paged = stock_and_paged(model, **inputs, **opts, patch_options={"block_size": 4})
+    launches = count_triton_launches(monkeypatch)
+    stock, paged = stock_and_paged(
+        model, **inputs, **opts, patch_options={"block_size": 4, "backend": backend}
+    )
+    check_launches(launches, backend)
     assert torch.equal(stock.sequences, paged.sequences)
     assert len(stock.logits) == len(paged.logits) == 14
     for step, (a, b) in enumerate(zip(stock.logits, paged.logits, strict=True)):
@@ -75,8 +88,21 @@ def test_per_step_logits_match_stock(name):
 
 
 def test_mistral_window_really_shorter_than_prompt():
-    model = tiny_model("mistral")
-    assert model.config.sliding_window < 19
+    """The window changes what stock computes for this prompt (the same weights without a
+    window give other logits), and the patched model follows the windowed stock, not the
+    windowless one. Planted: paged attention dropping ``sliding_window`` (window = None in
+    attention.py) failed it; so did the test's own config with sliding_window=64."""
+    windowed, windowless = tiny_model("mistral"), tiny_model("mistral", sliding_window=None)
+    inputs = padded_batch([19], 19)
+    opts = dict(max_new_tokens=4, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    with torch.no_grad():
+        plain = torch.stack(windowless.generate(**inputs, **opts).logits)
+    stock, paged = stock_and_paged(windowed, **inputs, **opts, patch_options={"block_size": 4})
+    stock, paged = torch.stack(stock.logits), torch.stack(paged.logits)
+    # every step attends past the window (19 + step keys > 7): each step's logits move
+    moved = (stock - plain).abs().amax(dim=(1, 2))
+    assert (moved > 1e-3).all(), moved
+    torch.testing.assert_close(paged, stock, rtol=1e-5, atol=1e-5)
 
 
 def test_patched_forward_without_generate_is_stock():
@@ -187,10 +213,15 @@ def test_metadata_built_once_per_forward(monkeypatch):
     assert len(steps) == len(forwards) == 6
 
 
+@BACKENDS
 @pytest.mark.parametrize("chunk", [3, 8, 16])
-def test_chunked_prefill_matches_stock(chunk):
+def test_chunked_prefill_matches_stock(chunk, backend, monkeypatch):
     """transformers' ``prefill_chunk_size``: the prompt comes in several forwards, the first
-    ones all padding for the short rows; the block size (4) falls inside and across chunks."""
+    ones all padding for the short rows; the block size (4) falls inside and across chunks.
+    "triton" runs the later chunks through the Triton extend kernel over the paged history.
+    Planted there q_pos = rows (a later chunk's causal positions counted from 0): the triton
+    cases of chunks 3 and 8 failed (chunk 16's second forward is one token: a decode step);
+    patch_model dropping ``backend``: every triton case failed on its launch count."""
     model = tiny_model("llama")
     inputs = padded_batch([2, 11, 17, 5], 17)
     opts = dict(max_new_tokens=7, do_sample=False, eos_token_id=None)
@@ -201,9 +232,124 @@ def test_chunked_prefill_matches_stock(chunk):
     with torch.no_grad():
         stock = model.generate(**inputs, **opts)
         widths.clear()
-        with patched(model, block_size=4):
+        launches = count_triton_launches(monkeypatch)
+        with patched(model, block_size=4, backend=backend):
             paged = model.generate(**inputs, **opts, prefill_chunk_size=chunk)
             stats = nanoserve.cache_stats(model)
+    check_launches(launches, backend)
     assert torch.equal(paged, stock)
     assert widths[: -(-17 // chunk)] == [min(chunk, 17 - i) for i in range(0, 17, chunk)]
     assert stats["tokens"] == sum([2, 11, 17, 5]) + 4 * 7 - 4  # the last token is not stored
+
+
+@BACKENDS
+def test_seeded_sampling_and_num_return_sequences(backend, monkeypatch):
+    """Seeded multinomial sampling with 3 sequences a prompt equals stock's. Planted: Triton
+    decode dropping the newest key (hi = min(lo + per_split, seq_len - 1)): the triton case
+    failed, the auto case passed."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4], 9)
+    opts = dict(max_new_tokens=8, do_sample=True, top_k=20, num_return_sequences=3)
+    launches = count_triton_launches(monkeypatch)
+    stock, paged = stock_and_paged(
+        model, seed=5, **inputs, **opts, eos_token_id=None,
+        patch_options={"block_size": 4, "backend": backend},
+    )  # fmt: skip
+    check_launches(launches, backend)
+    assert paged.shape == (6, 9 + 8)
+    assert torch.equal(stock, paged)
+    new = paged[:, 9:]
+    assert len({tuple(row.tolist()) for row in new[:3]}) > 1  # the copies really sampled apart
+
+
+@BACKENDS
+def test_beam_search(backend, monkeypatch):
+    """Beam search (rows reordered every step, blocks shared by reference count, copy on
+    write) equals stock's. Planted: Triton decode dropping the newest key failed the triton
+    case; the cache's copy-on-write skipped failed both."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4], 9)
+    opts = dict(max_new_tokens=6, num_beams=3, num_return_sequences=2, **GREEDY)
+    launches = count_triton_launches(monkeypatch)
+    stock, paged = stock_and_paged(
+        model, **inputs, **opts, patch_options={"block_size": 4, "backend": backend}
+    )
+    check_launches(launches, backend)
+    assert paged.shape == (4, 9 + 6)
+    assert torch.equal(stock, paged)
+
+
+def test_inputs_embeds_left_padded_match_stock():
+    """generate from ``inputs_embeds`` with a left-padded ``attention_mask``: per-step logits
+    equal stock's. Planted: new_token_mask ignoring the mask of a forward without input_ids
+    (the pads stored and attended): failed."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 5, 2], 9)
+    embeds = model.get_input_embeddings()(inputs["input_ids"]).detach()
+    opts = dict(max_new_tokens=6, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    stock, paged = stock_and_paged(
+        model, inputs_embeds=embeds, attention_mask=inputs["attention_mask"], **opts,
+        patch_options={"block_size": 4},
+    )  # fmt: skip
+    assert paged.sequences.shape == (3, 6)  # from embeddings: only the new tokens come back
+    assert torch.equal(stock.sequences, paged.sequences)
+    for step, (a, b) in enumerate(zip(stock.logits, paged.logits, strict=True)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+
+
+def test_four_d_attention_mask_is_refused():
+    """A paged forward with a custom 4-D mask raises ValueError naming attention_mask before
+    anything is stored. Planted: the dimension check removed (the 4-D mask then failed later
+    as "does not cover"): failed on the message."""
+    model = tiny_model("llama")
+    inputs = padded_batch([5, 3], 5)
+    mask = torch.full((5, 5), float("-inf")).triu(1).expand(2, 1, 5, 5)  # [B, 1, q, kv]
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = nanoserve.PagedCache(nanoserve.PagedKVCache(2, 8, 4))
+    refused = pytest.raises(ValueError, match="^attention_mask: .* takes a 2-D")
+    with patched(model), torch.no_grad(), refused:
+        model(input_ids=inputs["input_ids"], attention_mask=mask, use_cache=True, **{name: cache})
+    assert cache.get_seq_length() == 0 and cache.paged.num_seqs == 0
+
+
+def test_bidirectional_config_is_refused():
+    """is_causal=False: patch_model raises NotImplementedError and leaves the model as it
+    was. Planted: llama.check removed: failed (patched without a word)."""
+    model = tiny_model("llama", is_causal=False)
+    attn = model.config._attn_implementation
+    with pytest.raises(NotImplementedError, match=r"is_causal=False"):
+        nanoserve.patch_model(model)
+    assert model.config._attn_implementation == attn
+    assert "generate" not in model.__dict__ and "forward" not in model.__dict__
+
+
+def test_max_memory_below_one_block_is_refused_at_generate():
+    """max_memory under one block (2048 bytes here) is a ValueError naming max_memory when
+    generate sizes the pool. Planted: the check in sizing.pool_size removed (a pool of 0
+    blocks then failed elsewhere): failed on the message."""
+    model = tiny_model("llama")
+    inputs = padded_batch([6, 3], 6)
+    refused = pytest.raises(ValueError, match=r"^max_memory: 2047 bytes .* one block \(2048")
+    with patched(model, block_size=4, max_memory=2047), torch.no_grad(), refused:
+        model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    # one block is accepted as a size, then too small for this call: OutOfBlocks names it
+    too_small = pytest.raises(nanoserve.OutOfBlocks, match="max_memory")
+    with patched(model, block_size=4, max_memory=2048), torch.no_grad(), too_small:
+        model.generate(**inputs, max_new_tokens=3, do_sample=False)
+
+
+def test_torch_backend_equals_stock_and_launches_no_triton(monkeypatch):
+    """backend="torch" passed explicitly: stock's per-step logits, and no Triton kernel,
+    even under TRITON_INTERPRET=1 where Triton could run. Planted: patch_model turning
+    "torch" into "triton": failed on the launch count (under the interpreter)."""
+    model = tiny_model("qwen2-sliding")
+    inputs = padded_batch([9, 4], 9)
+    opts = dict(max_new_tokens=5, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    launches = count_triton_launches(monkeypatch)
+    stock, paged = stock_and_paged(
+        model, **inputs, **opts, patch_options={"block_size": 4, "backend": "torch"}
+    )
+    check_launches(launches, "torch")
+    assert torch.equal(stock.sequences, paged.sequences)
+    for step, (a, b) in enumerate(zip(stock.logits, paged.logits, strict=True)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"step {step}")
