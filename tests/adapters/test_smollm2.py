@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import chat, patched, stock_and_paged
@@ -53,7 +55,10 @@ def test_seeded_sampling_and_num_return_sequences(smollm2):
     assert torch.equal(again, paged)
 
 
-def test_streamer_text_equals_returned_text(smollm2):
+def test_streamer_text_equals_stock(smollm2):
+    """The patched model streams what stock streams, and that is stock's returned text.
+    Planted: the torch reference decode dropping the newest key (seq_lens - 1): failed (the
+    old check, streamed text == the patched output's own text, passed with it)."""
     from transformers import TextStreamer
 
     class Collect(TextStreamer):
@@ -62,14 +67,26 @@ def test_streamer_text_equals_returned_text(smollm2):
 
     model, tok = smollm2
     inputs = chat(tok, QUESTIONS[:1])
-    streamer = Collect(tok, skip_prompt=True)
-    with patched(model), torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=10, do_sample=False, streamer=streamer)
-    prompt_len = inputs["input_ids"].shape[1]
-    assert streamer.text == tok.decode(out[0, prompt_len:])
+
+    def streamed(patch: bool):
+        streamer = Collect(tok, skip_prompt=True)
+        with patched(model) if patch else contextlib.nullcontext(), torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=10, do_sample=False, streamer=streamer)
+        return streamer.text, out
+
+    stock_text, stock = streamed(False)
+    paged_text, paged = streamed(True)
+    assert "Paris" in stock_text
+    assert stock_text == tok.decode(stock[0, inputs["input_ids"].shape[1] :])
+    assert paged_text == stock_text
+    assert torch.equal(paged, stock)
 
 
 def test_stopping_criteria_and_per_row_eos(smollm2):
+    """A stopping criterion (stop after a comma) and EOS end rows at different steps; the
+    pad id (<|endoftext|>) differs from EOS, so the output shows where each row ended: one
+    row EOS then pads, one the comma then pads, one running to max_new_tokens. Planted:
+    patched generate dropping stopping_criteria, and dropping eos_token_id: both failed."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class StopAfterComma(StoppingCriteria):
@@ -83,19 +100,29 @@ def test_stopping_criteria_and_per_row_eos(smollm2):
     inputs = chat(tok, QUESTIONS)
     comma = tok.convert_tokens_to_ids(",")
     end = tok.convert_tokens_to_ids("<|im_end|>")
+    pad = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert len({comma, end, pad}) == 3
     criteria = StoppingCriteriaList([StopAfterComma(comma)])
+    new_tokens = 14
     stock, paged = stock_and_paged(
         model,
         **inputs,
-        max_new_tokens=14,
+        max_new_tokens=new_tokens,
         do_sample=False,
         stopping_criteria=criteria,
         eos_token_id=end,
-        pad_token_id=end,
+        pad_token_id=pad,
     )
     assert torch.equal(stock, paged)
-    # the short answer ends on EOS before the others: rows finished at different steps
-    assert (paged[:, inputs["input_ids"].shape[1] :] == end).any()
+    ends = {}  # how each row ended: (last real token, its step)
+    for row in paged[:, inputs["input_ids"].shape[1] :].tolist():
+        n = len(row)
+        while n and row[n - 1] == pad:
+            n -= 1
+        assert pad not in row[:n]
+        ends[row[n - 1] if n < new_tokens else "max_new_tokens"] = n
+    assert set(ends) == {end, comma, "max_new_tokens"}, ends
+    assert len(set(ends.values())) == 3, ends  # three rows, three different last steps
 
 
 def test_two_calls_independent(smollm2):
