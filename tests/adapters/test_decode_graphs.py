@@ -320,6 +320,33 @@ def test_compiled_decode_replay_equals_compiled_eager_bit_for_bit():
     assert torch.equal(eager.sequences, graph.sequences)
     for a, b in zip(eager.logits, graph.logits, strict=True):
         assert torch.equal(a, b)
-    # fused kernels round differently from eager: close to stock, as bf16 allows
-    first = stock.logits[1].float()
-    assert (graph.logits[1].float() - first).abs().max() < 0.05 * first.abs().max()
+    check_close_to_stock(stock, graph, inputs["input_ids"].shape[1], tol=0.05)
+
+
+def check_close_to_stock(stock, paged, prompt_len: int, tol: float) -> None:
+    """Logits that round differently from stock's (bf16, fused kernels) but no more than
+    that: at every step where a row's tokens so far are stock's (later logits answer another
+    context), max |paged - stock| over the row <= ``tol`` x the row's largest |stock logit|.
+    (bf16 keeps 8 significant bits, 0.4% a rounding; stock vs compile_decode on a 4-layer
+    model differed by about 1% of the row's largest logit in a CPU bf16 run, hence 5%.)
+    Greedy tokens: each row follows stock at least until stock's own top two logits come
+    within 2 * tol (a near tie that rounding may break either way); step 0 of every row is
+    always compared."""
+    new = paged.sequences[:, prompt_len:]
+    agreed = (new == stock.sequences[:, prompt_len:]).long().cumprod(dim=1).sum(dim=1)
+    steps = len(stock.logits)
+    assert len(paged.logits) == steps and new.shape[1] == steps
+    first_tie = torch.full_like(agreed, steps)
+    for step, (a, b) in enumerate(zip(stock.logits, paged.logits, strict=True)):
+        a, b = a.float(), b.float()
+        bound = tol * a.abs().amax(dim=1)
+        top2 = a.topk(2, dim=1).values
+        tie = (top2[:, 0] - top2[:, 1] <= 2 * bound) & (first_tie == steps)
+        first_tie[tie] = step
+        rows = agreed >= step  # this row's context is still stock's
+        err = (b - a).abs().amax(dim=1)
+        assert (err[rows] <= bound[rows]).all(), (
+            f"step {step}: rows {rows.nonzero().flatten().tolist()} max |diff| "
+            f"{err[rows].tolist()} > {bound[rows].tolist()}"
+        )
+    assert (agreed >= first_tie).all(), (agreed.tolist(), first_tie.tolist())
