@@ -152,12 +152,8 @@ def sweep() -> None:
 
 
 def tuned_configs() -> list[str]:
-    """What autotune picked, per family and key (HEAD_DIM, grid bucket, dtypes...)."""
-    out = []
-    for family, tuner in triton_extend._TUNED.items():
-        for key, cfg in getattr(tuner, "cache", {}).items():
-            out.append(f"{family} {key[:2]}: {cfg}")
-    return out
+    """What autotune picked, per (family, head_dim, grid/length bucket, dtypes)."""
+    return [f"{key[:3]}: {config}" for key, config in triton_extend.autotune_picks().items()]
 
 
 def main() -> None:

@@ -120,7 +120,7 @@ def host_breakdown(model, ids, mask, new: int, table: Table) -> None:
     timers = Timers()
     timers.wrap(model, "forward", "patched forward (host)")
     timers.wrap(hf_cache.PagedCache, "begin_step", "begin_step")
-    timers.wrap(decode_graphs._StaticStep, "load", "static load")
+    timers.wrap(decode_graphs.StaticStep, "load", "static load")
     timers.wrap(torch.cuda.CUDAGraph, "replay", "graph replay launch")
     timers.wrap(decode_graphs, "_trim", "logits copy")
     try:

@@ -38,7 +38,7 @@ def bucket_for(batch: int) -> int:
 
 
 @dataclass
-class _StaticStep:
+class StaticStep:
     """The fixed buffers of one bucket, as views of one int32 device buffer."""
 
     rows: int
@@ -51,7 +51,7 @@ class _StaticStep:
     meta: StepMetadata
 
     @classmethod
-    def allocate(cls, rows: int, width: int, device: torch.device) -> _StaticStep:
+    def allocate(cls, rows: int, width: int, device: torch.device) -> StaticStep:
         # layout: ids | positions | slots | seq_lens | block_tables (rows x width)
         size = rows * (4 + width)
         buf = torch.zeros(size, dtype=torch.int32, device=device)
@@ -102,7 +102,7 @@ class _StaticStep:
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    static: _StaticStep
+    static: StaticStep
     output_type: type
     fields: dict  # the captured output's fields (logits: the graph rewrites it), cache left out
     cache_field: str | None  # the field that held the cache; each step puts its own there
@@ -163,7 +163,7 @@ class DecodeGraphs:
         key = (bucket_for(batch), host.block_tables.shape[1])
         captured = self.graphs.get(key)
         if captured is None:
-            static = _StaticStep.allocate(*key, input_ids.device)
+            static = StaticStep.allocate(*key, input_ids.device)
             static.load(host, input_ids, position_ids)
             if self.capture:
                 return self._capture(key, static, run_forward, cache, batch)
@@ -174,7 +174,7 @@ class DecodeGraphs:
         self.replays += 1
         return _trim(captured, cache, batch)
 
-    def _capture(self, key, static: _StaticStep, run_forward, cache, batch: int):
+    def _capture(self, key, static: StaticStep, run_forward, cache, batch: int):
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels): this run
         # computes the real step, so it is also the answer if capture fails.
         side = torch.cuda.Stream()

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoserve.adapters.compiled_layers import CompiledLayers
+from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.sizing import PoolOptions
 from nanoserve.cache import StepMetadata
 
@@ -56,10 +58,10 @@ class PatchState:
     cuda_graphs: bool  # decode steps on CUDA replay captured graphs
     compile_decode: bool
     original_attn: str
-    previous_generate: object | None = None  # an instance attribute patching replaced
-    previous_forward: object | None = None
-    graphs: object | None = None  # DecodeGraphs when cuda_graphs (and not tensor parallel)
-    compiled_layers: object | None = None  # CompiledLayers, built on first use
+    previous_generate: Callable | None = None  # an instance attribute patching replaced
+    previous_forward: Callable | None = None
+    graphs: DecodeGraphs | None = None  # when cuda_graphs (and not tensor parallel)
+    compiled_layers: CompiledLayers | None = None  # compile_decode's, built on first use
     # the latest generate call's PagedCache: weakly, or strongly after a call that raised
     last_cache: Callable[[], object | None] = _nothing
     last_stats: dict = field(default_factory=dict)  # its figures as that call left them

@@ -211,6 +211,12 @@ _TUNED: dict[str, object] = {}
 _PICKED: dict[tuple, tuple[int, int, int, int]] = {}
 
 
+def autotune_picks() -> dict[tuple, tuple[int, int, int, int]]:
+    """What autotune chose so far: (family, head_dim, tune_key, query dtype, cache dtype) ->
+    (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    return dict(_PICKED)
+
+
 def _graph_bench(kernel_call, quantiles):
     """Autotune's timer: CUDA-graph replay, the kernel alone. With plain launches a small
     prefill times the host's launch cost, not the kernel, and the pick for its key (which
