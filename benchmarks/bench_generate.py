@@ -12,7 +12,11 @@ bytes reserved against KV bytes the tokens need, and how many generated tokens e
 default's.
 
 Usage: python3 benchmarks/bench_generate.py [--new-tokens 256] [--tiny] [--only a,b]
-    [--capacity [--prefill-chunk 256]]
+    [--capacity [--prefill-chunk 256]] [--stream 50]
+`--stream N` runs N patched generate calls of random sizes (batch 1..32, prompts 16..1024,
+64 new tokens) with the default pool policy (a kept pool serves every call that fits) and
+with ``keep_pools=False`` (a new pool, so new graphs, every call): seconds per call, capture
+time included, captures, and the memory held between calls.
 `--tiny` runs a 2-layer model on whatever device there is (a smoke test, not a benchmark).
 """
 
@@ -227,6 +231,38 @@ PROVIDERS = {
 }
 
 
+def stream(model, device: str, calls: int, tiny: bool) -> list[dict]:
+    """Rows: one per pool policy over the same ``calls`` random generate calls."""
+    rng = torch.Generator().manual_seed(5)
+    shapes = []
+    for _ in range(calls):
+        batch = int(torch.randint(1, 5 if tiny else 33, (1,), generator=rng))
+        lens = torch.randint(16, 64 if tiny else 1025, (batch,), generator=rng).tolist()
+        shapes.append(left_padded(lens, model.config.vocab_size, rng, device))
+    rows = []
+    for name, keep in (("kept pool (default)", True), ("keep_pools=False", False)):
+        nanoserve.patch_model(model, keep_pools=keep)
+        seconds, held = [], []
+        try:
+            for ids, mask in shapes:
+                _, secs = run_generate(model, ids, mask, 64, device)
+                seconds.append(secs)
+                if device == "cuda":
+                    held.append(torch.cuda.memory_allocated() / GIB)
+            captures = nanoserve.decode_graph_stats(model)["captures"]
+        finally:
+            nanoserve.release_memory(model)
+            nanoserve.unpatch_model(model)
+        row = {"policy": name, "calls": calls, "total_s": round(sum(seconds), 2),
+               "median_s": round(statistics.median(seconds), 3),
+               "max_s": round(max(seconds), 3), "captures": captures}  # fmt: skip
+        if held:
+            row["held_GiB_min"], row["held_GiB_max"] = round(min(held), 3), round(max(held), 3)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -239,9 +275,19 @@ def main() -> None:
     )
     parser.add_argument("--prefill-chunk", type=int, default=256,
                         help="prefill_chunk_size of the capacity run")  # fmt: skip
+    parser.add_argument("--stream", type=int, default=0, metavar="N",
+                        help="only N calls of random sizes, under both pool policies")  # fmt: skip
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(args.tiny, device)
+    if args.stream:
+        rows = stream(model, device, args.stream, args.tiny)
+        columns = ["policy", "calls", "total_s", "median_s", "max_s", "captures",
+                   "held_GiB_min", "held_GiB_max"]  # fmt: skip
+        rows = [{c: r.get(c, "") for c in columns} for r in rows]
+        write_csv(rows, "generate_stream.csv")
+        print_table(rows, columns)
+        return
     if args.capacity:
         budget = 2**22 if args.tiny else 40 * GIB
         row = capacity(model, args.new_tokens, device, budget, args.prefill_chunk)

@@ -9,6 +9,7 @@ _ADAPTER_NAMES = (
     "cache_stats",
     "decode_graph_stats",
     "patch_model",
+    "release_memory",
     "unpatch_model",
 )
 
@@ -30,6 +31,7 @@ __all__ = [
     "cache_stats",
     "decode_graph_stats",
     "patch_model",
+    "release_memory",
     "unpatch_model",
 ]
 __version__ = "0.1.0"

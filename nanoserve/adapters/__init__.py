@@ -12,6 +12,7 @@ from nanoserve.adapters.hf import (
     decode_graph_stats,
     last_cache,
     patch_model,
+    release_memory,
     unpatch_model,
 )
 from nanoserve.adapters.hf_cache import PagedCache
@@ -28,6 +29,7 @@ __all__ = [
     "family_for",
     "last_cache",
     "patch_model",
+    "release_memory",
     "state_of",
     "supported_model_types",
     "unpatch_model",

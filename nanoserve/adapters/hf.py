@@ -24,7 +24,7 @@ from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.graph_forward import graph_decode_step, graph_step_possible
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.registry import family_for
-from nanoserve.adapters.sizing import PoolOptions, blocks_to_continue, pool_size
+from nanoserve.adapters.sizing import PoolOptions, PoolSize, blocks_to_continue, pool_size
 from nanoserve.adapters.step import (
     CACHE_KWARGS,
     STATE_ATTR,
@@ -55,6 +55,7 @@ def patch_model(
     cuda_graphs: bool = True,
     compile_decode: bool = False,
     backend: str = "auto",
+    keep_pools: bool = True,
 ):
     """Make ``model.generate`` run on the paged KV cache; returns ``model``.
 
@@ -65,7 +66,10 @@ def patch_model(
     decoder layers of those graph steps through ``torch.compile`` (fewer, fused kernels;
     close to but not bit-equal with stock eager; see ``compiled_layers.py``). ``backend``
     picks the kernels of every paged step: "auto" (Triton on CUDA, the torch references on
-    CPU), "triton" (on CPU under ``TRITON_INTERPRET=1``) or "torch".
+    CPU), "triton" (on CPU under ``TRITON_INTERPRET=1``) or "torch". ``keep_pools`` (the
+    default) keeps a finished call's pool, and the decode graphs captured over it, for the
+    next calls that fit in it; ``release_memory(model)`` frees them on request, and
+    ``keep_pools=False`` after every call.
 
     Every argument is checked before anything changes: a failed call leaves the model as it
     was. Patching a patched model again replaces its options.
@@ -79,7 +83,11 @@ def patch_model(
     family = family_for(model.config)  # NotImplementedError names the supported families
     layout = local_layout(family.kv_layout(model.config), model)  # this rank's KV heads
     options = PoolOptions(layout, block_size, num_blocks, max_memory)
-    for name, value in (("cuda_graphs", cuda_graphs), ("compile_decode", compile_decode)):
+    for name, value in (
+        ("cuda_graphs", cuda_graphs),
+        ("compile_decode", compile_decode),
+        ("keep_pools", keep_pools),
+    ):
         if not isinstance(value, bool):
             raise ValueError(f"{name}: must be True or False, got {value!r}")
     if compile_decode and not cuda_graphs:
@@ -98,6 +106,7 @@ def patch_model(
         # has checked capture there yet: such models decode eagerly.
         cuda_graphs=cuda_graphs and tp_size(model) == 1,
         compile_decode=compile_decode,
+        keep_pools=keep_pools,
         original_attn=remember_original_attn(model.config, current),
         previous_generate=model.__dict__.get("generate"),
         previous_forward=model.__dict__.get("forward"),
@@ -156,12 +165,38 @@ def _state(model) -> PatchState:
 
 
 def cache_stats(model) -> dict[str, float]:
-    """Pool figures of the patched model's latest paged cache (empty before any call):
-    num_blocks, blocks_used, tokens, bytes_reserved, bytes_holding_tokens, unused_share.
-    Taken from the cache itself while the caller still holds it, else as the call left it."""
+    """Pool figures of the patched model's latest paged cache (num_blocks, blocks_used,
+    tokens, bytes_reserved, bytes_holding_tokens, unused_share; taken from the cache while
+    the caller still holds it, else as the call left it; absent before any call), and what
+    the model holds between calls: ``kept_pool_blocks`` / ``kept_pool_bytes`` (the pool the
+    next call reuses) and ``graphs_held`` (captured decode graphs)."""
     state = _state(model)
     cache = state.last_cache()
-    return cache.stats() if cache is not None else dict(state.last_stats)
+    stats = cache.stats() if cache is not None else dict(state.last_stats)
+    kept = state.kept_pools
+    stats["kept_pool_blocks"] = kept.num_blocks if kept is not None else 0
+    stats["kept_pool_bytes"] = kept.nbytes() if kept is not None else 0
+    stats["graphs_held"] = len(state.graphs.graphs) if state.graphs is not None else 0
+    return stats
+
+
+def release_memory(model) -> None:
+    """Free what the patched model holds between generate calls: the kept pool and the
+    captured decode graphs (and, on CUDA, the cached blocks of PyTorch's allocator). A cache
+    the caller still holds (``return_dict_in_generate=True``) stays the caller's. The next
+    call allocates a pool and captures its graphs again."""
+    state = _state(model)
+    with state.lock:
+        state.kept_pools = None
+        state.last_cache = _no_cache
+        if state.graphs is not None:
+            state.graphs.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _no_cache() -> None:
+    return None
 
 
 def last_cache(model) -> PagedCache | None:
@@ -255,16 +290,19 @@ def _keywords(forward, args: tuple, kwargs: dict) -> dict:
 # -- generate -----------------------------------------------------------------------------
 
 
-def _pools_for(state: PatchState, num_blocks: int, dtype: torch.dtype):
-    """The previous call's pool lists when nothing can reach the store that used them (its
-    ``PagedCache``, or the ``PagedKVCache`` inside, both let go) and this call's pool has as
-    many blocks of the same dtype: the same memory keeps the captured decode graphs valid.
-    Otherwise None, and the old pools are let go before new ones are made. (A pool tensor
-    taken out of a cache by hand is the caller's to copy.)"""
+def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype) -> tuple[int, tuple | None]:
+    """(num_blocks, pool lists) of this call's cache. Unless the pool size is fixed
+    (``num_blocks`` / ``max_memory``), the kept pool of an earlier call serves when nothing
+    can reach the store that used it (its ``PagedCache``, or the ``PagedKVCache`` inside,
+    both let go), its dtype matches and it has at least the blocks this call needs: the same
+    memory keeps the captured decode graphs valid. Otherwise the kept pool is let go before
+    a new one is made. (A pool tensor taken out of a cache by hand is the caller's to copy.)"""
     kept, state.kept_pools = state.kept_pools, None
-    if kept is None or kept.owner() is not None:
-        return None
-    return kept.pools if (kept.num_blocks, kept.dtype) == (num_blocks, dtype) else None
+    if kept is None or kept.owner() is not None or kept.dtype != dtype:
+        return size.num_blocks, None
+    fixed = state.pool.num_blocks is not None or state.pool.max_memory is not None
+    fits = kept.num_blocks == size.num_blocks if fixed else kept.num_blocks >= size.num_blocks
+    return (kept.num_blocks, kept.pools) if fits else (size.num_blocks, None)
 
 
 def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs) -> None:
@@ -313,10 +351,10 @@ def _paged_generate(self, *args, **kwargs):
         for name in CACHE_KWARGS:
             kwargs.pop(name, None)
         size = pool_size(state.pool, self, args, kwargs)
-        pools = _pools_for(state, size.num_blocks, self.dtype)
+        num_blocks, pools = _pools_for(state, size, self.dtype)
         paged = PagedKVCache(
             state.pool.layout.num_layers,
-            size.num_blocks,
+            num_blocks,
             state.pool.block_size,
             size.table_width,
             pools=pools,
@@ -326,7 +364,7 @@ def _paged_generate(self, *args, **kwargs):
         # weakly: a cache the caller drops is gone, and its memory can serve the next call
         state.last_cache = weakref.ref(cache)
         state.kept_pools = KeptPools(
-            size.num_blocks, self.dtype, (paged.key_pools, paged.value_pools), weakref.ref(paged)
+            num_blocks, self.dtype, (paged.key_pools, paged.value_pools), weakref.ref(paged)
         )
         kwargs[cache_kwarg(type(self))] = cache
         try:
@@ -336,3 +374,7 @@ def _paged_generate(self, *args, **kwargs):
             raise
         finally:
             state.last_stats = cache.stats()
+            if not state.keep_pools:
+                state.kept_pools = None
+                if state.graphs is not None:
+                    state.graphs.reset()

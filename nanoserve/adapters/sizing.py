@@ -40,6 +40,22 @@ def block_bytes(layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
     return per_token * block_size * dtype.itemsize
 
 
+def coarse_blocks(n: int) -> int:
+    """``n`` rounded up to the next of 8, 9, ..., 15, 16, 18, ..., 30, 32, 36, ... (eight steps
+    an octave): at most 12.5% more than asked, and few enough sizes that calls of varying
+    length land on a pool already held."""
+    if n <= 8:
+        return 8
+    shift = n.bit_length() - 4
+    return -(-n // (1 << shift)) << shift
+
+
+def coarse_width(n: int) -> int:
+    """Block-table columns rounded up to a power of two: a CUDA graph is captured per table
+    width, so calls of other lengths replay the same graphs."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 @dataclass(frozen=True)
 class PoolSize:
     """A generate call's pool: ``num_blocks``, and ``table_width`` (block-table columns
@@ -89,12 +105,13 @@ def call_shape(model, args: tuple, kwargs: dict) -> CallShape:
 
 
 def pool_size(options: PoolOptions, model, args: tuple, kwargs: dict) -> PoolSize:
-    """``num_blocks``; else what fits in ``max_memory``; else what this call needs: for each
-    row, blocks for its real prompt tokens plus the new tokens, and with beam search one
-    spare block per beam for copy-on-write."""
+    """``num_blocks``; else what fits in ``max_memory``; else what this call needs, rounded up
+    by ``coarse_blocks``: for each row, blocks for its real prompt tokens plus the new
+    tokens, and with beam search one spare block per beam for copy-on-write. The table width
+    fits the longest row, rounded up by ``coarse_width``."""
     shape = call_shape(model, args, kwargs)
     bs = options.block_size
-    table_width = math.ceil((shape.width + shape.new_tokens) / bs) + 1
+    table_width = coarse_width(math.ceil((shape.width + shape.new_tokens) / bs) + 1)
     if options.num_blocks is not None:
         return PoolSize(options.num_blocks, table_width)
     if options.max_memory is not None:
@@ -105,7 +122,7 @@ def pool_size(options: PoolOptions, model, args: tuple, kwargs: dict) -> PoolSiz
             )
         return PoolSize(options.max_memory // size, table_width)
     blocks = sum(math.ceil((n + shape.new_tokens) / bs) + shape.spare for n in shape.prompt_lens)
-    return PoolSize(max(1, blocks * shape.copies), table_width)
+    return PoolSize(coarse_blocks(blocks * shape.copies), table_width)
 
 
 def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) -> int:

@@ -42,6 +42,12 @@ class KeptPools:
     pools: tuple[list, list]  # (key_pools, value_pools)
     owner: Callable[[], object | None]  # weak reference to the PagedKVCache storing in them
 
+    def nbytes(self) -> int:
+        """Bytes of the pool tensors (K and V, every layer allocated so far)."""
+        return sum(
+            p.numel() * p.element_size() for pools in self.pools for p in pools if p is not None
+        )
+
 
 def _nothing() -> None:
     return None
@@ -57,6 +63,7 @@ class PatchState:
     backend: str  # kernel backend for every paged step: "auto", "triton" or "torch"
     cuda_graphs: bool  # decode steps on CUDA replay captured graphs
     compile_decode: bool
+    keep_pools: bool  # a finished call's pool (and its graphs) serve the next calls
     original_attn: str
     previous_generate: Callable | None = None  # an instance attribute patching replaced
     previous_forward: Callable | None = None
@@ -78,6 +85,7 @@ class PatchState:
             backend=self.backend,
             cuda_graphs=self.cuda_graphs,
             compile_decode=self.compile_decode,
+            keep_pools=self.keep_pools,
             original_attn=self.original_attn,
             previous_generate=copy.deepcopy(self.previous_generate, memo),
             previous_forward=copy.deepcopy(self.previous_forward, memo),

@@ -1,0 +1,203 @@
+"""What a patched model holds between generate calls (issue 21): pools in coarse sizes, one
+kept pool serving every later call that fits in it, ``release_memory`` and
+``keep_pools=False`` giving it back. The GPU tests (marked gpu) check the same on CUDA with
+captured graphs: a soak of random calls and the RL pattern (generate, then train)."""
+
+from __future__ import annotations
+
+import random
+import weakref
+
+import pytest
+import torch
+from test_families import padded_batch, tiny_model
+
+import nanoserve
+from nanoserve.adapters.sizing import coarse_blocks, coarse_width
+
+GREEDY = dict(do_sample=False, eos_token_id=None)
+
+
+def test_coarse_sizes_round_up_by_at_most_an_eighth():
+    sizes = [coarse_blocks(n) for n in range(1, 20_001)]
+    for n, size in enumerate(sizes, start=1):
+        assert size >= n and (n <= 8 or size <= n * 9 / 8), (n, size)
+    assert sizes == sorted(sizes)
+    assert len(set(sizes)) <= 8 * 12  # eight sizes an octave up to 2**14.3
+    assert [coarse_width(n) for n in (1, 2, 3, 5, 9, 17)] == [1, 2, 4, 8, 16, 32]
+
+
+def pool_tensor(model):
+    kept = nanoserve.adapters.state_of(model).kept_pools
+    return kept.pools[0][0] if kept is not None else None
+
+
+def test_the_kept_pool_serves_every_later_call_that_fits():
+    """After the largest call, smaller calls of other sizes store into the same memory (no
+    new pool, so no new graphs on CUDA); a larger one replaces it. Tokens stay stock's."""
+    model = tiny_model("llama")
+    rng = random.Random(0)
+    calls = [([rng.randint(1, 12) for _ in range(rng.randint(1, 4))], rng.randint(1, 6))
+             for _ in range(8)]  # fmt: skip
+    with torch.no_grad():
+        stock = [model.generate(**padded_batch(lens, max(lens)), max_new_tokens=new, **GREEDY)
+                 for lens, new in calls]  # fmt: skip
+        nanoserve.patch_model(model, block_size=4)
+        try:
+            model.generate(**padded_batch([12] * 4, 12), max_new_tokens=6, **GREEDY)
+            pool = pool_tensor(model)
+            held = nanoserve.cache_stats(model)["kept_pool_bytes"]
+            assert held == pool.numel() * pool.element_size() * 4  # K and V of 2 layers
+            for (lens, new), want in zip(calls, stock, strict=True):
+                out = model.generate(**padded_batch(lens, max(lens)), max_new_tokens=new, **GREEDY)
+                assert torch.equal(out, want)
+                assert pool_tensor(model) is pool
+                assert nanoserve.cache_stats(model)["kept_pool_bytes"] == held
+            model.generate(**padded_batch([12] * 8, 12), max_new_tokens=6, **GREEDY)
+            assert pool_tensor(model) is not pool
+            assert nanoserve.cache_stats(model)["kept_pool_bytes"] > held
+        finally:
+            nanoserve.unpatch_model(model)
+
+
+def test_release_memory_and_keep_pools_false_give_the_pool_back():
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4], 9)
+    opts = dict(max_new_tokens=4, **GREEDY)
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+        nanoserve.patch_model(model, block_size=4)
+        try:
+            model.generate(**inputs, **opts)
+            gone = weakref.ref(pool_tensor(model))
+            nanoserve.release_memory(model)
+            stats = nanoserve.cache_stats(model)
+            assert stats["kept_pool_bytes"] == 0 and stats["graphs_held"] == 0
+            assert stats["tokens"] == 9 + 4 + 2 * 3  # the last call's figures stay readable
+            assert gone() is None  # nothing holds the pool any more
+            assert torch.equal(model.generate(**inputs, **opts), stock)
+            nanoserve.patch_model(model, block_size=4, keep_pools=False)
+            for _ in range(2):
+                assert torch.equal(model.generate(**inputs, **opts), stock)
+                assert pool_tensor(model) is None
+                assert nanoserve.cache_stats(model)["kept_pool_bytes"] == 0
+        finally:
+            nanoserve.unpatch_model(model)
+    with pytest.raises(ValueError, match="^keep_pools"):
+        nanoserve.patch_model(model, keep_pools=1)
+    with pytest.raises(ValueError, match="^model: not patched"):
+        nanoserve.release_memory(model)
+
+
+def test_a_held_cache_is_never_the_next_calls_pool():
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4], 9)
+    opts = dict(max_new_tokens=4, **GREEDY)
+    with torch.no_grad():
+        nanoserve.patch_model(model, block_size=4)
+        try:
+            held = model.generate(**inputs, return_dict_in_generate=True, **opts)
+            before = [p.clone() for p in held.past_key_values.paged.key_pools]
+            model.generate(**padded_batch([3], 3), **opts)
+            nanoserve.release_memory(model)
+            after = held.past_key_values.paged.key_pools
+            assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        finally:
+            nanoserve.unpatch_model(model)
+
+
+# -- on the GPU: graphs captured once, memory back to the weights ----------------------------
+
+
+def _gpu_model(layers=4, hidden=1024, vocab=32000):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                         vocab_size=vocab, max_position_embeddings=4096)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def _cuda_batch(lens, vocab, seed):
+    return {k: v.cuda() for k, v in padded_batch(lens, max(lens), vocab=vocab, seed=seed).items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_soak_of_random_calls(seed=0):
+    """30 calls of random sizes and modes: the same call holds the same memory before and
+    after the soak, graphs are captured once per (batch bucket, table width) key, and
+    ``release_memory`` brings allocated memory back to the weights'."""
+    model = _gpu_model()
+    vocab = model.config.vocab_size
+    torch.cuda.synchronize()
+    weights = torch.cuda.memory_allocated()
+    rng = random.Random(seed)
+    biggest = _cuda_batch([300] * 16, vocab, 1)
+    probe = _cuda_batch([120, 40, 7], vocab, 2)
+    nanoserve.patch_model(model)
+    try:
+        with torch.no_grad():
+            model.generate(**biggest, max_new_tokens=32, **GREEDY)  # the largest pool first
+            model.generate(**probe, max_new_tokens=16, **GREEDY)
+            torch.cuda.synchronize()
+            held_before = torch.cuda.memory_allocated()
+            keys = set()
+            for _ in range(30):
+                lens = [rng.randint(1, 300) for _ in range(rng.randint(1, 16))]
+                mode = rng.choice([dict(do_sample=False), dict(do_sample=True, top_k=20)])
+                batch = _cuda_batch(lens, vocab, rng.randint(0, 99))
+                new = rng.randint(2, 32)
+                model.generate(**batch, max_new_tokens=new, eos_token_id=None, **mode)
+                keys |= set(nanoserve.adapters.state_of(model).graphs.graphs)
+            model.generate(**probe, max_new_tokens=16, **GREEDY)
+            torch.cuda.synchronize()
+            held_after = torch.cuda.memory_allocated()
+            stats = nanoserve.decode_graph_stats(model)
+        assert held_after == held_before, (held_before, held_after)
+        assert stats["disabled"] is None
+        assert stats["captures"] <= len(keys) + 2, (stats, len(keys))  # + the first two calls
+        nanoserve.release_memory(model)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - weights < 4 * 2**20
+    finally:
+        nanoserve.unpatch_model(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_rl_loop_generate_then_train():
+    """Generate, then a forward + backward on the same model, five times: peak memory within
+    5% of the same loop with stock generate, and no graph captured after the first round."""
+    vocab = 32000
+    prompts = [_cuda_batch([64 + 37 * i for i in range(8)], vocab, seed) for seed in range(5)]
+    train = _cuda_batch([256] * 8, vocab, 9)
+
+    def loop(model):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        captures = []
+        for batch in prompts:
+            model.eval()
+            with torch.no_grad():
+                model.generate(**batch, max_new_tokens=48, **GREEDY)
+            if nanoserve.adapters.state_of(model) is not None:
+                captures.append(nanoserve.decode_graph_stats(model)["captures"])
+            model.train()
+            loss = model(**train, labels=train["input_ids"]).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(), captures
+
+    model = _gpu_model()
+    stock_peak, _ = loop(model)
+    nanoserve.patch_model(model)
+    try:
+        paged_peak, captures = loop(model)
+    finally:
+        nanoserve.unpatch_model(model)
+    assert captures[0] >= 1 and captures[-1] == captures[0], captures
+    assert paged_peak <= 1.05 * stock_peak, (paged_peak / 2**20, stock_peak / 2**20)
