@@ -53,17 +53,11 @@ def chat(tokenizer, questions, **kwargs):
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
+NEEDS_INTERPRETER = pytest.mark.skipif(
+    not INTERPRETING, reason="Triton on CPU tensors needs TRITON_INTERPRET=1"
+)
 BACKENDS = pytest.mark.parametrize(
-    "backend",
-    [
-        "auto",
-        pytest.param(
-            "triton",
-            marks=pytest.mark.skipif(
-                not INTERPRETING, reason="Triton on CPU tensors needs TRITON_INTERPRET=1"
-            ),
-        ),
-    ],
+    "backend", ["auto", pytest.param("triton", marks=NEEDS_INTERPRETER)]
 )
 
 _LAUNCHERS = {

@@ -7,7 +7,14 @@ import inspect
 import pytest
 import torch
 import transformers
-from helpers import BACKENDS, check_launches, count_triton_launches, patched, stock_and_paged
+from helpers import (
+    BACKENDS,
+    NEEDS_INTERPRETER,
+    check_launches,
+    count_triton_launches,
+    patched,
+    stock_and_paged,
+)
 
 import nanoserve
 
@@ -214,15 +221,19 @@ def test_metadata_built_once_per_forward(monkeypatch):
     assert len(steps) == len(forwards) == 6
 
 
-@BACKENDS
-@pytest.mark.parametrize("chunk", [3, 8, 16])
+@pytest.mark.parametrize(
+    "chunk, backend",
+    [(3, "auto"), (8, "auto"), (16, "auto")]
+    + [pytest.param(chunk, "triton", marks=NEEDS_INTERPRETER) for chunk in (3, 8)],
+)
 def test_chunked_prefill_matches_stock(chunk, backend, monkeypatch):
     """transformers' ``prefill_chunk_size``: the prompt comes in several forwards, the first
     ones all padding for the short rows; the block size (4) falls inside and across chunks.
     "triton" runs the later chunks through the Triton extend kernel over the paged history.
-    Planted there q_pos = rows (a later chunk's causal positions counted from 0): the triton
-    cases of chunks 3 and 8 failed (chunk 16's second forward is one token: a decode step);
-    patch_model dropping ``backend``: every triton case failed on its launch count."""
+    Planted there q_pos = rows (a later chunk's causal positions counted from 0): both
+    triton cases failed. (No triton case for chunk 16: its second forward is one token, a
+    decode step, so it adds no extend over a history.) patch_model dropping ``backend``:
+    every triton case failed on its launch count."""
     model = tiny_model("llama")
     inputs = padded_batch([2, 11, 17, 5], 17)
     opts = dict(max_new_tokens=7, do_sample=False, eos_token_id=None)
