@@ -119,6 +119,7 @@ class DecodeGraphs:
 
     def __init__(self, capture: bool = True):
         self.capture = capture
+        self.side_stream = None  # where captures warm up (created on the first)
         self.pool = None
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.cache = _dead_ref  # weakly: graphs must not keep a finished cache alive
@@ -176,8 +177,11 @@ class DecodeGraphs:
 
     def _capture(self, key, static: StaticStep, run_forward, cache, batch: int):
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels): this run
-        # computes the real step, so it is also the answer if capture fails.
-        side = torch.cuda.Stream()
+        # computes the real step, so it is also the answer if capture fails. One stream for
+        # every capture: cuBLAS keeps a workspace per stream it meets, for the process's life.
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream()
+        side = self.side_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             warm = run_forward(static)

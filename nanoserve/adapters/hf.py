@@ -182,9 +182,10 @@ def cache_stats(model) -> dict[str, float]:
 
 def release_memory(model) -> None:
     """Free what the patched model holds between generate calls: the kept pool and the
-    captured decode graphs (and, on CUDA, the cached blocks of PyTorch's allocator). A cache
-    the caller still holds (``return_dict_in_generate=True``) stays the caller's. The next
-    call allocates a pool and captures its graphs again."""
+    captured decode graphs (and, on CUDA, cuBLAS's per-stream workspaces and the cached
+    blocks of PyTorch's allocator). A cache the caller still holds
+    (``return_dict_in_generate=True``) stays the caller's. The next call allocates a pool
+    and captures its graphs again."""
     state = _state(model)
     with state.lock:
         state.kept_pools = None
@@ -192,6 +193,9 @@ def release_memory(model) -> None:
         if state.graphs is not None:
             state.graphs.reset()
     if torch.cuda.is_available():
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:  # cuBLAS allocates them again when it needs them
+            clear_workspaces()
         torch.cuda.empty_cache()
 
 
