@@ -24,6 +24,7 @@ from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.graph_forward import graph_decode_step, graph_step_possible
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.registry import family_for
+from nanoserve.adapters.shared_rows import row_groups, run_shared
 from nanoserve.adapters.sizing import PoolOptions, PoolSize, blocks_to_continue, pool_size
 from nanoserve.adapters.step import (
     CACHE_KWARGS,
@@ -56,6 +57,7 @@ def patch_model(
     compile_decode: bool = False,
     backend: str = "auto",
     keep_pools: bool = True,
+    prefix_sharing: bool = True,
 ):
     """Make ``model.generate`` run on the paged KV cache; returns ``model``.
 
@@ -69,7 +71,9 @@ def patch_model(
     CPU), "triton" (on CPU under ``TRITON_INTERPRET=1``) or "torch". ``keep_pools`` (the
     default) keeps a finished call's pool, and the decode graphs captured over it, for the
     next calls that fit in it; ``release_memory(model)`` frees them on request, and
-    ``keep_pools=False`` after every call.
+    ``keep_pools=False`` after every call. ``prefix_sharing`` (the default): copies of one
+    prompt in a batch (``num_return_sequences``, beams, a prompt repeated G times) are
+    prefilled once and share their blocks (``shared_rows.py``).
 
     Every argument is checked before anything changes: a failed call leaves the model as it
     was. Patching a patched model again replaces its options.
@@ -87,6 +91,7 @@ def patch_model(
         ("cuda_graphs", cuda_graphs),
         ("compile_decode", compile_decode),
         ("keep_pools", keep_pools),
+        ("prefix_sharing", prefix_sharing),
     ):
         if not isinstance(value, bool):
             raise ValueError(f"{name}: must be True or False, got {value!r}")
@@ -107,6 +112,7 @@ def patch_model(
         cuda_graphs=cuda_graphs and tp_size(model) == 1,
         compile_decode=compile_decode,
         keep_pools=keep_pools,
+        prefix_sharing=prefix_sharing,
         original_attn=remember_original_attn(model.config, current),
         previous_generate=model.__dict__.get("generate"),
         previous_forward=model.__dict__.get("forward"),
@@ -260,6 +266,9 @@ def _paged_forward(self, *args, **kwargs):
             "without a PagedCache (a patched model's generate does that for this option)"
         )
     with state.lock:
+        shared = row_groups(cache, kwargs) if state.prefix_sharing else None
+        if shared is not None:
+            return run_shared(stock, state.backend, cache, kwargs, *shared)
         new = new_token_mask(kwargs, cache.paged.seq_lens)
         if graph_step_possible(state, cache, kwargs, new):
             return graph_decode_step(self, state, stock, cache, kwargs, new)
@@ -354,7 +363,7 @@ def _paged_generate(self, *args, **kwargs):
     with state.lock:
         for name in CACHE_KWARGS:
             kwargs.pop(name, None)
-        size = pool_size(state.pool, self, args, kwargs)
+        size = pool_size(state.pool, self, args, kwargs, state.prefix_sharing)
         num_blocks, pools = _pools_for(state, size, self.dtype)
         paged = PagedKVCache(
             state.pool.layout.num_layers,

@@ -41,6 +41,8 @@ class PagedCache(Cache):
         self.columns = 0  # padded columns seen by completed forwards
         self._pending = 0  # columns of the forward in flight
         self._lens_before: list[int] | None = None  # each row's tokens before that forward
+        self.rows_shared = 0  # rows that took another row's prefill (shared_rows.py)
+        self.tokens_not_recomputed = 0
 
     # -- the step boundary (once per forward) -----------------------------------------------
 
@@ -173,8 +175,18 @@ class PagedCache(Cache):
     def is_dummy(self) -> list[bool]:
         return [False] * self.num_layers
 
+    def note_shared_rows(self, rows: int, tokens: int) -> None:
+        """``rows`` rows took their prompt's ``tokens`` from another row's prefill."""
+        self.rows_shared += rows
+        self.tokens_not_recomputed += tokens
+
     def stats(self) -> dict[str, float]:
-        return self.paged.stats()
+        """The store's figures (``PagedKVCache.stats``) plus ``rows_shared`` and
+        ``tokens_not_recomputed``."""
+        stats = self.paged.stats()
+        stats["rows_shared"] = self.rows_shared
+        stats["tokens_not_recomputed"] = self.tokens_not_recomputed
+        return stats
 
     def __repr__(self) -> str:
         return (

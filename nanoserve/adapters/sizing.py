@@ -69,13 +69,15 @@ class PoolSize:
 class CallShape:
     """What a generate call stores: each row's real prompt tokens (padding is never
     stored), the columns of its prompt, the new tokens, how many copies of each row
-    (beams, ``num_return_sequences``) and the spare block a beam takes for copy-on-write."""
+    (beams, ``num_return_sequences``), the spare block a beam takes for copy-on-write, and
+    how many rows hold each distinct prompt."""
 
     prompt_lens: list[int]
     width: int
     new_tokens: int
     copies: int
     spare: int
+    groups: list[tuple[int, int]]  # (first row, rows) of each distinct prompt
 
 
 def call_shape(model, args: tuple, kwargs: dict) -> CallShape:
@@ -101,14 +103,31 @@ def call_shape(model, args: tuple, kwargs: dict) -> CallShape:
         prompt_lens = [width] * batch
     beams = get("num_beams") or 1
     copies = max(beams, get("num_return_sequences") or 1)
-    return CallShape(prompt_lens, width, new_tokens, copies, 1 if beams > 1 else 0)
+    groups = _groups(inputs, mask, len(prompt_lens))
+    return CallShape(prompt_lens, width, new_tokens, copies, 1 if beams > 1 else 0, groups)
 
 
-def pool_size(options: PoolOptions, model, args: tuple, kwargs: dict) -> PoolSize:
+def _groups(inputs, mask, batch: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each distinct (token ids, padding) row of ``inputs``; every row
+    its own group when the inputs are not token ids."""
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2 or inputs.is_floating_point():
+        return [(row, 1) for row in range(batch)]
+    rows = inputs if not isinstance(mask, torch.Tensor) else torch.cat([inputs, mask], dim=1)
+    groups: dict[bytes, list[int]] = {}
+    for i, row in enumerate(rows.cpu().numpy()):
+        groups.setdefault(row.tobytes(), [i, 0])[1] += 1
+    return [(first, count) for first, count in groups.values()]
+
+
+def pool_size(
+    options: PoolOptions, model, args: tuple, kwargs: dict, share_rows: bool = False
+) -> PoolSize:
     """``num_blocks``; else what fits in ``max_memory``; else what this call needs, rounded up
     by ``coarse_blocks``: for each row, blocks for its real prompt tokens plus the new
-    tokens, and with beam search one spare block per beam for copy-on-write. The table width
-    fits the longest row, rounded up by ``coarse_width``."""
+    tokens, and with beam search one spare block per beam for copy-on-write. With
+    ``share_rows`` the copies of one prompt hold its blocks once, each with a block of its
+    own for the partly filled last one. The table width fits the longest row, rounded up by
+    ``coarse_width``."""
     shape = call_shape(model, args, kwargs)
     bs = options.block_size
     table_width = coarse_width(math.ceil((shape.width + shape.new_tokens) / bs) + 1)
@@ -121,8 +140,14 @@ def pool_size(options: PoolOptions, model, args: tuple, kwargs: dict) -> PoolSiz
                 f"max_memory: {options.max_memory} bytes is less than one block ({size} bytes)"
             )
         return PoolSize(options.max_memory // size, table_width)
-    blocks = sum(math.ceil((n + shape.new_tokens) / bs) + shape.spare for n in shape.prompt_lens)
-    return PoolSize(coarse_blocks(blocks * shape.copies), table_width)
+    new, spare = shape.new_tokens, shape.spare
+    blocks = 0
+    for first, rows in shape.groups:
+        n, rows = shape.prompt_lens[first], rows * shape.copies
+        alone = rows * (math.ceil((n + new) / bs) + spare)
+        shared = math.ceil(n / bs) + rows * (math.ceil((n + new) / bs) - n // bs + spare)
+        blocks += min(alone, shared) if share_rows else alone
+    return PoolSize(coarse_blocks(blocks), table_width)
 
 
 def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) -> int:

@@ -64,6 +64,7 @@ class PatchState:
     cuda_graphs: bool  # decode steps on CUDA replay captured graphs
     compile_decode: bool
     keep_pools: bool  # a finished call's pool (and its graphs) serve the next calls
+    prefix_sharing: bool  # copies of one prompt in a batch are prefilled once
     original_attn: str
     previous_generate: Callable | None = None  # an instance attribute patching replaced
     previous_forward: Callable | None = None
@@ -86,6 +87,7 @@ class PatchState:
             cuda_graphs=self.cuda_graphs,
             compile_decode=self.compile_decode,
             keep_pools=self.keep_pools,
+            prefix_sharing=self.prefix_sharing,
             original_attn=self.original_attn,
             previous_generate=copy.deepcopy(self.previous_generate, memo),
             previous_forward=copy.deepcopy(self.previous_forward, memo),
