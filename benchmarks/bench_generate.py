@@ -17,6 +17,10 @@ Usage: python3 benchmarks/bench_generate.py [--new-tokens 256] [--tiny] [--only 
 64 new tokens) with the default pool policy (a kept pool serves every call that fits) and
 with ``keep_pools=False`` (a new pool, so new graphs, every call): seconds per call, capture
 time included, captures, and the memory held between calls.
+`--group` runs the group rollout of RL trainers: 16 prompts of 256..2048 tokens, each 8 times
+in one left-padded batch of 128 rows, 256 sampled new tokens (top_k 50), nanoserve with and
+without prefix sharing beside the static cache + compile; time to first token is the same
+call with one new token.
 `--tiny` runs a 2-layer model on whatever device there is (a smoke test, not a benchmark).
 """
 
@@ -106,8 +110,8 @@ def run_generate(model, ids, mask, new_tokens, device, **kwargs):
     """Generated tokens [B, new] and seconds."""
     sync(device)
     start = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, **kwargs)  # fmt: skip
+    options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    out = model.generate(input_ids=ids, attention_mask=mask, **{**options, **kwargs})
     sync(device)
     return out[:, ids.shape[1] :], time.perf_counter() - start
 
@@ -269,6 +273,57 @@ def stream(model, device: str, calls: int, tiny: bool) -> list[dict]:
     return rows
 
 
+def group_rollout(model, device: str, tiny: bool) -> list[dict]:
+    """Rows: tokens/s, time to first token, peak memory and KV reserved per provider."""
+    gen = torch.Generator().manual_seed(3)
+    prompts, copies = (4, 2) if tiny else (16, 8)
+    lens = [int(n) for n in torch.linspace(16 if tiny else 256, 48 if tiny else 2048, prompts)]
+    ids, mask = left_padded(lens, model.config.vocab_size, gen, device)
+    ids, mask = ids.repeat_interleave(copies, 0), mask.repeat_interleave(copies, 0)
+    new = 16 if tiny else 256
+    unique = (sum(lens) + len(lens) * copies * new) * kv_bytes_per_token(model)
+    sample = dict(do_sample=True, top_k=50)
+    providers = {
+        "nanoserve, prefix sharing": dict(prefix_sharing=True),
+        "nanoserve, no sharing": dict(prefix_sharing=False),
+        "stock static + compile": None,
+    }
+    rows = []
+    for name, patch in providers.items():
+        extra = dict(cache_implementation="static") if patch is None else {}
+        if patch is not None:
+            nanoserve.patch_model(model, **patch)
+        try:
+            run_generate(model, ids, mask, new, device, **sample, **extra)  # warm-up, compile
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            calls = 1 if patch is None else TIMED_CALLS
+            seconds = statistics.median(
+                run_generate(model, ids, mask, new, device, **sample, **extra)[1]
+                for _ in range(calls)
+            )
+            row = {"provider": name, "tok/s": round(ids.shape[0] * new / seconds, 1),
+                   "seconds": round(seconds, 2)}  # fmt: skip
+            if device == "cuda":
+                row["peak_GiB"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+            if patch is not None:
+                stats = nanoserve.cache_stats(model)
+                row["kv_reserved/unique"] = round(stats["bytes_reserved"] / unique, 3)
+                row["rows_shared"] = stats["rows_shared"]
+            ttft = statistics.median(
+                run_generate(model, ids, mask, 1, device, **sample, **extra)[1]
+                for _ in range(calls)
+            )
+            row["first_token_s"] = round(ttft, 3)
+        finally:
+            if patch is not None:
+                nanoserve.release_memory(model)
+                nanoserve.unpatch_model(model)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -283,9 +338,19 @@ def main() -> None:
                         help="prefill_chunk_size of the capacity run")  # fmt: skip
     parser.add_argument("--stream", type=int, default=0, metavar="N",
                         help="only N calls of random sizes, under both pool policies")  # fmt: skip
+    parser.add_argument("--group", action="store_true",
+                        help="only the group rollout (16 prompts x 8 rows, sampled)")  # fmt: skip
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(args.tiny, device)
+    if args.group:
+        rows = group_rollout(model, device, args.tiny)
+        columns = ["provider", "tok/s", "seconds", "first_token_s", "peak_GiB",
+                   "kv_reserved/unique", "rows_shared"]  # fmt: skip
+        rows = [{c: r.get(c, "") for c in columns} for r in rows]
+        write_csv(rows, "generate_group.csv")
+        print_table(rows, columns)
+        return
     if args.stream:
         rows = stream(model, device, args.stream, args.tiny)
         columns = ["policy", "calls", "total_s", "median_s", "max_s", "captures",
