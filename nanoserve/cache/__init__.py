@@ -3,5 +3,13 @@
 from nanoserve.cache.allocator import BlockAllocator, OutOfBlocks
 from nanoserve.cache.block_table import BlockTable
 from nanoserve.cache.paged_cache import PagedKVCache, StepMetadata
+from nanoserve.cache.prefix import block_digests
 
-__all__ = ["BlockAllocator", "BlockTable", "OutOfBlocks", "PagedKVCache", "StepMetadata"]
+__all__ = [
+    "BlockAllocator",
+    "BlockTable",
+    "OutOfBlocks",
+    "PagedKVCache",
+    "StepMetadata",
+    "block_digests",
+]

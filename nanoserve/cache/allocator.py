@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from collections import OrderedDict
 from collections.abc import Iterable
 
 
@@ -37,6 +38,12 @@ class BlockAllocator:
 
     Recently freed blocks are reused first (a LIFO free list), which keeps the working set
     of the pool small and makes stale-data bugs show up quickly in tests.
+
+    Cached prefixes: a full block can be ``publish``ed under the digest of its tokens (and of
+    everything before them, see ``prefix.py``); ``lookup`` finds it again and takes a
+    reference. A published block whose last reference is freed is not free but *evictable*:
+    still findable, and handed out by ``allocate`` (which forgets its digest) only once the
+    free list is empty, oldest first. ``num_free`` counts both.
     """
 
     def __init__(self, num_blocks: int):
@@ -44,6 +51,9 @@ class BlockAllocator:
         self._num_blocks = num_blocks
         self._refcounts = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self._digest_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
 
     @property
     def num_blocks(self) -> int:
@@ -51,11 +61,21 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks ``allocate`` can hand out: free ones and evictable cached ones."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self._num_blocks - len(self._free)
+        return self._num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Published blocks (findable by ``lookup``), in use or evictable."""
+        return len(self._digest_of)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
 
     def grow(self, n: int) -> None:
         """Add ``n`` free blocks, ids ``[num_blocks, num_blocks + n)``, handed out after the
@@ -67,14 +87,71 @@ class BlockAllocator:
         self._free[:0] = range(old + n - 1, old - 1, -1)
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks (refcount 1 each); all or nothing, else ``OutOfBlocks``."""
+        """Take ``n`` free blocks (refcount 1 each), evicting the oldest cached ones once the
+        free list is empty; all or nothing, else ``OutOfBlocks``."""
         n = as_index(n, "n", minimum=0)
-        if n > len(self._free):
-            raise OutOfBlocks(n, len(self._free), self._num_blocks)
-        blocks = [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise OutOfBlocks(n, self.num_free, self._num_blocks)
+        blocks = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        while len(blocks) < n:
+            block, _ = self._evictable.popitem(last=False)
+            self._forget(block)
+            blocks.append(block)
         for block in blocks:
             self._refcounts[block] = 1
         return blocks
+
+    # -- cached prefixes ---------------------------------------------------------------------
+
+    def publish(self, block_id: int, digest: bytes) -> bool:
+        """Make the allocated, full ``block_id`` findable under ``digest``; False (and no
+        change) when the digest or the block is published already."""
+        (block,) = self._live([block_id])
+        if digest in self._block_of or block in self._digest_of:
+            return False
+        self._block_of[digest] = block
+        self._digest_of[block] = digest
+        return True
+
+    def lookup(self, digest: bytes) -> int | None:
+        """The block published under ``digest``, with one more reference taken (an evictable
+        one comes back into use); None when there is none."""
+        block = self._block_of.get(digest)
+        if block is None:
+            return None
+        if self._refcounts[block] == 0:
+            del self._evictable[block]
+        self._refcounts[block] += 1
+        return block
+
+    def is_published(self, block_id: int) -> bool:
+        return self._block_id(block_id, "block_id") in self._digest_of
+
+    def unpublish(self, block_id: int) -> None:
+        """Forget ``block_id``'s digest (its tokens are about to change); an evictable block
+        becomes free."""
+        block = self._block_id(block_id, "block_id")
+        self._forget(block)
+        if block in self._evictable:
+            del self._evictable[block]
+            self._free.append(block)
+
+    def clear_prefixes(self) -> None:
+        """Forget every digest; evictable blocks become free."""
+        for block in list(self._digest_of):
+            self.unpublish(block)
+
+    def release_all(self) -> None:
+        """Drop every reference at once (the owners of all blocks are gone): published
+        blocks become evictable, the others free."""
+        self._refcounts = [0] * self._num_blocks
+        self._evictable = OrderedDict((block, None) for block in self._digest_of)
+        self._free = [b for b in range(self._num_blocks - 1, -1, -1) if b not in self._digest_of]
+
+    def _forget(self, block: int) -> None:
+        digest = self._digest_of.pop(block, None)
+        if digest is not None:
+            del self._block_of[digest]
 
     def _block_id(self, block: object, name: str) -> int:
         try:
@@ -100,7 +177,8 @@ class BlockAllocator:
             self._refcounts[block] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference from each block; a block at zero returns to the free list."""
+        """Drop one reference from each block; a block at zero returns to the free list (a
+        published one becomes evictable)."""
         block_ids = self._live(block_ids)
         drops: dict[int, int] = {}
         for block in block_ids:
@@ -110,7 +188,10 @@ class BlockAllocator:
         for block in block_ids:
             self._refcounts[block] -= 1
             if self._refcounts[block] == 0:
-                self._free.append(block)
+                if block in self._digest_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
 
     def refcount(self, block_id: int) -> int:
         """Number of owners of ``block_id`` (0 when free)."""

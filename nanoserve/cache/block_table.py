@@ -82,11 +82,27 @@ class BlockTable:
         if not 0 <= num_tokens <= self._num_tokens:
             raise ValueError(f"num_tokens: {num_tokens} outside [0, {self._num_tokens}]")
         keep = -(-num_tokens // self.block_size)
+        if keep and num_tokens % self.block_size:
+            # The new last block is partial and its tail will be written (in place, or into
+            # a copy while shared): it must no longer be found by the tokens it held in full.
+            last = self._block_ids[keep - 1]
+            if self.allocator.is_published(last):
+                self.allocator.unpublish(last)
         self.allocator.free(self._block_ids[keep:])
         if keep < len(self._block_ids):
             self.version += 1
         del self._block_ids[keep:]
         self._num_tokens = num_tokens
+
+    def adopt(self, block_ids: list[int]) -> None:
+        """Start an empty table with ``block_ids``, full blocks whose references the caller
+        already took (cached prefix blocks found by ``BlockAllocator.lookup``)."""
+        if self._num_tokens or self._block_ids:
+            raise ValueError("block_ids: only an empty table adopts cached blocks")
+        self._block_ids = list(block_ids)
+        self._num_tokens = len(block_ids) * self.block_size
+        if block_ids:
+            self.version += 1
 
     def fork(self) -> BlockTable:
         """A second table over the same tokens, sharing every block by reference count."""

@@ -94,6 +94,7 @@ class PagedKVCache:
         table_width: int = 1,
         pools: tuple[list, list] | None = None,
         backend: str = "auto",
+        allocator: BlockAllocator | None = None,
     ):
         """``table_width``: the least number of columns of every step's ``block_tables``.
         A fixed width keeps shapes (and so the kernels' launch choices) the same from step
@@ -107,7 +108,11 @@ class PagedKVCache:
         this cache has written into it: from then on a write that does not fit the layer's
         pool raises ``ValueError`` (replacing it would zero the cached history).
 
-        ``backend``: the slot-scatter kernel ``write`` uses ("auto", "triton" or "torch")."""
+        ``backend``: the slot-scatter kernel ``write`` uses ("auto", "triton" or "torch").
+
+        ``allocator``: the allocator of the store that last used ``pools`` (its cached
+        prefixes come with it); it must have ``num_blocks`` blocks and no owner left: every
+        reference it held is dropped."""
         check_backend(backend)
         num_layers = as_index(num_layers, "num_layers", minimum=1)
         table_width = as_index(table_width, "table_width", minimum=1)
@@ -116,7 +121,13 @@ class PagedKVCache:
         self.block_size = block_size
         self.table_width = table_width
         self.backend = backend
-        self.allocator = BlockAllocator(num_blocks)
+        if allocator is None:
+            allocator = BlockAllocator(num_blocks)
+        elif allocator.num_blocks != num_blocks:
+            raise ValueError(f"allocator: has {allocator.num_blocks} blocks, the pool {num_blocks}")
+        else:
+            allocator.release_all()
+        self.allocator = allocator
         if pools is None:
             pools = ([None] * num_layers, [None] * num_layers)
         if len(pools) != 2 or any(len(p) != num_layers for p in pools):
@@ -169,6 +180,32 @@ class PagedKVCache:
             table.free()
         self.tables = []
         self.step = None
+
+    # -- cached prefixes (see prefix.py) ------------------------------------------------------
+
+    def attach_prefix(self, seq: int, digests: list[bytes]) -> int:
+        """Give the empty sequence ``seq`` the published blocks found by ``digests`` (one per
+        leading full block, in order, up to the first miss); returns the tokens they hold."""
+        blocks = []
+        for digest in digests:
+            block = self.allocator.lookup(digest)
+            if block is None:
+                break
+            blocks.append(block)
+        try:
+            self.tables[seq].adopt(blocks)
+        except BaseException:
+            self.allocator.free(blocks)
+            raise
+        return len(blocks) * self.block_size
+
+    def publish(self, seq: int, digests: list[bytes]) -> None:
+        """Make sequence ``seq``'s full blocks findable by ``digests`` (one per block from
+        the first; blocks past the digests, or not full, stay unpublished)."""
+        table = self.tables[seq]
+        full = table.num_tokens // self.block_size
+        for block, digest in zip(table.block_ids[:full], digests, strict=False):
+            self.allocator.publish(block, digest)
 
     def grow(self, n: int) -> None:
         """Give the pool ``n`` more blocks: every allocated pool is copied into a larger one

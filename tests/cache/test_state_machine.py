@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from nanoserve import BlockAllocator, BlockTable, OutOfBlocks
+from nanoserve.cache import block_digests
 
 NUM_BLOCKS = 12
 BLOCK_SIZE = 4
@@ -18,6 +19,7 @@ class TablesMachine(RuleBasedStateMachine):
         self.alloc = BlockAllocator(NUM_BLOCKS)
         self.tables: list[BlockTable] = []
         self.contents: list[list[int]] = []  # the model: each live table's tokens
+        self.published: list[list[int]] = []  # token lists whose full blocks were published
         self.pool = [None] * (NUM_BLOCKS * BLOCK_SIZE)  # what each slot holds
         self.next_token = 0
 
@@ -72,6 +74,34 @@ class TablesMachine(RuleBasedStateMachine):
         self.tables[i].truncate(keep)
         del self.contents[i][keep:]
 
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
+    def publish(self, data):
+        i = data.draw(st.integers(0, len(self.tables) - 1))
+        table, content = self.tables[i], self.contents[i]
+        digests = block_digests(content, BLOCK_SIZE)
+        for block, digest in zip(table.block_ids, digests, strict=False):
+            self.alloc.publish(block, digest)
+        self.published.append(list(content))
+
+    @precondition(lambda self: self.published)
+    @rule(data=st.data())
+    def attach(self, data):
+        """A new table takes the cached blocks of a published token list, up to the first
+        block no longer findable (evicted, or cut by a truncate); what it reads back must be
+        those tokens (the invariants below)."""
+        content = data.draw(st.sampled_from(self.published))
+        blocks = []
+        for digest in block_digests(content, BLOCK_SIZE):
+            block = self.alloc.lookup(digest)
+            if block is None:
+                break
+            blocks.append(block)
+        table = BlockTable(self.alloc, BLOCK_SIZE)
+        table.adopt(blocks)
+        self.tables.append(table)
+        self.contents.append(content[: len(blocks) * BLOCK_SIZE])
+
     @invariant()
     def counts_add_up(self):
         assert self.alloc.num_free + self.alloc.num_used == NUM_BLOCKS
@@ -79,6 +109,7 @@ class TablesMachine(RuleBasedStateMachine):
         for block in range(NUM_BLOCKS):
             assert self.alloc.refcount(block) == owners.get(block, 0)
         assert self.alloc.num_used == len(owners)
+        assert self.alloc.num_evictable <= self.alloc.num_cached
 
     @invariant()
     def tables_match_the_model(self):
