@@ -10,6 +10,7 @@ state all of that needs lives on the model instance (``step.PatchState``).
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import types
 import weakref
@@ -24,7 +25,7 @@ from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.graph_forward import graph_decode_step, graph_step_possible
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.registry import family_for
-from nanoserve.adapters.shared_rows import row_groups, run_shared
+from nanoserve.adapters.shared_rows import first_forward
 from nanoserve.adapters.sizing import PoolOptions, PoolSize, blocks_to_continue, pool_size
 from nanoserve.adapters.step import (
     CACHE_KWARGS,
@@ -266,9 +267,10 @@ def _paged_forward(self, *args, **kwargs):
             "without a PagedCache (a patched model's generate does that for this option)"
         )
     with state.lock:
-        shared = row_groups(cache, kwargs) if state.prefix_sharing else None
-        if shared is not None:
-            return run_shared(stock, state.backend, cache, kwargs, *shared)
+        if state.prefix_sharing:
+            output = first_forward(stock, state.backend, cache, kwargs)
+            if output is not None:
+                return output
         new = new_token_mask(kwargs, cache.paged.seq_lens)
         if graph_step_possible(state, cache, kwargs, new):
             return graph_decode_step(self, state, stock, cache, kwargs, new)
@@ -303,19 +305,37 @@ def _keywords(forward, args: tuple, kwargs: dict) -> dict:
 # -- generate -----------------------------------------------------------------------------
 
 
-def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype) -> tuple[int, tuple | None]:
-    """(num_blocks, pool lists) of this call's cache. Unless the pool size is fixed
+def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype):
+    """(num_blocks, pool lists, allocator) of this call's cache: the kept ones (the
+    allocator carries the cached prefixes) or (size.num_blocks, None, None). Unless the pool
+    size is fixed
     (``num_blocks`` / ``max_memory``), the kept pool of an earlier call serves when nothing
     can reach the store that used it (its ``PagedCache``, or the ``PagedKVCache`` inside,
     both let go), its dtype matches and it has at least the blocks this call needs: the same
     memory keeps the captured decode graphs valid. Otherwise the kept pool is let go before
     a new one is made. (A pool tensor taken out of a cache by hand is the caller's to copy.)"""
     kept, state.kept_pools = state.kept_pools, None
+    fresh = size.num_blocks, None, None
     if kept is None or kept.owner() is not None or kept.dtype != dtype:
-        return size.num_blocks, None
+        return fresh
     fixed = state.pool.num_blocks is not None or state.pool.max_memory is not None
     fits = kept.num_blocks == size.num_blocks if fixed else kept.num_blocks >= size.num_blocks
-    return (kept.num_blocks, kept.pools) if fits else (size.num_blocks, None)
+    return (kept.num_blocks, kept.pools, kept.allocator) if fits else fresh
+
+
+def _prefix_salt(model, state: PatchState, kwargs: dict, user_salt) -> bytes | None:
+    """What names this call's cached prefixes beside their tokens: the weights (addresses
+    and in-place versions of every parameter and buffer, so an optimizer step or a
+    ``model.to`` invalidates them), the dtype and the caller's ``cache_salt``. None (no
+    prefix looked up or stored) without prefix sharing and under chunked prefill."""
+    config = kwargs.get("generation_config") or model.generation_config
+    chunked = kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None))
+    if not state.prefix_sharing or chunked:
+        return None
+    tensors = (*model.parameters(), *model.buffers())
+    weights = [(t.data_ptr(), t._version, str(t.dtype), tuple(t.shape)) for t in tensors]
+    text = repr((weights, str(model.dtype), user_salt)).encode()
+    return hashlib.blake2b(text, digest_size=16).digest()
 
 
 def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs) -> None:
@@ -341,6 +361,9 @@ def _paged_generate(self, *args, **kwargs):
 
     if state.graphs is not None:
         state.graphs.recheck = True  # the weights may have moved since the last call
+    user_salt = kwargs.pop("cache_salt", None)
+    if user_salt is not None and not isinstance(user_salt, (str, bytes)):
+        raise ValueError(f"cache_salt: expected a str or bytes, got {type(user_salt).__name__}")
     passed = find_cache(kwargs)
     if isinstance(passed, PagedCache):
         with state.lock:
@@ -364,7 +387,7 @@ def _paged_generate(self, *args, **kwargs):
         for name in CACHE_KWARGS:
             kwargs.pop(name, None)
         size = pool_size(state.pool, self, args, kwargs, state.prefix_sharing)
-        num_blocks, pools = _pools_for(state, size, self.dtype)
+        num_blocks, pools, allocator = _pools_for(state, size, self.dtype)
         paged = PagedKVCache(
             state.pool.layout.num_layers,
             num_blocks,
@@ -372,12 +395,18 @@ def _paged_generate(self, *args, **kwargs):
             size.table_width,
             pools=pools,
             backend=state.backend,
+            allocator=allocator,
         )
         cache = PagedCache(paged)
+        cache.prefix_salt = _prefix_salt(self, state, kwargs, user_salt)
         # weakly: a cache the caller drops is gone, and its memory can serve the next call
         state.last_cache = weakref.ref(cache)
         state.kept_pools = KeptPools(
-            num_blocks, self.dtype, (paged.key_pools, paged.value_pools), weakref.ref(paged)
+            num_blocks,
+            self.dtype,
+            (paged.key_pools, paged.value_pools),
+            weakref.ref(paged),
+            paged.allocator,
         )
         kwargs[cache_kwarg(type(self))] = cache
         try:

@@ -41,8 +41,12 @@ class PagedCache(Cache):
         self.columns = 0  # padded columns seen by completed forwards
         self._pending = 0  # columns of the forward in flight
         self._lens_before: list[int] | None = None  # each row's tokens before that forward
-        self.rows_shared = 0  # rows that took another row's prefill (shared_rows.py)
+        # what the first forward shared (shared_rows.py), and the salt naming this call's
+        # cached prefixes (None: no prefix is looked up or published)
+        self.rows_shared = 0  # rows that took another row's prefill
+        self.prefix_hits = 0  # rows that found leading blocks an earlier call stored
         self.tokens_not_recomputed = 0
+        self.prefix_salt: bytes | None = None
 
     # -- the step boundary (once per forward) -----------------------------------------------
 
@@ -54,8 +58,10 @@ class PagedCache(Cache):
         self._lens_before = before
         return step
 
-    def end_step(self) -> None:
-        self.columns += self._pending
+    def end_step(self, columns: int | None = None) -> None:
+        """The forward is done: HF now sees ``columns`` more columns (default: the width of
+        the step's mask; a forward that ran fewer columns than HF passed says how many)."""
+        self.columns += self._pending if columns is None else columns
         self._pending = 0
         self._lens_before = None
 
@@ -175,17 +181,23 @@ class PagedCache(Cache):
     def is_dummy(self) -> list[bool]:
         return [False] * self.num_layers
 
-    def note_shared_rows(self, rows: int, tokens: int) -> None:
-        """``rows`` rows took their prompt's ``tokens`` from another row's prefill."""
+    def note_shared(self, rows: int, hits: int, tokens: int) -> None:
+        """``rows`` rows took another row's prefill, ``hits`` rows found cached leading
+        blocks, ``tokens`` prompt tokens were not computed."""
         self.rows_shared += rows
+        self.prefix_hits += hits
         self.tokens_not_recomputed += tokens
 
     def stats(self) -> dict[str, float]:
-        """The store's figures (``PagedKVCache.stats``) plus ``rows_shared`` and
-        ``tokens_not_recomputed``."""
+        """The store's figures (``PagedKVCache.stats``) plus what sharing saved
+        (``rows_shared``, ``prefix_hits``, ``tokens_not_recomputed``) and the cached prefix
+        blocks the pool holds (``cached_blocks``, of them ``evictable_blocks`` unused)."""
         stats = self.paged.stats()
         stats["rows_shared"] = self.rows_shared
+        stats["prefix_hits"] = self.prefix_hits
         stats["tokens_not_recomputed"] = self.tokens_not_recomputed
+        stats["cached_blocks"] = self.paged.allocator.num_cached
+        stats["evictable_blocks"] = self.paged.allocator.num_evictable
         return stats
 
     def __repr__(self) -> str:

@@ -1,19 +1,29 @@
-"""Copies of one prompt in a batch are prefilled once and stored once.
+"""The first forward of a generate call, shared: what is already known is not prefilled.
 
-RL rollouts put each prompt G times into one ``generate`` batch, and ``num_return_sequences``
-and beam search copy every prompt before the first forward. In the first forward of a call
-(nothing cached yet), rows whose token ids, padding and positions are all equal compute the
-same K/V and the same logits. That forward runs the first row of each group only; then every
-row's block table becomes a fork of its group's (the blocks shared by reference count, the
-partly filled last block copied when a row first writes to it) and every row gets its group's
-logits.
+Two things are known before a call's first forward (nothing of the call cached yet):
+- **Copies of one prompt.** RL rollouts put each prompt G times into one batch, and
+  ``num_return_sequences`` and beam search copy every prompt before the first forward. Rows
+  whose token ids, padding and positions are all equal compute the same K/V and logits: the
+  forward runs the first row of each group only, then every row's block table becomes a fork
+  of its group's (blocks shared by reference count, the partly filled last block copied when
+  a row first writes to it) and every row gets its group's logits.
+- **Prefixes an earlier call stored.** With a salt (``PagedCache.prefix_salt``: the weights,
+  dtype and a caller's isolation salt), each row's full blocks are named by chained digests
+  (``nanoserve.cache.prefix``); the leading ones found in the pool's cache are attached to the
+  row instead of prefilled, and the forward runs only each row's remaining tokens (as a
+  ragged extend over the attached history). Afterwards the rows' full blocks are published
+  for later calls. The last token of a prompt is always computed: its logits are needed.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from nanoserve.adapters.step import CACHE_KWARGS, new_token_mask, paged_step
+from nanoserve.cache import block_digests
 
 # Forward arguments whose rows can be taken from the group leaders alone.
 _ROW_KWARGS = ("input_ids", "attention_mask", "position_ids")
@@ -21,55 +31,128 @@ _SHAREABLE = {*_ROW_KWARGS, "use_cache", "cache_position", "logits_to_keep", "re
               *CACHE_KWARGS}  # fmt: skip
 
 
-def row_groups(cache, kwargs: dict) -> tuple[list[int], list[int]] | None:
-    """(leaders, group of each row) for the first forward of a call whose batch holds equal
-    rows: ``leaders[g]`` is the first row of group g, ``groups[i]`` the group of row i.
-    None when every row differs, or the forward is not one this can share."""
+@dataclass
+class _Plan:
+    leaders: list[int]  # the first row of each group
+    groups: list[int]  # the group of each row
+    columns: list[np.ndarray]  # each leader's real-token columns
+    digests: list[list[bytes]]  # each leader's full-block digests (none without a salt)
+
+
+def first_forward(stock_forward, backend: str, cache, kwargs: dict):
+    """Run a call's first forward sharing what is known (module docstring); returns the
+    model output with a logits row for every row, or None when there is nothing to share
+    (the caller then runs the forward as usual)."""
+    plan = _plan(cache, kwargs)
+    if plan is None:
+        return None
+    paged, ids = cache.paged, kwargs["input_ids"]
+    every_row = new_token_mask(kwargs, paged.seq_lens)  # refuses right padding first
+    paged.add_sequences(len(plan.leaders))
+    try:
+        trim = kwargs.get("logits_to_keep") == 1  # else every column's logits are wanted
+        cached = [
+            paged.attach_prefix(u, digests[: (len(cols) - 1) // paged.block_size]) if trim else 0
+            for u, (cols, digests) in enumerate(zip(plan.columns, plan.digests, strict=True))
+        ]
+        sub, new = _leader_inputs(kwargs, plan, cached, paged.seq_lens)
+        meta = cache.begin_step(new, ids.device)
+        with paged_step(cache, meta, backend):
+            output = stock_forward(**sub)
+        for u, digests in enumerate(plan.digests):
+            paged.publish(u, digests)
+        if len(plan.leaders) < len(plan.groups):
+            paged.reorder(plan.groups)  # row i continues as a fork of its group's leader
+    except BaseException:
+        cache.abort_step()
+        paged.reset()  # the call's first forward: nothing of it stays
+        raise
+    cache.end_step(columns=ids.shape[1])
+    cache.note_shared(
+        rows=len(plan.groups) - len(plan.leaders),
+        hits=sum(1 for n in cached if n),
+        tokens=int(every_row.sum()) - int(meta.cu_seqlens_q[-1]),
+    )
+    if len(plan.leaders) < len(plan.groups):
+        logits = output["logits"]
+        output["logits"] = logits.index_select(0, torch.tensor(plan.groups, device=logits.device))
+    return output
+
+
+def _plan(cache, kwargs: dict) -> _Plan | None:
     if cache.paged.num_seqs or not set(kwargs) <= _SHAREABLE:
         return None
     ids = kwargs.get("input_ids")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] < 2:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] < 1:
         return None
-    parts = [ids]
+    batch, width = ids.shape
+    host = {"input_ids": ids.cpu().numpy()}
     for name in _ROW_KWARGS[1:]:
         value = kwargs.get(name)
-        if value is not None:
-            if not isinstance(value, torch.Tensor) or value.shape != ids.shape:
-                return None
-            parts.append(value.to(ids.dtype))
-    rows = torch.cat(parts, dim=1).cpu().numpy()
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[1] != width:
+            return None
+        host[name] = np.broadcast_to(value.cpu().numpy(), (batch, width))
+    mask = host.get("attention_mask", np.ones((batch, width), np.int64))
+    positions = host.get("position_ids", np.broadcast_to(np.arange(width), (batch, width)))
     first: dict[bytes, int] = {}
-    leaders: list[int] = []
-    groups: list[int] = []
-    for i, row in enumerate(rows):
-        group = first.setdefault(row.tobytes(), len(leaders))
+    leaders, groups = [], []
+    for i in range(batch):
+        parts = (host["input_ids"], mask, positions)
+        key = b"".join(part[i].astype(np.int64).tobytes() for part in parts)
+        group = first.setdefault(key, len(leaders))
         if group == len(leaders):
             leaders.append(i)
         groups.append(group)
-    return (leaders, groups) if len(leaders) < len(groups) else None
+    salt = cache.prefix_salt
+    columns, digests = [], []
+    for row in leaders:
+        cols = np.flatnonzero(mask[row])
+        columns.append(cols)
+        pos = positions[row, cols].astype(np.int64)
+        contiguous = len(pos) and bool((pos == pos[0] + np.arange(len(pos))).all())
+        if salt is None or not contiguous:
+            digests.append([])
+            continue
+        row_salt = salt + pos[:1].tobytes()  # K/V depend on the positions too
+        tokens = host["input_ids"][row, cols]
+        digests.append(block_digests(tokens, cache.paged.block_size, row_salt))
+    if len(leaders) == batch and not any(digests):
+        return None
+    return _Plan(leaders, groups, columns, digests)
 
 
-def run_shared(stock_forward, backend: str, cache, kwargs: dict, leaders, groups):
-    """The forward for the group leaders only, then every row forked from its group's;
-    returns the model output with a logits row for every row of the batch."""
+def _leader_inputs(kwargs: dict, plan: _Plan, cached: list[int], seq_lens):
+    """(the leaders' forward arguments, each row without its first ``cached`` real tokens
+    and left padded to the longest rest; their new-token mask [U, columns] on the CPU)."""
     ids = kwargs["input_ids"]
-    index = torch.tensor(leaders, device=ids.device)
-    sub = dict(kwargs)
-    for name in _ROW_KWARGS:
-        if sub.get(name) is not None:
-            sub[name] = sub[name].index_select(0, index.to(sub[name].device))
-    every_row = new_token_mask(kwargs, cache.paged.seq_lens)
-    meta = cache.begin_step(new_token_mask(sub, cache.paged.seq_lens), ids.device)
-    try:
-        with paged_step(cache, meta, backend):
-            output = stock_forward(**sub)
-        cache.paged.reorder(groups)  # row i continues as a fork of its group's leader
-    except BaseException:
-        cache.abort_step()
-        raise
-    cache.end_step()
-    computed = int(meta.cu_seqlens_q[-1])
-    cache.note_shared_rows(len(groups) - len(leaders), int(every_row.sum()) - computed)
-    logits = output["logits"]
-    output["logits"] = logits.index_select(0, torch.tensor(groups, device=logits.device))
-    return output
+    rows = torch.tensor(plan.leaders, device=ids.device)
+    if not any(cached):
+        sub = dict(kwargs)
+        for name in _ROW_KWARGS:
+            value = sub.get(name)
+            if value is not None and value.shape[0] == ids.shape[0]:
+                sub[name] = value.index_select(0, rows.to(value.device))
+        return sub, new_token_mask(sub, seq_lens)
+    rest = [cols[n:] for cols, n in zip(plan.columns, cached, strict=True)]
+    width = max(len(cols) for cols in rest)
+    take = np.zeros((len(rest), width), np.int64)
+    new = np.zeros((len(rest), width), bool)
+    for u, cols in enumerate(rest):
+        take[u, width - len(cols) :] = cols
+        new[u, width - len(cols) :] = True
+    take_t = torch.from_numpy(take).to(ids.device)
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+    positions = positions.expand(ids.shape[0], -1).index_select(0, rows.to(positions.device))
+    sub = dict(
+        kwargs,
+        input_ids=ids.index_select(0, rows).gather(1, take_t),
+        attention_mask=torch.from_numpy(new.astype(np.int64)).to(ids.device),
+        position_ids=positions.gather(1, take_t.to(positions.device)),
+    )
+    if kwargs.get("cache_position") is not None:
+        sub["cache_position"] = kwargs["cache_position"][-width:]
+    return sub, torch.from_numpy(new)

@@ -26,7 +26,7 @@ import torch
 from nanoserve.adapters.compiled_layers import CompiledLayers
 from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.sizing import PoolOptions
-from nanoserve.cache import StepMetadata
+from nanoserve.cache import BlockAllocator, StepMetadata
 
 # How forward and generate take the cache: 5.24 renamed past_key_values to cache.
 CACHE_KWARGS = ("cache", "past_key_values")
@@ -35,12 +35,14 @@ STATE_ATTR = "_nanoserve_state"
 
 @dataclass
 class KeptPools:
-    """A finished call's pool lists, kept for the next call of the same pool size."""
+    """A finished call's pool lists and allocator (with its cached prefix blocks), kept for
+    the next calls that fit in them."""
 
     num_blocks: int
     dtype: torch.dtype
     pools: tuple[list, list]  # (key_pools, value_pools)
     owner: Callable[[], object | None]  # weak reference to the PagedKVCache storing in them
+    allocator: BlockAllocator
 
     def nbytes(self) -> int:
         """Bytes of the pool tensors (K and V, every layer allocated so far)."""

@@ -116,3 +116,121 @@ def test_out_of_blocks_while_blocks_are_shared_loses_nothing():
         for block in range(paged.allocator.num_blocks):
             assert paged.allocator.refcount(block) == owners.get(block, 0)
         assert paged.seq_lens()[0] >= 11 and paged.seq_lens()[0] == paged.seq_lens()[2]
+
+
+# -- prefixes stored by earlier calls ---------------------------------------------------------
+
+SYSTEM = torch.randint(3, 97, (17,), generator=torch.Generator().manual_seed(8))
+
+
+def system_prompt_batch(seed: int, rows: int = 2, user: int = 4):
+    """``rows`` prompts: the same 17-token system prompt, then ``user`` tokens of their own
+    (all rows one length: no padding, so positions agree on every transformers version)."""
+    gen = torch.Generator().manual_seed(seed)
+    users = torch.randint(3, 97, (rows, user), generator=gen)
+    ids = torch.cat([SYSTEM.expand(rows, -1), users], dim=1)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+def forward_widths(model):
+    widths = []
+    model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    return widths
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_later_call_skips_the_system_prompt_an_earlier_one_stored(backend):
+    model = tiny_model("llama")
+    calls = [system_prompt_batch(seed) for seed in (1, 2, 3)]
+    opts = dict(max_new_tokens=5, **GREEDY)
+    with torch.no_grad():
+        stock = [model.generate(**c, **opts) for c in calls]
+    widths = forward_widths(model)
+    with patched(model, block_size=4, backend=backend), torch.no_grad():
+        first = model.generate(**calls[0], **opts)
+        assert nanoserve.cache_stats(model)["prefix_hits"] == 0
+        # 21 tokens a row, 5 full blocks: the 4 system-prompt blocks once, each row's fifth
+        assert nanoserve.cache_stats(model)["cached_blocks"] == 4 + 2
+        widths.clear()
+        later = [model.generate(**c, **opts) for c in calls[1:]]
+        stats = nanoserve.cache_stats(model)
+    assert torch.equal(first, stock[0])
+    assert all(torch.equal(a, b) for a, b in zip(later, stock[1:], strict=True))
+    # 16 system-prompt tokens (4 full blocks) found; the first forward ran the 5 others
+    assert widths[0] == 21 - 16 and stats["prefix_hits"] == 2
+    assert stats["tokens_not_recomputed"] == 2 * 16
+
+
+def test_new_weights_a_salt_or_a_release_find_nothing():
+    """(A pool of 64 blocks: room for several calls' prompts, so one call's blocks are not
+    evicted by the next call's.)"""
+    model = tiny_model("llama")
+    call = system_prompt_batch(1)
+    opts = dict(max_new_tokens=4, **GREEDY)
+
+    def hits(**extra):
+        with torch.no_grad():
+            out = model.generate(**call, **opts, **extra)
+        return nanoserve.cache_stats(model)["prefix_hits"], out
+
+    with patched(model, block_size=4, num_blocks=64):
+        hits()
+        assert hits()[0] == 2
+        with torch.no_grad():
+            next(model.parameters()).add_(0.01)  # a training step, in place
+        found, out = hits()
+        assert found == 0  # K/V of the old weights are never served
+        nanoserve.unpatch_model(model)
+        with torch.no_grad():
+            assert torch.equal(out, model.generate(**call, **opts))
+        nanoserve.patch_model(model, block_size=4, num_blocks=64)
+        hits(cache_salt="tenant a")
+        assert hits(cache_salt="tenant b")[0] == 0
+        assert hits(cache_salt="tenant a")[0] == 2
+        nanoserve.release_memory(model)
+        assert hits()[0] == 0
+        with pytest.raises(ValueError, match="^cache_salt"):
+            model.generate(**call, **opts, cache_salt=3)
+    with patched(model, block_size=4, prefix_sharing=False):
+        hits()
+        assert hits()[0] == 0
+
+
+def test_cached_prefixes_with_copies_padding_beams_and_graphs():
+    """A later call mixing everything: copies of a stored prompt (num_return_sequences, then
+    beams), rows of other lengths (left padding), and the static-buffer graph path. (A fixed
+    pool of 64 blocks: the default pool of the small first call would be too small for the
+    second, which then starts a new pool without the stored prefix.)"""
+    model = tiny_model("llama")
+    stored = system_prompt_batch(1)
+    mixed = dict(
+        input_ids=torch.cat([stored["input_ids"], torch.zeros(2, 3, dtype=torch.long)], 1),
+        attention_mask=torch.cat(
+            [stored["attention_mask"], torch.zeros(2, 3, dtype=torch.long)], 1
+        ),
+    )
+    mixed = {k: v.roll(3, dims=1) for k, v in mixed.items()}  # left padded by 3 columns
+    longer = system_prompt_batch(4, rows=1, user=7)
+    batch = {
+        k: torch.cat([mixed[k], torch.cat([torch.zeros(1, 0, dtype=torch.long), longer[k]], 1)])
+        for k in mixed
+    }
+    runs = [
+        dict(do_sample=True, top_k=20, num_return_sequences=2),
+        dict(do_sample=False, num_beams=2),
+    ]
+    for opts in runs:
+        opts = dict(max_new_tokens=5, eos_token_id=None, **opts)
+        torch.manual_seed(3)
+        with torch.no_grad():
+            expected = model.generate(**batch, **opts)
+        with patched(model, block_size=4, num_blocks=64), torch.no_grad():
+            model.generate(**stored, max_new_tokens=2, **GREEDY)
+            state_of(model).graphs = DecodeGraphs(capture=False)
+            torch.manual_seed(3)
+            out = model.generate(**batch, **opts)
+            stats = nanoserve.cache_stats(model)
+        assert torch.equal(out, expected), opts
+        assert stats["prefix_hits"] == 3 and stats["rows_shared"] == 3, stats  # all 3 prompts hit
