@@ -21,6 +21,9 @@ time included, captures, and the memory held between calls.
 in one left-padded batch of 128 rows, 256 sampled new tokens (top_k 50), nanoserve with and
 without prefix sharing beside the static cache + compile; time to first token is the same
 call with one new token.
+`--system-prompt` runs 32 calls of batch 4 that share one 2,048-token system prompt and add
+64-token user turns, each call's prefill timed alone (one new token), with and without prefix
+sharing.
 `--tiny` runs a 2-layer model on whatever device there is (a smoke test, not a benchmark).
 """
 
@@ -324,6 +327,37 @@ def group_rollout(model, device: str, tiny: bool) -> list[dict]:
     return rows
 
 
+def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
+    """Rows: prefill seconds of the first call and the median of the later ones, per policy."""
+    gen = torch.Generator().manual_seed(6)
+    system_len, user_len, calls = (40, 8, 6) if tiny else (2048, 64, 32)
+    vocab = model.config.vocab_size
+    system = torch.randint(2, vocab, (1, system_len), generator=gen).repeat(4, 1)
+    batches = []
+    for _ in range(calls):
+        ids = torch.cat([system, torch.randint(2, vocab, (4, user_len), generator=gen)], 1)
+        batches.append((ids.to(device), torch.ones_like(ids).to(device)))
+    nanoserve.patch_model(model, prefix_sharing=False)  # Triton compiles, autotune: unmeasured
+    run_generate(model, *batches[0], 1, device)
+    nanoserve.unpatch_model(model)
+    rows = []
+    for name, sharing in (("prefix sharing (default)", True), ("prefix_sharing=False", False)):
+        nanoserve.patch_model(model, prefix_sharing=sharing)
+        try:
+            seconds = [run_generate(model, ids, mask, 1, device)[1] for ids, mask in batches]
+            hits = nanoserve.cache_stats(model)["prefix_hits"]
+        finally:
+            nanoserve.release_memory(model)
+            nanoserve.unpatch_model(model)
+        later = statistics.median(seconds[1:])
+        row = {"policy": name, "calls": calls, "first_call_s": round(seconds[0], 4),
+               "later_median_s": round(later, 4), "first/later": round(seconds[0] / later, 1),
+               "hits_last_call": hits}  # fmt: skip
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -338,11 +372,20 @@ def main() -> None:
                         help="prefill_chunk_size of the capacity run")  # fmt: skip
     parser.add_argument("--stream", type=int, default=0, metavar="N",
                         help="only N calls of random sizes, under both pool policies")  # fmt: skip
+    parser.add_argument("--system-prompt", action="store_true",
+                        help="only 32 calls sharing a 2,048-token system prompt")  # fmt: skip
     parser.add_argument("--group", action="store_true",
                         help="only the group rollout (16 prompts x 8 rows, sampled)")  # fmt: skip
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(args.tiny, device)
+    if args.system_prompt:
+        rows = system_prompt_calls(model, device, args.tiny)
+        columns = ["policy", "calls", "first_call_s", "later_median_s", "first/later",
+                   "hits_last_call"]  # fmt: skip
+        write_csv(rows, "generate_system_prompt.csv")
+        print_table(rows, columns)
+        return
     if args.group:
         rows = group_rollout(model, device, args.tiny)
         columns = ["provider", "tok/s", "seconds", "first_token_s", "peak_GiB",
