@@ -65,6 +65,13 @@ class PagedCache(Cache):
         self._pending = 0
         self._lens_before = None
 
+    def discard_step(self) -> None:
+        """Drop every sequence after a forward HF never sees (the shared prefix rows of
+        ``shared_rows.py``): the columns stay as they were, published blocks stay findable."""
+        self.paged.reset()
+        self._pending = 0
+        self._lens_before = None
+
     def abort_step(self) -> None:
         """Forget the tokens of a forward that failed after ``begin_step`` (some layers
         stored them, others not): every row is cut back to what it held before, so the

@@ -7,16 +7,20 @@ Two things are known before a call's first forward (nothing of the call cached y
   forward runs the first row of each group only, then every row's block table becomes a fork
   of its group's (blocks shared by reference count, the partly filled last block copied when
   a row first writes to it) and every row gets its group's logits.
-- **Prefixes an earlier call stored.** With a salt (``PagedCache.prefix_salt``: the weights,
-  dtype and a caller's isolation salt), each row's full blocks are named by chained digests
-  (``nanoserve.cache.prefix``); the leading ones found in the pool's cache are attached to the
-  row instead of prefilled, and the forward runs only each row's remaining tokens (as a
-  ragged extend over the attached history). Afterwards the rows' full blocks are published
-  for later calls. The last token of a prompt is always computed: its logits are needed.
+- **Prefixes an earlier call stored, or that several prompts share.** With a salt
+  (``PagedCache.prefix_salt``: the weights, dtype and a caller's isolation salt), each row's
+  full blocks are named by chained digests (``nanoserve.cache.prefix``); the leading ones
+  found in the pool's cache are attached to the row instead of prefilled, and the forward
+  runs only each row's remaining tokens (as a ragged extend over the attached history). Leading blocks that several different prompts
+  of the batch share, and that no call stored yet, are first computed once, as rows of their
+  own, and published, so that the rows' own lookups find them. Afterwards the rows' full
+  blocks are published for later calls. The last token of a prompt is always computed: its
+  logits are needed.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,9 +52,10 @@ def first_forward(stock_forward, backend: str, cache, kwargs: dict):
         return None
     paged, ids = cache.paged, kwargs["input_ids"]
     every_row = new_token_mask(kwargs, paged.seq_lens)  # refuses right padding first
+    trim = kwargs.get("logits_to_keep") == 1  # else every column's logits are wanted
+    computed = _prefill_common_prefixes(stock_forward, backend, cache, kwargs, plan) if trim else 0
     paged.add_sequences(len(plan.leaders))
     try:
-        trim = kwargs.get("logits_to_keep") == 1  # else every column's logits are wanted
         cached = [
             paged.attach_prefix(u, digests[: (len(cols) - 1) // paged.block_size]) if trim else 0
             for u, (cols, digests) in enumerate(zip(plan.columns, plan.digests, strict=True))
@@ -71,12 +76,53 @@ def first_forward(stock_forward, backend: str, cache, kwargs: dict):
     cache.note_shared(
         rows=len(plan.groups) - len(plan.leaders),
         hits=sum(1 for n in cached if n),
-        tokens=int(every_row.sum()) - int(meta.cu_seqlens_q[-1]),
+        tokens=int(every_row.sum()) - int(meta.cu_seqlens_q[-1]) - computed,
     )
     if len(plan.leaders) < len(plan.groups):
         logits = output["logits"]
         output["logits"] = logits.index_select(0, torch.tensor(plan.groups, device=logits.device))
     return output
+
+
+def _prefill_common_prefixes(stock_forward, backend: str, cache, kwargs: dict, plan: _Plan) -> int:
+    """Compute once, and publish, the leading full blocks that several different prompts of
+    the batch share (the longest such run of each prompt, its last token never included);
+    returns the tokens computed. Those rows are dropped afterwards: HF never sees them."""
+    bs = cache.paged.block_size
+    counts = Counter(d for digests in plan.digests for d in digests)
+    shared: dict[bytes, tuple[int, int]] = {}  # last digest -> (leader, blocks)
+    for u, (cols, digests) in enumerate(zip(plan.columns, plan.digests, strict=True)):
+        limit = min(len(digests), (len(cols) - 1) // bs)
+        blocks = max((i + 1 for i in range(limit) if counts[digests[i]] > 1), default=0)
+        if blocks:
+            shared.setdefault(digests[blocks - 1], (u, blocks))
+    if not shared:
+        return 0
+    reps = list(shared.values())
+    prefixes = _Plan(
+        leaders=[plan.leaders[u] for u, _ in reps],
+        groups=list(range(len(reps))),
+        columns=[plan.columns[u][: n * bs] for u, n in reps],
+        digests=[plan.digests[u][:n] for u, n in reps],
+    )
+    paged = cache.paged
+    paged.add_sequences(len(reps))
+    try:
+        cached = [paged.attach_prefix(i, d) for i, d in enumerate(prefixes.digests)]
+        if all(n == len(c) for n, c in zip(cached, prefixes.columns, strict=True)):
+            return 0  # an earlier call stored them all
+        sub, new = _leader_inputs(kwargs, prefixes, cached, paged.seq_lens, trim=True)
+        meta = cache.begin_step(new, kwargs["input_ids"].device)
+        with paged_step(cache, meta, backend):
+            stock_forward(**sub)
+        for i, digests in enumerate(prefixes.digests):
+            paged.publish(i, digests)
+    except BaseException:
+        cache.abort_step()
+        raise
+    finally:
+        cache.discard_step()  # the prefix rows go; their published blocks stay findable
+    return int(meta.cu_seqlens_q[-1])
 
 
 def _plan(cache, kwargs: dict) -> _Plan | None:
@@ -123,12 +169,13 @@ def _plan(cache, kwargs: dict) -> _Plan | None:
     return _Plan(leaders, groups, columns, digests)
 
 
-def _leader_inputs(kwargs: dict, plan: _Plan, cached: list[int], seq_lens):
+def _leader_inputs(kwargs: dict, plan: _Plan, cached: list[int], seq_lens, trim: bool = False):
     """(the leaders' forward arguments, each row without its first ``cached`` real tokens
-    and left padded to the longest rest; their new-token mask [U, columns] on the CPU)."""
+    and left padded to the longest rest; their new-token mask [U, columns] on the CPU).
+    Without ``trim`` and with nothing cached, the rows keep every column."""
     ids = kwargs["input_ids"]
     rows = torch.tensor(plan.leaders, device=ids.device)
-    if not any(cached):
+    if not trim and not any(cached):
         sub = dict(kwargs)
         for name in _ROW_KWARGS:
             value = sub.get(name)
