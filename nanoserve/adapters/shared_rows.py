@@ -11,11 +11,11 @@ Two things are known before a call's first forward (nothing of the call cached y
   (``PagedCache.prefix_salt``: the weights, dtype and a caller's isolation salt), each row's
   full blocks are named by chained digests (``nanoserve.cache.prefix``); the leading ones
   found in the pool's cache are attached to the row instead of prefilled, and the forward
-  runs only each row's remaining tokens (as a ragged extend over the attached history). Leading blocks that several different prompts
-  of the batch share, and that no call stored yet, are first computed once, as rows of their
-  own, and published, so that the rows' own lookups find them. Afterwards the rows' full
-  blocks are published for later calls. The last token of a prompt is always computed: its
-  logits are needed.
+  runs only each row's remaining tokens (as a ragged extend over the attached history).
+  Leading blocks that several different prompts of the batch share, and that no call stored
+  yet, are first computed once, as rows of their own, and published, so that the rows' own
+  lookups find them. Afterwards the rows' full blocks are published for later calls. The
+  last token of a prompt is always computed: its logits are needed.
 """
 
 from __future__ import annotations
