@@ -191,7 +191,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         inner = None  # the forward's own error, which ending the capture may mask
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: another thread's CUDA work during the capture does not break it
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 try:
                     output = run_forward(static)
                 except Exception as error:

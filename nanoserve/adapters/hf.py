@@ -134,9 +134,16 @@ def patch_model(
 def unpatch_model(model):
     """Undo ``patch_model``: attention implementation, generate and forward as they were.
     A model that is not patched is returned unchanged."""
-    state = model.__dict__.pop(STATE_ATTR, None)
+    state = model.__dict__.get(STATE_ATTR)
     if state is None:
         return model
+    with state.lock:  # a generate call in flight in another thread finishes first
+        model.__dict__.pop(STATE_ATTR, None)
+        _restore(model, state)
+    return model
+
+
+def _restore(model, state: PatchState) -> None:
     for name, previous in (
         ("generate", state.previous_generate),
         ("forward", state.previous_forward),
@@ -150,7 +157,6 @@ def unpatch_model(model):
     # a config shared with another patched model stays switched until that one is unpatched
     if forget_original_attn(model.config) and model.config._attn_implementation == ATTN_NAME:
         model.set_attn_implementation(state.original_attn)
-    return model
 
 
 def check_transformers_version(version: str | None = None) -> None:
@@ -271,6 +277,10 @@ def _paged_forward(self, *args, **kwargs):
             output = first_forward(stock, state.backend, cache, kwargs)
             if output is not None:
                 return output
+        if cache.unshared_blocks is not None and not cache.paged.num_seqs:
+            # the pool was sized for shared copies that this first forward does not share
+            cache.paged.grow(max(0, cache.unshared_blocks - cache.paged.allocator.num_blocks))
+            cache.unshared_blocks = None
         new = new_token_mask(kwargs, cache.paged.seq_lens)
         if graph_step_possible(state, cache, kwargs, new):
             return graph_decode_step(self, state, stock, cache, kwargs, new)
@@ -321,6 +331,19 @@ def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype):
     fixed = state.pool.num_blocks is not None or state.pool.max_memory is not None
     fits = kept.num_blocks == size.num_blocks if fixed else kept.num_blocks >= size.num_blocks
     return (kept.num_blocks, kept.pools, kept.allocator) if fits else fresh
+
+
+def _may_share(kwargs: dict, option) -> bool:
+    """Whether the call's first forward can prefill copies of a prompt once (what the pool
+    is sized for): token ids, no chunked prefill, no per-row inputs or outputs beyond the
+    ones ``shared_rows.py`` takes. (Should the forward not share after all, the patched
+    forward grows the pool to the unshared size before anything is stored.)"""
+    if kwargs.get("inputs_embeds") is not None or option("prefill_chunk_size"):
+        return False
+    if option("output_hidden_states") or option("output_attentions"):
+        return False
+    rows = ("inputs", "input_ids", "attention_mask", "position_ids")
+    return not any(isinstance(v, torch.Tensor) and k not in rows for k, v in kwargs.items())
 
 
 def _prefix_salt(model, state: PatchState, kwargs: dict, user_salt) -> bytes | None:
@@ -386,7 +409,8 @@ def _paged_generate(self, *args, **kwargs):
     with state.lock:
         for name in CACHE_KWARGS:
             kwargs.pop(name, None)
-        size = pool_size(state.pool, self, args, kwargs, state.prefix_sharing)
+        share = state.prefix_sharing and _may_share(kwargs, option)
+        size = pool_size(state.pool, self, args, kwargs, share)
         num_blocks, pools, allocator = _pools_for(state, size, self.dtype)
         paged = PagedKVCache(
             state.pool.layout.num_layers,
@@ -399,10 +423,12 @@ def _paged_generate(self, *args, **kwargs):
         )
         cache = PagedCache(paged)
         cache.prefix_salt = _prefix_salt(self, state, kwargs, user_salt)
+        if share and state.pool.num_blocks is None and state.pool.max_memory is None:
+            unshared = pool_size(state.pool, self, args, kwargs).num_blocks
+            cache.unshared_blocks = unshared if unshared > num_blocks else None
         # weakly: a cache the caller drops is gone, and its memory can serve the next call
         state.last_cache = weakref.ref(cache)
         state.kept_pools = KeptPools(
-            num_blocks,
             self.dtype,
             (paged.key_pools, paged.value_pools),
             weakref.ref(paged),

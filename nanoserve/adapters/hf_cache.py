@@ -47,6 +47,9 @@ class PagedCache(Cache):
         self.prefix_hits = 0  # rows that found leading blocks an earlier call stored
         self.tokens_not_recomputed = 0
         self.prefix_salt: bytes | None = None
+        # blocks this call needs unless its first forward shares copies (hf.py grows the
+        # pool to it if that forward does not share); None when the pool needs no growth
+        self.unshared_blocks: int | None = None
 
     # -- the step boundary (once per forward) -----------------------------------------------
 

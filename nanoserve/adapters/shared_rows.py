@@ -126,8 +126,8 @@ def _prefill_common_prefixes(stock_forward, backend: str, cache, kwargs: dict, p
 
 
 def _plan(cache, kwargs: dict) -> _Plan | None:
-    if cache.paged.num_seqs or not set(kwargs) <= _SHAREABLE:
-        return None
+    if cache.paged.num_seqs or not set(kwargs) <= _SHAREABLE or kwargs.get("return_dict") is False:
+        return None  # (a tuple output has no logits field to give every row)
     ids = kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] < 1:
         return None

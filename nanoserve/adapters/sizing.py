@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.adapters.family import KVLayout
+from nanoserve.cache.allocator import as_index
 
 
 @dataclass(frozen=True)
@@ -20,18 +21,14 @@ class PoolOptions:
     max_memory: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size: must be a positive int, got {self.block_size!r}")
+        # frozen: normalised values (a numpy int is fine, a bool is not) go in through object
+        object.__setattr__(self, "block_size", as_index(self.block_size, "block_size", 1))
         if self.num_blocks is not None and self.max_memory is not None:
             raise ValueError("num_blocks, max_memory: give at most one of them")
-        if self.num_blocks is not None and (
-            not isinstance(self.num_blocks, int) or self.num_blocks < 1
-        ):
-            raise ValueError(f"num_blocks: must be a positive int, got {self.num_blocks!r}")
-        if self.max_memory is not None and (
-            not isinstance(self.max_memory, int) or self.max_memory < 1
-        ):
-            raise ValueError(f"max_memory: must be a positive int (bytes), got {self.max_memory!r}")
+        if self.num_blocks is not None:
+            object.__setattr__(self, "num_blocks", as_index(self.num_blocks, "num_blocks", 1))
+        if self.max_memory is not None:
+            object.__setattr__(self, "max_memory", as_index(self.max_memory, "max_memory", 1))
 
 
 def block_bytes(layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:

@@ -38,11 +38,15 @@ class KeptPools:
     """A finished call's pool lists and allocator (with its cached prefix blocks), kept for
     the next calls that fit in them."""
 
-    num_blocks: int
     dtype: torch.dtype
     pools: tuple[list, list]  # (key_pools, value_pools)
     owner: Callable[[], object | None]  # weak reference to the PagedKVCache storing in them
     allocator: BlockAllocator
+
+    @property
+    def num_blocks(self) -> int:
+        """The pool's blocks now (a continued cache may have grown it)."""
+        return self.allocator.num_blocks
 
     def nbytes(self) -> int:
         """Bytes of the pool tensors (K and V, every layer allocated so far)."""

@@ -65,10 +65,11 @@ class StepMetadata:
         )
 
 
-def _misfit(layer_idx: int, pool: torch.Tensor, like: torch.Tensor) -> str:
+def _misfit(layer_idx: int, pool: torch.Tensor, like: torch.Tensor, num_blocks: int) -> str:
     """Why ``like`` [tokens, kv_heads, head_dim] cannot be stored in layer ``layer_idx``'s
     ``pool`` [num_blocks, block_size, kv_heads, head_dim]."""
     figures = [
+        ("blocks", pool.shape[0], num_blocks),
         ("dtype", pool.dtype, like.dtype),
         ("heads", pool.shape[2], like.shape[1]),
         ("head_dim", pool.shape[3], like.shape[2]),
@@ -135,6 +136,7 @@ class PagedKVCache:
         self.key_pools: list[torch.Tensor | None] = pools[0]
         self.value_pools: list[torch.Tensor | None] = pools[1]
         self._written = [False] * num_layers  # whether this cache has stored into the layer
+        self._attached = False  # whether a sequence took cached blocks from the allocator
         self.tables: list[BlockTable] = []
         self.step: StepMetadata | None = None
         self._rows = np.zeros((0, 0), np.int32)  # see _block_table_rows
@@ -197,6 +199,7 @@ class PagedKVCache:
         except BaseException:
             self.allocator.free(blocks)
             raise
+        self._attached = self._attached or bool(blocks)
         return len(blocks) * self.block_size
 
     def publish(self, seq: int, digests: list[bytes]) -> None:
@@ -213,12 +216,15 @@ class PagedKVCache:
         n = as_index(n, "n", minimum=0)
         if n == 0:
             return
+        larger = []  # all pools first, then swapped in: a failed allocation changes nothing
         for pools in (self.key_pools, self.value_pools):
             for layer, pool in enumerate(pools):
                 if pool is not None:
-                    larger = pool.new_zeros((pool.shape[0] + n, *pool.shape[1:]))
-                    larger[: pool.shape[0]] = pool
-                    pools[layer] = larger
+                    copy = pool.new_zeros((pool.shape[0] + n, *pool.shape[1:]))
+                    copy[: pool.shape[0]] = pool
+                    larger.append((pools, layer, copy))
+        for pools, layer, copy in larger:
+            pools[layer] = copy
         self.allocator.grow(n)
 
     # -- the step boundary -------------------------------------------------------------------
@@ -301,9 +307,16 @@ class PagedKVCache:
         if sum(-(-n // self.block_size) + 1 for n in counts if n) <= self.allocator.num_free:
             return
         needed = 0
+        writers: dict[int, int] = {}  # shared last block -> tables writing into it now
         for table, n in zip(tables, counts, strict=True):
             new, shared = table._blocks_needed(n)
-            needed += new + int(shared)
+            needed += new
+            if shared:
+                writers[table.block_ids[-1]] = writers.get(table.block_ids[-1], 0) + 1
+        for block, count in writers.items():
+            # every writer copies the block, except the last when all of its holders write:
+            # by then it holds the block alone and writes in place
+            needed += count - int(count == self.allocator.refcount(block))
         if needed > self.allocator.num_free:
             # allocate() raises OutOfBlocks with the figures, and allocates nothing
             self.allocator.allocate(needed)
@@ -333,8 +346,11 @@ class PagedKVCache:
             like.dtype,
             like.device,
         ):
-            if pool is not None and self._written[layer_idx]:
-                raise ValueError(f"key: {_misfit(layer_idx, pool, like)}")
+            if pool is not None and (self._written[layer_idx] or self._attached):
+                misfit = _misfit(layer_idx, pool, like, self.allocator.num_blocks)
+                raise ValueError(f"key: {misfit}")
+            if pool is not None:  # the pool's cached prefixes go with its memory
+                self.allocator.clear_prefixes()
             self.key_pools[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
             self.value_pools[layer_idx] = torch.zeros_like(self.key_pools[layer_idx])
         return self.key_pools[layer_idx], self.value_pools[layer_idx]

@@ -5,6 +5,7 @@ captured graphs: a soak of random calls and the RL pattern (generate, then train
 
 from __future__ import annotations
 
+import inspect
 import random
 import weakref
 
@@ -212,3 +213,29 @@ def test_gpu_rl_loop_generate_then_train():
         nanoserve.unpatch_model(model)
     assert captures[0] >= 1 and captures[-1] == captures[0], captures
     assert paged_peak <= 1.05 * stock_peak, (paged_peak / 2**20, stock_peak / 2**20)
+
+
+def test_a_pool_grown_by_a_continuation_is_kept_at_its_size():
+    """A returned cache continued past its pool grows it; once dropped, the next call reuses
+    the grown memory (the kept pool's size is read from its allocator, not remembered)."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4], 9)
+    params = inspect.signature(model.forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"
+    with torch.no_grad():
+        nanoserve.patch_model(model, block_size=4)
+        try:
+            out = model.generate(**inputs, max_new_tokens=2, return_dict_in_generate=True, **GREEDY)
+            grown = torch.ones(2, out.sequences.shape[1] - 9, dtype=torch.long)
+            mask = torch.cat([inputs["attention_mask"], grown], 1)
+            model.generate(input_ids=out.sequences, attention_mask=mask, max_new_tokens=40,
+                           **{name: out.past_key_values}, **GREEDY)  # fmt: skip
+            blocks = out.past_key_values.paged.allocator.num_blocks
+            assert blocks > 8
+            del out
+            model.generate(**inputs, max_new_tokens=2, **GREEDY)
+            stats = nanoserve.cache_stats(model)
+            assert stats["kept_pool_blocks"] == stats["num_blocks"] == blocks
+            assert pool_tensor(model).shape[0] == blocks
+        finally:
+            nanoserve.unpatch_model(model)

@@ -275,3 +275,22 @@ def test_positional_arguments_reach_the_paged_forward():
             paged = model(inputs["input_ids"], inputs["attention_mask"], None, cache).logits
             assert cache.get_seq_length() == 6 and cache.paged.seq_lens() == [6, 6]
     torch.testing.assert_close(paged, stock, rtol=1e-5, atol=1e-5)
+
+
+def test_pool_arguments_take_ints_not_bools():
+    import numpy as np
+
+    model = tiny_model("llama")
+    for name in ("block_size", "num_blocks", "max_memory"):
+        with pytest.raises(ValueError, match=f"^{name}"):
+            nanoserve.patch_model(model, **{name: True})
+        assert state_of(model) is None
+    nanoserve.patch_model(model, block_size=np.int64(4), num_blocks=np.int64(16))
+    try:
+        with torch.no_grad():
+            model.generate(**padded_batch([5], 5), max_new_tokens=2, **GREEDY)
+        stats = nanoserve.cache_stats(model)
+        assert (stats["block_size"], stats["num_blocks"]) == (4, 16)
+        assert type(stats["num_blocks"]) is int
+    finally:
+        nanoserve.unpatch_model(model)

@@ -3,6 +3,7 @@ within-call case): repeated rows, ``num_return_sequences``, beams; the tokens st
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections import Counter
 
@@ -238,3 +239,56 @@ def test_cached_prefixes_with_copies_padding_beams_and_graphs():
             stats = nanoserve.cache_stats(model)
         assert torch.equal(out, expected), opts
         assert stats["prefix_hits"] == 3 and stats["rows_shared"] == 3, stats  # all 3 prompts hit
+
+
+# -- review regressions ----------------------------------------------------------------------
+
+
+def test_copies_of_a_prompt_shorter_than_a_block_fit_the_default_pool():
+    """9 copies of a 5-token prompt, block size 16: every copy writes into the one shared
+    partial block; the last holder writes in place, so the pool sized for that fits (the
+    reservation counted a copy for it too: OutOfBlocks, needed 9, 8 free)."""
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 9]] * 9)
+    opts = dict(max_new_tokens=2, **GREEDY)
+    with torch.no_grad():
+        stock = model.generate(input_ids=ids, **opts)
+    with patched(model), torch.no_grad():
+        assert torch.equal(model.generate(input_ids=ids, **opts), stock)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [dict(prefill_chunk_size=16), dict(output_hidden_states=True, return_dict_in_generate=True)],
+)
+def test_copies_that_the_first_forward_cannot_share_still_fit(extra):
+    """The pool is sized for shared copies only when the first forward shares them; where it
+    cannot (chunked prefill shares the first chunk only; hidden states), the call still fits."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 97, (1, 64), generator=torch.Generator().manual_seed(2)).repeat(8, 1)
+    opts = dict(max_new_tokens=2, **GREEDY, **extra)
+    with torch.no_grad():
+        stock = model.generate(input_ids=ids, **opts)
+    with patched(model, block_size=4), torch.no_grad():
+        out = model.generate(input_ids=ids, **opts)
+    if isinstance(out, torch.Tensor):
+        assert torch.equal(out, stock)
+    else:
+        assert torch.equal(out.sequences, stock.sequences)
+        for a, b in zip(stock.hidden_states[0], out.hidden_states[0], strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tuple_output_with_repeated_rows():
+    """``return_dict=False`` has no logits field to give every row: no sharing, no error."""
+    model = tiny_model("llama")
+    inputs = repeated_batch()
+    with torch.no_grad():
+        stock = model(**inputs, return_dict=False)[0]
+        with patched(model):
+            cache = nanoserve.PagedCache(nanoserve.PagedKVCache(2, 64, 4))
+            params = inspect.signature(model.forward).parameters
+            name = "cache" if "cache" in params else "past_key_values"
+            out = model(**inputs, return_dict=False, use_cache=True, **{name: cache})
+    assert isinstance(out, tuple)
+    torch.testing.assert_close(out[0], stock, rtol=1e-5, atol=1e-5)

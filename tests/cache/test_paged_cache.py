@@ -365,3 +365,59 @@ def test_grow_keeps_every_token_and_adds_free_blocks():
     assert torch.equal(read_back(cache, 1, 0)[0], torch.cat([written[1][0][0], later[1][0][0]]))
     with pytest.raises(ValueError, match="^n"):
         cache.grow(-1)
+
+
+def test_a_failed_grow_changes_nothing(monkeypatch):
+    """An allocation failing halfway (out of device memory) leaves every pool and the
+    allocator as they were (before, layers ended with pools of different sizes)."""
+    cache = PagedKVCache(2, num_blocks=4, block_size=4)
+    step(cache, torch.ones(1, 5, dtype=torch.bool), 2)
+    before = [p.clone() for p in (*cache.key_pools, *cache.value_pools)]
+    real, calls = torch.Tensor.new_zeros, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("simulated")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "new_zeros", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.grow(4)
+    monkeypatch.undo()
+    after = [*cache.key_pools, *cache.value_pools]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert cache.allocator.num_blocks == 4
+
+
+def test_a_pool_that_does_not_fit_is_not_replaced_under_attached_prefix_blocks():
+    """A later cache took the pools and allocator of a finished one and attached a cached
+    prefix: a write of another dtype must not swap the pool for zeros under it."""
+    from nanoserve.cache import block_digests
+
+    first = PagedKVCache(1, num_blocks=4, block_size=4)
+    step(first, torch.ones(1, 4, dtype=torch.bool), 1)
+    digests = block_digests([1, 2, 3, 4], 4)
+    first.publish(0, digests)
+    later = PagedKVCache(
+        1, 4, 4, pools=(first.key_pools, first.value_pools), allocator=first.allocator
+    )
+    later.add_sequences(1)
+    assert later.attach_prefix(0, digests) == 4
+    later.begin_step(torch.ones(1, 1, dtype=torch.bool), "cpu")
+    with pytest.raises(ValueError, match="^key: .*dtype torch.float32 -> torch.float64"):
+        later.write(
+            0,
+            torch.zeros(1, HEADS, DIM, dtype=torch.float64),
+            torch.zeros(1, HEADS, DIM, dtype=torch.float64),
+        )
+    other = PagedKVCache(
+        1, 4, 4, pools=(first.key_pools, first.value_pools), allocator=first.allocator
+    )
+    other.begin_step(torch.ones(1, 1, dtype=torch.bool), "cpu")
+    other.write(
+        0,
+        torch.zeros(1, HEADS, DIM, dtype=torch.float64),
+        torch.zeros(1, HEADS, DIM, dtype=torch.float64),
+    )
+    assert other.allocator.num_cached == 0  # the replaced memory's prefixes are forgotten
