@@ -36,6 +36,7 @@ from nanoserve.adapters.step import (
     find_cache,
     forget_original_attn,
     new_token_mask,
+    no_cache,
     paged_step,
     remember_original_attn,
     state_of,
@@ -202,7 +203,7 @@ def release_memory(model) -> None:
     state = _state(model)
     with state.lock:
         state.kept_pools = None
-        state.last_cache = _no_cache
+        state.last_cache = no_cache
         if state.graphs is not None:
             state.graphs.reset()
     if torch.cuda.is_available():
@@ -212,15 +213,11 @@ def release_memory(model) -> None:
         torch.cuda.empty_cache()
 
 
-def _no_cache() -> None:
-    return None
-
-
 def last_cache(model) -> PagedCache | None:
     """The ``PagedCache`` of the patched model's latest generate call while something still
     holds it (``return_dict_in_generate=True`` hands it back as the output's cache) or when
-    that call raised (say ``OutOfBlocks``); else None, and the next call of the same pool
-    size reuses its memory."""
+    that call raised (say ``OutOfBlocks``); else None, and the next call that fits in its pool
+    reuses its memory."""
     return _state(model).last_cache()
 
 

@@ -55,7 +55,7 @@ class KeptPools:
         )
 
 
-def _nothing() -> None:
+def no_cache() -> None:
     return None
 
 
@@ -77,7 +77,7 @@ class PatchState:
     graphs: DecodeGraphs | None = None  # when cuda_graphs (and not tensor parallel)
     compiled_layers: CompiledLayers | None = None  # compile_decode's, built on first use
     # the latest generate call's PagedCache: weakly, or strongly after a call that raised
-    last_cache: Callable[[], object | None] = _nothing
+    last_cache: Callable[[], object | None] = no_cache
     last_stats: dict = field(default_factory=dict)  # its figures as that call left them
     kept_pools: KeptPools | None = None
     # one paged call at a time per model: a second thread waits for the first to finish
