@@ -171,12 +171,17 @@ def test_pad_tokens_never_stored(smollm2):
     pads = int((mask == 0).sum())
     assert pads > 16  # long padding
     new = 3
-    with patched(model), torch.no_grad():
-        model.generate(**inputs, max_new_tokens=new, do_sample=False)
-        stats = nanoserve.cache_stats(model)
-    # the last generated token is never fed back, so each row stores new - 1 of them
-    assert stats["tokens"] == int(mask.sum()) + mask.shape[0] * (new - 1)
-    assert stats["slots_filled"] == stats["tokens"]
+    for sharing in (False, True):
+        with patched(model, prefix_sharing=sharing), torch.no_grad():
+            model.generate(**inputs, max_new_tokens=new, do_sample=False)
+            stats = nanoserve.cache_stats(model)
+        # the last generated token is never fed back, so each row stores new - 1 of them
+        assert stats["tokens"] == int(mask.sum()) + mask.shape[0] * (new - 1)
+        # every stored token holds a slot of its own, except the leading full blocks the two
+        # chat prompts share (the chat template's system prompt), stored once with sharing
+        shared = stats["tokens_not_recomputed"]
+        assert (shared > 0) == sharing and shared % 16 == 0
+        assert stats["slots_filled"] == stats["tokens"] - shared
 
 
 def test_out_of_blocks_leaves_cache_consistent(smollm2):
