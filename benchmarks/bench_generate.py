@@ -358,6 +358,13 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
     return rows
 
 
+def report(rows: list[dict], columns: list[str], name: str) -> None:
+    """Write ``rows`` to ``name``.csv and print them as a table (missing cells empty)."""
+    rows = [{c: r.get(c, "") for c in columns} for r in rows]
+    write_csv(rows, f"{name}.csv")
+    print_table(rows, columns)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -380,27 +387,19 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(args.tiny, device)
     if args.system_prompt:
-        rows = system_prompt_calls(model, device, args.tiny)
         columns = ["policy", "calls", "first_call_s", "later_median_s", "first/later",
                    "hits_last_call"]  # fmt: skip
-        write_csv(rows, "generate_system_prompt.csv")
-        print_table(rows, columns)
+        report(system_prompt_calls(model, device, args.tiny), columns, "generate_system_prompt")
         return
     if args.group:
-        rows = group_rollout(model, device, args.tiny)
         columns = ["provider", "tok/s", "seconds", "first_token_s", "peak_GiB",
                    "kv_reserved/unique", "rows_shared"]  # fmt: skip
-        rows = [{c: r.get(c, "") for c in columns} for r in rows]
-        write_csv(rows, "generate_group.csv")
-        print_table(rows, columns)
+        report(group_rollout(model, device, args.tiny), columns, "generate_group")
         return
     if args.stream:
-        rows = stream(model, device, args.stream, args.tiny)
         columns = ["policy", "calls", "total_s", "median_s", "max_s", "captures",
                    "held_GiB_min", "held_GiB_max"]  # fmt: skip
-        rows = [{c: r.get(c, "") for c in columns} for r in rows]
-        write_csv(rows, "generate_stream.csv")
-        print_table(rows, columns)
+        report(stream(model, device, args.stream, args.tiny), columns, "generate_stream")
         return
     if args.capacity:
         budget = 2**22 if args.tiny else 40 * GIB

@@ -27,11 +27,12 @@ def repeated_batch():
     return {k: v[order] for k, v in base.items()}
 
 
-def first_forward_rows(model):
-    """A list that receives the batch size of every forward of ``model``'s base model."""
+def forward_shapes(model, dim: int):
+    """A list that receives ``input_ids.shape[dim]`` of every forward of ``model``'s base
+    model (0: the rows it ran, 1: the columns)."""
     sizes = []
     model.model.register_forward_pre_hook(
-        lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+        lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[dim]), with_kwargs=True
     )
     return sizes
 
@@ -43,7 +44,7 @@ def test_repeated_rows_are_prefilled_once(backend):
     opts = dict(max_new_tokens=7, output_logits=True, return_dict_in_generate=True, **GREEDY)
     with torch.no_grad():
         stock = model.generate(**inputs, **opts)
-    sizes = first_forward_rows(model)
+    sizes = forward_shapes(model, 0)
     with patched(model, block_size=4, backend=backend), torch.no_grad():
         paged = model.generate(**inputs, **opts)
         stats = nanoserve.cache_stats(model)
@@ -59,7 +60,7 @@ def test_repeated_rows_are_prefilled_once(backend):
 def test_sharing_off_prefills_every_row():
     model = tiny_model("llama")
     inputs = repeated_batch()
-    sizes = first_forward_rows(model)
+    sizes = forward_shapes(model, 0)
     with patched(model, prefix_sharing=False), torch.no_grad():
         model.generate(**inputs, max_new_tokens=3, **GREEDY)
         stats = nanoserve.cache_stats(model)
@@ -80,7 +81,7 @@ def test_num_return_sequences_sampling_and_beams_share_the_prompt():
         torch.manual_seed(11)
         with torch.no_grad():
             stock = model.generate(**inputs, **opts)
-        sizes = first_forward_rows(model)
+        sizes = forward_shapes(model, 0)
         with patched(model, block_size=4), torch.no_grad():
             torch.manual_seed(11)
             paged = model.generate(**inputs, **opts)
@@ -133,14 +134,6 @@ def system_prompt_batch(seed: int, rows: int = 2, user: int = 4):
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids))
 
 
-def forward_widths(model):
-    widths = []
-    model.model.register_forward_pre_hook(
-        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
-    )
-    return widths
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_later_call_skips_the_system_prompt_an_earlier_one_stored(backend):
     model = tiny_model("llama")
@@ -148,7 +141,7 @@ def test_a_later_call_skips_the_system_prompt_an_earlier_one_stored(backend):
     opts = dict(max_new_tokens=5, **GREEDY)
     with torch.no_grad():
         stock = [model.generate(**c, **opts) for c in calls]
-    widths = forward_widths(model)
+    widths = forward_shapes(model, 1)
     with patched(model, block_size=4, backend=backend), torch.no_grad():
         first = model.generate(**calls[0], **opts)
         stats = nanoserve.cache_stats(model)
