@@ -37,6 +37,17 @@ def continued(inputs, sequences):
     return dict(input_ids=sequences, attention_mask=torch.cat([mask, grown], dim=1))
 
 
+def stock_and_continued(model, inputs, opts, more: int):
+    """Stock's output of ``generate(**inputs, **opts)`` and of its continuation by ``more``
+    greedy tokens through the returned cache."""
+    first = stock_generate(model, **inputs, **opts)
+    following = stock_generate(
+        model, **continued(inputs, first.sequences), max_new_tokens=more,
+        **{cache_name(model): first.past_key_values}, **GREEDY,
+    )  # fmt: skip
+    return first, following
+
+
 def test_deepcopy_of_a_patched_model_runs_its_own_weights():
     """The copy's forward and generate are bound to the copy, with a state of its own; its
     weights changed after the copy are the ones it runs, and unpatching it works."""
@@ -200,11 +211,7 @@ def test_a_returned_cache_refuses_a_dtype_change_and_loses_nothing():
     model = tiny_model("llama")
     inputs = padded_batch([9, 4], 9)
     opts = dict(max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
-    stock = stock_generate(model, **inputs, **opts)
-    stock_next = stock_generate(
-        model, **continued(inputs, stock.sequences), max_new_tokens=5,
-        **{cache_name(model): stock.past_key_values}, **GREEDY,
-    )  # fmt: skip
+    stock, stock_next = stock_and_continued(model, inputs, opts, 5)
     with patched(model, block_size=4), torch.no_grad():
         first = model.generate(**inputs, **opts)
         cache = first.past_key_values
@@ -229,11 +236,7 @@ def test_a_forward_that_fails_midway_is_rolled_back():
     model = tiny_model("llama")
     inputs = padded_batch([10, 6], 10)
     opts = dict(max_new_tokens=3, return_dict_in_generate=True, **GREEDY)
-    stock = stock_generate(model, **inputs, **opts)
-    stock_next = stock_generate(
-        model, **continued(inputs, stock.sequences), max_new_tokens=6,
-        **{cache_name(model): stock.past_key_values}, **GREEDY,
-    )  # fmt: skip
+    stock, stock_next = stock_and_continued(model, inputs, opts, 6)
 
     def fail(*args):
         raise RuntimeError("layer 1 failed")
