@@ -26,7 +26,13 @@ from nanoserve.adapters.graph_forward import graph_decode_step, graph_step_possi
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.shared_rows import first_forward
-from nanoserve.adapters.sizing import PoolOptions, PoolSize, blocks_to_continue, pool_size
+from nanoserve.adapters.sizing import (
+    PoolOptions,
+    PoolSize,
+    blocks_to_continue,
+    generate_option,
+    pool_size,
+)
 from nanoserve.adapters.step import (
     CACHE_KWARGS,
     STATE_ATTR,
@@ -75,7 +81,9 @@ def patch_model(
     next calls that fit in it; ``release_memory(model)`` frees them on request, and
     ``keep_pools=False`` after every call. ``prefix_sharing`` (the default): copies of one
     prompt in a batch (``num_return_sequences``, beams, a prompt repeated G times) are
-    prefilled once and share their blocks (``shared_rows.py``).
+    prefilled once and share their blocks, and so are leading blocks several prompts share
+    or an earlier call stored (``shared_rows.py``; ``generate(..., cache_salt=...)`` keeps
+    callers apart).
 
     Every argument is checked before anything changes: a failed call leaves the model as it
     was. Patching a patched model again replaces its options.
@@ -314,19 +322,20 @@ def _keywords(forward, args: tuple, kwargs: dict) -> dict:
 
 def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype):
     """(num_blocks, pool lists, allocator) of this call's cache: the kept ones (the
-    allocator carries the cached prefixes) or (size.num_blocks, None, None). Unless the pool
-    size is fixed
-    (``num_blocks`` / ``max_memory``), the kept pool of an earlier call serves when nothing
-    can reach the store that used it (its ``PagedCache``, or the ``PagedKVCache`` inside,
-    both let go), its dtype matches and it has at least the blocks this call needs: the same
-    memory keeps the captured decode graphs valid. Otherwise the kept pool is let go before
+    allocator carries the cached prefixes) or (size.num_blocks, None, None). The kept pool
+    of an earlier call serves when nothing can reach the store that used it (its
+    ``PagedCache``, or the ``PagedKVCache`` inside, both let go), its dtype matches and it
+    has at least the blocks this call needs (exactly as many when the size is fixed): the
+    same memory keeps the captured decode graphs valid. Otherwise the kept pool is let go before
     a new one is made. (A pool tensor taken out of a cache by hand is the caller's to copy.)"""
     kept, state.kept_pools = state.kept_pools, None
     fresh = size.num_blocks, None, None
     if kept is None or kept.owner() is not None or kept.dtype != dtype:
         return fresh
-    fixed = state.pool.num_blocks is not None or state.pool.max_memory is not None
-    fits = kept.num_blocks == size.num_blocks if fixed else kept.num_blocks >= size.num_blocks
+    if state.pool.fixed:
+        fits = kept.num_blocks == size.num_blocks
+    else:
+        fits = kept.num_blocks >= size.num_blocks
     return (kept.num_blocks, kept.pools, kept.allocator) if fits else fresh
 
 
@@ -343,15 +352,10 @@ def _may_share(kwargs: dict, option) -> bool:
     return not any(isinstance(v, torch.Tensor) and k not in rows for k, v in kwargs.items())
 
 
-def _prefix_salt(model, state: PatchState, kwargs: dict, user_salt) -> bytes | None:
+def _prefix_salt(model, user_salt) -> bytes:
     """What names this call's cached prefixes beside their tokens: the weights (addresses
     and in-place versions of every parameter and buffer, so an optimizer step or a
-    ``model.to`` invalidates them), the dtype and the caller's ``cache_salt``. None (no
-    prefix looked up or stored) without prefix sharing and under chunked prefill."""
-    config = kwargs.get("generation_config") or model.generation_config
-    chunked = kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None))
-    if not state.prefix_sharing or chunked:
-        return None
+    ``model.to`` invalidates them), the dtype and the caller's ``cache_salt``."""
     tensors = (*model.parameters(), *model.buffers())
     weights = [(t.data_ptr(), t._version, str(t.dtype), tuple(t.shape)) for t in tensors]
     text = repr((weights, str(model.dtype), user_salt)).encode()
@@ -362,7 +366,7 @@ def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs)
     """A returned cache passed back to generate grows its pool to fit the call, as stock's
     cache would, unless the pool size was fixed (``num_blocks`` / ``max_memory``: then
     ``OutOfBlocks`` says so)."""
-    if state.pool.num_blocks is not None or state.pool.max_memory is not None:
+    if state.pool.fixed:
         return
     paged = cache.paged
     need = blocks_to_continue(paged, cache.get_seq_length(), model, args, kwargs)
@@ -373,11 +377,7 @@ def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs)
 def _paged_generate(self, *args, **kwargs):
     state = _state(self)
     stock = _stock(self, state.previous_generate, "generate")
-    config = kwargs.get("generation_config") or self.generation_config
-
-    def option(name):
-        value = kwargs.get(name)
-        return getattr(config, name, None) if value is None else value
+    option = functools.partial(generate_option, self, kwargs)
 
     if state.graphs is not None:
         state.graphs.recheck = True  # the weights may have moved since the last call
@@ -419,8 +419,9 @@ def _paged_generate(self, *args, **kwargs):
             allocator=allocator,
         )
         cache = PagedCache(paged)
-        cache.prefix_salt = _prefix_salt(self, state, kwargs, user_salt)
-        if share and state.pool.num_blocks is None and state.pool.max_memory is None:
+        if state.prefix_sharing and not option("prefill_chunk_size"):  # else none looked up
+            cache.prefix_salt = _prefix_salt(self, user_salt)
+        if share and not state.pool.fixed:
             unshared = pool_size(state.pool, self, args, kwargs).num_blocks
             cache.unshared_blocks = unshared if unshared > num_blocks else None
         # weakly: a cache the caller drops is gone, and its memory can serve the next call

@@ -20,6 +20,11 @@ class PoolOptions:
     num_blocks: int | None = None
     max_memory: int | None = None
 
+    @property
+    def fixed(self) -> bool:
+        """True when the caller fixed the pool's size (``num_blocks`` or ``max_memory``)."""
+        return self.num_blocks is not None or self.max_memory is not None
+
     def __post_init__(self):
         # frozen: normalised values (a numpy int is fine, a bool is not) go in through object
         object.__setattr__(self, "block_size", as_index(self.block_size, "block_size", 1))
@@ -77,6 +82,16 @@ class CallShape:
     groups: list[tuple[int, int]]  # (first row, rows) of each distinct prompt
 
 
+def generate_option(model, kwargs: dict, name: str):
+    """Generate's option ``name``: from the call's keywords, else its generation config,
+    else the model's; None when none sets it."""
+    value = kwargs.get(name)
+    if value is not None:
+        return value
+    config = kwargs.get("generation_config") or model.generation_config
+    return getattr(config, name, None)
+
+
 def call_shape(model, args: tuple, kwargs: dict) -> CallShape:
     """The ``CallShape`` of ``model.generate(*args, **kwargs)``."""
     inputs = args[0] if args else None
@@ -84,11 +99,9 @@ def call_shape(model, args: tuple, kwargs: dict) -> CallShape:
         if inputs is None:
             inputs = kwargs.get(name)
     batch, width = inputs.shape[:2] if inputs is not None else (1, 1)
-    config = kwargs.get("generation_config") or model.generation_config
 
     def get(name):
-        value = kwargs.get(name)
-        return getattr(config, name, None) if value is None else value
+        return generate_option(model, kwargs, name)
 
     new_tokens = get("max_new_tokens")
     if new_tokens is None:
