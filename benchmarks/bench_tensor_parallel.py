@@ -1,12 +1,21 @@
-"""Patched generate under transformers' tensor parallelism against one process.
+"""Patched generate under transformers' tensor parallelism against one GPU, with CUDA graphs.
 
 Run under torchrun, one process per GPU (NCCL) or, with --tiny, per CPU process (gloo):
     torchrun --nproc_per_node 2 benchmarks/bench_tensor_parallel.py [--tiny]
-A random-weight Llama-3-8B-shaped model (hidden 4096, 32 query / 8 KV heads, head_dim 128,
---layers of them, default 8) in bf16 is saved once by rank 0, loaded by every rank with
-tp_plan="auto", patched, and asked for greedy tokens on a left-padded batch of 32 prompts
-(128..1024 tokens, 128 new). Rank 0 then loads the same folder alone on its own device and
-does the same. It prints whether the tokens agree and both decode rates (tokens/s).
+For each shape (random weights, bf16, saved once by rank 0 and loaded by every rank with
+tp_plan="auto"; rank 0 also loads it alone on its own GPU):
+- llama3-8b: Llama-3-8B (hidden 4096, 32 query / 8 KV heads, 32 layers);
+- llama3-70b-slice: 8 of Llama-3-70B's 80 layers (hidden 8192, 64 / 8 heads, MLP 28672).
+It times greedy generate at batch 1 (prompt 512) and on a left-padded ragged batch of 32
+(prompts 128..1024), 128 new tokens each: tensor parallel with decode graphs, tensor parallel
+eager (cuda_graphs=False) and one GPU with graphs. Checks, printed beside the table:
+- replay against eager on each rank: the graph run's tokens and logits equal the eager run's
+  bit for bit;
+- float32 exactness (a 4-layer Llama-3-8B-shaped model): per-step logits of the tensor-parallel
+  run, teacher-forced on one GPU's greedy tokens, against one GPU's (max |difference| and the
+  logits' spread), and how many greedy tokens agree unforced;
+- the all-reduce time of one decode step: the step's 2 x layers all-reduces of [rows, hidden]
+  bf16, captured in one CUDA graph and replayed.
 Multicast stays off (NCCL_NVLS_ENABLE=0): the shared hosts forbid it.
 """
 
@@ -20,6 +29,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -28,25 +38,62 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nanoserve  # noqa: E402
 
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "llama3-70b-slice": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=8,
+                             num_attention_heads=64, num_key_value_heads=8, head_dim=128),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=16),
+}  # fmt: skip
 
-def build_config(tiny: bool, layers: int):
+
+def build_config(shape: str, layers: int | None = None):
     from transformers import LlamaConfig
 
-    if tiny:
-        return LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                           num_attention_heads=8, num_key_value_heads=2, vocab_size=512,
-                           max_position_embeddings=2048)  # fmt: skip
-    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                       vocab_size=128256, max_position_embeddings=8192,
-                       rope_theta=500000.0)  # fmt: skip
+    fields = dict(SHAPES[shape])
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    vocab = 512 if shape == "tiny" else 128256
+    return LlamaConfig(**fields, vocab_size=vocab, max_position_embeddings=8192,
+                       rope_theta=500000.0, tie_word_embeddings=False)  # fmt: skip
 
 
-def batch(vocab: int, rows: int, device):
+def save_random_model(config, folder: str, dtype, device) -> None:
+    """Rank 0 writes a random-weight model (built on ``device``: fast) to ``folder``."""
+    from transformers import LlamaForCausalLM
+
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(previous)
+        model.save_pretrained(folder)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.barrier()
+
+
+def load(folder: str, dtype, device, sharded: bool):
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    if sharded:
+        config = DistributedConfig(tp_plan="auto")
+        return AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, distributed_config=config
+        ).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+
+
+def left_padded(lens: list[int], vocab: int, device):
     gen = torch.Generator().manual_seed(7)
-    lens = [int(n) for n in torch.linspace(128, 1024, rows)]
     width = max(lens)
-    ids = torch.zeros(rows, width, dtype=torch.long)
+    ids = torch.zeros(len(lens), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, n in enumerate(lens):
         ids[row, width - n :] = torch.randint(2, vocab, (n,), generator=gen)
@@ -54,58 +101,206 @@ def batch(vocab: int, rows: int, device):
     return ids.to(device), mask.to(device)
 
 
-def timed_generate(model, ids, mask, new: int, device) -> tuple[torch.Tensor, float]:
-    opts = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, **opts)  # warm-up
+def batches(vocab: int, device, tiny: bool) -> dict[str, tuple]:
+    ragged = [int(n) for n in torch.linspace(8 if tiny else 128, 64 if tiny else 1024, 32)]
+    return {
+        "batch 1": left_padded([32 if tiny else 512], vocab, device),
+        "ragged 32": left_padded(ragged, vocab, device),
+    }
+
+
+GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def timed_generate(model, ids, mask, new: int, device) -> tuple[torch.Tensor, float]:
+    """(new tokens, seconds) of one greedy call after a warm-up call of the same shape."""
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, **GREEDY)
+    sync(device)
     start = time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                         min_new_tokens=new, **opts)  # fmt: skip
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+                         min_new_tokens=new, **GREEDY)  # fmt: skip
+    sync(device)
     return out[:, ids.shape[1] :], time.perf_counter() - start
 
 
-def main() -> None:
-    from transformers import AutoModelForCausalLM, DistributedConfig
+def logits_of(model, ids, mask, new: int, forced=None):
+    """(tokens, per-step logits [steps, rows, vocab] float32) of a greedy call; ``forced``
+    [rows, new] makes it choose those tokens instead (teacher forcing)."""
+    from transformers import LogitsProcessorList
 
+    processors = LogitsProcessorList([_Force(forced)] if forced is not None else [])
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                         min_new_tokens=new, output_logits=True, return_dict_in_generate=True,
+                         logits_processor=processors, **GREEDY)  # fmt: skip
+    return out.sequences[:, ids.shape[1] :], torch.stack(out.logits).float()
+
+
+class _Force:
+    """A logits processor that picks the given token of each step (teacher forcing)."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens, self.step = tokens, 0
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, float("-inf"))
+        forced.scatter_(1, self.tokens[:, self.step : self.step + 1], 0.0)
+        self.step += 1
+        return forced
+
+
+def allreduce_step_us(rows: int, hidden: int, layers: int, dtype, device) -> float:
+    """Microseconds of one decode step's all-reduces (2 per layer), replayed as a graph."""
+    x = torch.zeros(rows, hidden, dtype=dtype, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            dist.all_reduce(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(2 * layers):
+            dist.all_reduce(x)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, reps = time.perf_counter(), 50
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps * 1e6
+
+
+def say(text: str, log) -> None:
+    if dist.get_rank() == 0:
+        print(text, flush=True)
+        if log is not None:
+            log.write(text + "\n")
+            log.flush()
+
+
+def speed(shape: str, args, device, dtype, log) -> list[dict]:
+    folder = os.path.join(args.folder, shape)
+    config = build_config(shape)
+    save_random_model(config, folder, dtype, device)
+    rows = []
+    sharded = load(folder, dtype, device, sharded=True)
+    data = batches(config.vocab_size, device, args.tiny)
+    results = {}
+    for graphs in (True, False):
+        nanoserve.patch_model(sharded, cuda_graphs=graphs and device.type == "cuda")
+        for name, (ids, mask) in data.items():
+            tokens, secs = timed_generate(sharded, ids, mask, args.new_tokens, device)
+            results[(name, graphs)] = tokens
+            rows.append(dict(shape=shape, batch=name, run=f"TP x{dist.get_world_size()} "
+                             + ("graphs" if graphs else "eager"), tok_s=tokens.numel() / secs,
+                             ms_step=secs / args.new_tokens * 1e3))  # fmt: skip
+    for name in data:
+        same = torch.equal(results[(name, True)], results[(name, False)])
+        say(f"{shape} {name}: TP graph tokens equal TP eager: {same}", log)
+    # replay against eager, bit for bit, logits included (each rank checks its own)
+    ids, mask = data["ragged 32"]
+    nanoserve.patch_model(sharded, cuda_graphs=device.type == "cuda")
+    replay_tokens, replay_logits = logits_of(sharded, ids, mask, 16)
+    nanoserve.patch_model(sharded, cuda_graphs=False)
+    eager_tokens, eager_logits = logits_of(sharded, ids, mask, 16)
+    bitwise = torch.equal(replay_tokens, eager_tokens) and torch.equal(replay_logits, eager_logits)
+    verdict = torch.tensor([int(bitwise)], device=device)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+    say(f"{shape}: graph replay equals eager bit for bit (tokens and logits, every rank): "
+        f"{bool(verdict.item())}", log)  # fmt: skip
+    stats = nanoserve.decode_graph_stats(sharded)
+    say(f"{shape}: TP decode graph stats {stats}", log)
+    del sharded
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    dist.barrier()
+    if dist.get_rank() == 0:
+        alone = load(folder, dtype, device, sharded=False)
+        nanoserve.patch_model(alone, cuda_graphs=device.type == "cuda")
+        for name, (ids, mask) in data.items():
+            tokens, secs = timed_generate(alone, ids, mask, args.new_tokens, device)
+            rows.append(dict(shape=shape, batch=name, run="one GPU graphs",
+                             tok_s=tokens.numel() / secs,
+                             ms_step=secs / args.new_tokens * 1e3))  # fmt: skip
+            same = (tokens == results[(name, True)]).float().mean().item()
+            say(f"{shape} {name}: bf16 greedy tokens equal to one GPU's: {same:.1%}", log)
+        del alone
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    dist.barrier()
+    if device.type == "cuda":
+        for batch_rows in (1, 32):
+            us = allreduce_step_us(batch_rows, config.hidden_size,
+                                   config.num_hidden_layers, dtype, device)  # fmt: skip
+            say(f"{shape}: all-reduces of one decode step, {batch_rows} rows: {us:.0f} us", log)
+    return rows
+
+
+def exactness(args, device, log) -> None:
+    """float32: teacher-forced per-step logits, tensor parallel against one GPU."""
+    shape = "tiny" if args.tiny else "llama3-8b"
+    folder = os.path.join(args.folder, shape + "-fp32")
+    config = build_config(shape, layers=None if args.tiny else 4)
+    save_random_model(config, folder, torch.float32, device)
+    ids, mask = batches(config.vocab_size, device, args.tiny)["ragged 32"]
+    new = 32
+    forced = torch.zeros(ids.shape[0], new, dtype=torch.long, device=device)
+    if dist.get_rank() == 0:
+        alone = nanoserve.patch_model(load(folder, torch.float32, device, sharded=False))
+        alone_tokens, alone_logits = logits_of(alone, ids, mask, new)
+        forced.copy_(alone_tokens)
+        del alone
+    dist.broadcast(forced, src=0)
+    sharded = nanoserve.patch_model(load(folder, torch.float32, device, sharded=True))
+    free_tokens, _ = logits_of(sharded, ids, mask, new)
+    _, tp_logits = logits_of(sharded, ids, mask, new, forced=forced)
+    if dist.get_rank() == 0:
+        diff = (tp_logits - alone_logits).abs().max().item()
+        spread = alone_logits.std().item()
+        agree = (free_tokens == alone_tokens).float().mean().item()
+        say(f"float32 4-layer {shape}: teacher-forced per-step logits max |TP - one GPU| "
+            f"{diff:.2e} (logits std {spread:.3f}); unforced greedy tokens equal: {agree:.1%}",
+            log)  # fmt: skip
+    del sharded
+    dist.barrier()
+
+
+def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--tiny", action="store_true", help="CPU processes (gloo), tiny model")
+    parser.add_argument("--shapes", nargs="*", default=["llama3-70b-slice", "llama3-8b"])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "nanoserve_tp"))
+    parser.add_argument("--log", default=None, help="also write the report to this file")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local)
     dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    if rank == 0:
-        from transformers import LlamaForCausalLM
+    log = open(args.log, "w") if args.log and dist.get_rank() == 0 else None  # noqa: SIM115
+    import transformers
 
-        torch.manual_seed(0)
-        LlamaForCausalLM(build_config(args.tiny, args.layers)).to(dtype).save_pretrained(
-            args.folder
-        )
-    dist.barrier()
-    model = AutoModelForCausalLM.from_pretrained(
-        args.folder, dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto")
-    ).eval()
-    nanoserve.patch_model(model)
-    ids, mask = batch(model.config.vocab_size, args.rows, device)
-    sharded, secs = timed_generate(model, ids, mask, args.new_tokens, device)
-    rate = sharded.numel() / secs
-    dist.barrier()
-    if rank == 0:
-        alone = AutoModelForCausalLM.from_pretrained(args.folder, dtype=dtype).to(device).eval()
-        nanoserve.patch_model(alone)
-        single, single_secs = timed_generate(alone, ids, mask, args.new_tokens, device)
-        same = (single == sharded).float().mean().item()
-        print(f"world {world} ({'nccl' if cuda else 'gloo'}), {args.rows} rows x "
-              f"{args.new_tokens} new tokens: tensor parallel {rate:.0f} tok/s, one device "
-              f"{single.numel() / single_secs:.0f} tok/s; tokens equal: {same:.1%}")  # fmt: skip
+    backend = "nccl" if cuda else "gloo"
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    say(f"world {dist.get_world_size()} ({backend}), {versions}", log)
+    exactness(args, device, log)
+    rows = []
+    for shape in ["tiny"] if args.tiny else args.shapes:
+        rows += speed(shape, args, device, dtype, log)
+    if dist.get_rank() == 0:
+        say("| shape | batch | run | tok/s | ms/step |", log)
+        say("|---|---|---|---|---|", log)
+        for r in rows:
+            say(f"| {r['shape']} | {r['batch']} | {r['run']} | {r['tok_s']:,.0f} | "
+                f"{r['ms_step']:.2f} |", log)  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
 

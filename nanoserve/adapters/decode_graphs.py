@@ -115,10 +115,14 @@ class DecodeGraphs:
     the paged cache's step set to ``static.meta`` and return the model output. With
     ``capture=False`` every step runs ``run_forward`` eagerly on the same static, padded
     buffers (no graph): this checks the bucket padding and metadata path on any device.
+    ``agree(ok) -> bool`` (tensor parallelism: True only when every rank's ``ok`` is True)
+    settles each capture across processes, so that either every rank replays the new graph
+    or every rank decodes eagerly from then on: their collectives must stay paired.
     """
 
-    def __init__(self, capture: bool = True):
+    def __init__(self, capture: bool = True, agree: Callable[[bool], bool] | None = None):
         self.capture = capture
+        self.agree = agree
         self.side_stream = None  # where captures warm up (created on the first)
         self.pool = None
         self.graphs: dict[tuple[int, int], _Captured] = {}
@@ -199,8 +203,13 @@ class DecodeGraphs:
                     inner = error
                     raise
         except Exception as error:  # a model whose forward cannot be captured stays eager
-            error = inner or error
-            self.disabled_reason = f"{type(error).__name__}: {error}"
+            failure = inner or error
+        else:
+            failure = None
+        if self.agree is not None and not self.agree(failure is None) and failure is None:
+            failure = RuntimeError("another tensor-parallel rank failed to capture this step")
+        if failure is not None:
+            self.disabled_reason = f"{type(failure).__name__}: {failure}"
             warnings.warn(
                 f"nanoserve: CUDA-graph capture failed, decoding eagerly ({self.disabled_reason})",
                 stacklevel=3,

@@ -47,7 +47,7 @@ from nanoserve.adapters.step import (
     remember_original_attn,
     state_of,
 )
-from nanoserve.adapters.tensor_parallel import local_layout, tp_size
+from nanoserve.adapters.tensor_parallel import capture_agreement, local_layout
 from nanoserve.cache import PagedKVCache
 from nanoserve.kernels.dispatch import check_backend
 
@@ -116,10 +116,7 @@ def patch_model(
         config=model.config,
         pool=options,
         backend=backend,
-        # Under tensor parallelism every rank would capture the step's collectives; one rank
-        # falling back to eager while another replays would hang them, and no multi-GPU run
-        # has checked capture there yet: such models decode eagerly.
-        cuda_graphs=cuda_graphs and tp_size(model) == 1,
+        cuda_graphs=cuda_graphs,
         compile_decode=compile_decode,
         keep_pools=keep_pools,
         prefix_sharing=prefix_sharing,
@@ -130,7 +127,7 @@ def patch_model(
     model.__dict__[STATE_ATTR] = state
     try:
         if state.cuda_graphs:
-            state.graphs = DecodeGraphs()
+            state.graphs = DecodeGraphs(agree=capture_agreement(model))
         model.set_attn_implementation(ATTN_NAME)
         model.generate = _method(model, "generate", _paged_generate)
         model.forward = _method(model, "forward", _paged_forward)

@@ -4,12 +4,17 @@ Under ``from_pretrained(..., tp_plan="auto")`` each rank's attention computes on
 of the heads, so the K/V reaching ``cache.update`` hold ``num_kv_heads / tp_size`` heads and
 each rank's pools (allocated from the first K/V) hold only that shard. Every rank sees the
 same inputs and makes the same allocation decisions, so the block tables agree with no
-communication; nothing in the cache or the kernels talks across ranks.
+communication; nothing in the cache or the kernels talks across ranks. Decode steps replay
+CUDA graphs that hold the step's all-reduces; the one decision that could differ between
+ranks, whether a capture worked, is settled across them (``capture_agreement``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+
+import torch
 
 from nanoserve.adapters.family import KVLayout
 
@@ -28,3 +33,28 @@ def local_layout(layout: KVLayout, model) -> KVLayout:
             "tensor-parallel ranks; use a tp_size that divides num_key_value_heads"
         )
     return replace(layout, num_kv_heads=layout.num_kv_heads // ranks)
+
+
+def process_group(model):
+    """The process group of the model's tensor-parallel ranks (transformers' device mesh)."""
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None:
+        return None  # the default group
+    return mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp")
+
+
+def capture_agreement(model) -> Callable[[bool], bool] | None:
+    """``agree(ok) -> bool``: True on every rank when every rank's ``ok`` is True (one small
+    all-reduce, at each graph capture only); None for a model on one device."""
+    if tp_size(model) == 1:
+        return None
+    group = process_group(model)
+
+    def agree(ok: bool) -> bool:
+        on_nccl = torch.distributed.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else "cpu"
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    return agree

@@ -5,6 +5,8 @@ padding rows, slot -1, fixed-width tables and static metadata that a captured gr
 The GPU tests capture and replay real graphs.
 """
 
+import contextlib
+
 import pytest
 import torch
 from helpers import BACKENDS, check_launches, count_triton_launches
@@ -256,6 +258,35 @@ def test_replayed_decode_equals_eager_bit_for_bit(dtype):
     assert torch.equal(eager.sequences, graph.sequences)
     for a, b in zip(eager.logits, graph.logits, strict=True):
         assert torch.equal(a, b)  # batch 4 is a bucket: the same kernels on the same shapes
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("others_agree", [True, False])
+def test_a_capture_another_rank_refuses_decodes_eagerly(others_agree):
+    """Tensor parallelism settles each capture across ranks (``agree``): when another rank
+    failed, this one drops its good graph and decodes eagerly with the same tokens. Planted:
+    ignoring the agreement's answer failed the False case."""
+    model = _gpu_model(torch.float32)
+    inputs = {k: v.cuda() for k, v in padded_batch([40, 23, 7], 40, vocab=1000).items()}
+    eager, _ = _run(model, inputs, False, max_new_tokens=12, **GREEDY)
+    asked = []
+
+    def agree(ok):
+        asked.append(ok)
+        return ok and others_agree
+
+    refused = pytest.warns(UserWarning, match="another tensor-parallel rank")
+    with contextlib.nullcontext() if others_agree else refused:
+        graph, stats = generate_patched(
+            model, inputs, {}, DecodeGraphs(agree=agree), max_new_tokens=12, **GREEDY
+        )
+    assert asked == [True]  # one capture, one agreement
+    assert stats["captures"] == (1 if others_agree else 0)
+    assert (stats["disabled"] is None) == others_agree
+    assert torch.equal(eager.sequences, graph.sequences)
+    for a, b in zip(eager.logits, graph.logits, strict=True):
+        assert torch.equal(a, b)
 
 
 @gpu

@@ -1,4 +1,8 @@
-"""Patched generation under transformers' tensor parallelism: two gloo processes on CPU."""
+"""Patched generation under transformers' tensor parallelism: two gloo processes on CPU.
+
+Every rank must make the same decisions (blocks, shared rows, cached prefixes, whether a
+decode graph runs) with no communication beyond the model's own, and give one process's
+tokens."""
 
 import json
 import os
@@ -12,38 +16,65 @@ import transformers
 
 import nanoserve
 
+sys.path.insert(0, str(Path(__file__).parent))
+from tp_worker import padded_batch, shared_prefix_prompts  # noqa: E402
+
 WORKER = Path(__file__).with_name("tp_worker.py")
 # vocab_size divides among the 2 ranks: transformers 5.17 shards the embedding evenly
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=104, max_position_embeddings=256)  # fmt: skip
+GREEDY = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
-def test_tensor_parallel_generate_equals_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(one-process model, what each of the two ranks saw)."""
+    folder = tmp_path_factory.mktemp("tp")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
-    model.save_pretrained(tmp_path / "model")
+    model.save_pretrained(folder / "model")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", "2"]  # fmt: skip
-    cmd = [*launcher, str(WORKER), str(tmp_path / "model"), str(tmp_path)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    cmd = [*launcher, str(WORKER), str(folder / "model"), str(folder)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return model, [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
 
-    gen = torch.Generator().manual_seed(3)  # the worker's batch, in one process
-    ids = torch.randint(3, CONFIG["vocab_size"], (3, 12), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    mask[2, :9] = 0
-    opts = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+def test_greedy_equals_one_process(run):
+    model, ranks = run
+    ids, mask = padded_batch(CONFIG["vocab_size"])
     with torch.no_grad():
-        one_process = model.generate(input_ids=ids, attention_mask=mask, **opts).tolist()
+        one_process = model.generate(input_ids=ids, attention_mask=mask, **GREEDY).tolist()
     for rank in ranks:
         assert rank["world"] == 2
         assert rank["stock"] == one_process  # the sharded stock model agrees with one process
         assert rank["paged"] == one_process
+        assert rank["graph_runner"] == one_process  # the static buffers a graph replays
+        assert rank["graph_replays"] > 0
         assert rank["pool_shape"][2] == CONFIG["num_key_value_heads"] // 2  # a shard of heads
     assert ranks[0]["block_ids"] == ranks[1]["block_ids"]  # same decisions, no communication
+
+
+def test_capture_agreement_is_all_or_none(run):
+    _, ranks = run
+    for rank in ranks:
+        assert rank["agree_all"] is True
+        assert rank["agree_one_fails"] is False  # rank 0 alone said no
+
+
+def test_shared_rows_and_cached_prefixes_under_tensor_parallelism(run):
+    model, ranks = run
+    first, second = shared_prefix_prompts(CONFIG["vocab_size"])
+    with torch.no_grad():
+        expected = [model.generate(input_ids=p, **GREEDY).tolist() for p in (first, second)]
+    for rank in ranks:
+        assert rank["paged_sampled"] == rank["stock_sampled"]  # seeded, same RNG calls
+        assert rank["sampled_rows_shared"] == 2  # 3 copies of the prompt, prefilled once
+        assert [rank["prefix_first"], rank["prefix_second"]] == expected
+        assert rank["prefix_hits"] == 1  # the second call found the shared blocks
+    assert ranks[0]["paged_sampled"] == ranks[1]["paged_sampled"]
 
 
 def test_kv_heads_that_do_not_divide_among_ranks_raise():

@@ -1,7 +1,11 @@
-"""One rank of the tensor-parallel test (run by torchrun from test_tensor_parallel.py).
+"""One rank of the tensor-parallel tests (run by torchrun from test_tensor_parallel.py).
 
-Loads the saved model with transformers' tensor parallelism (gloo on CPU), generates greedily
-on a left-padded batch stock and patched, and writes what it saw to ``OUT/rank<r>.json``.
+Loads the saved model with transformers' tensor parallelism (gloo on CPU), generates on the
+stock model and the patched one, and writes what each rank saw to ``OUT/rank<r>.json``:
+greedy tokens on a left-padded batch (eager steps, and the CUDA-graph runner's static-buffer
+path with the ranks' capture agreement), the agreement itself, seeded sampling with
+``num_return_sequences`` (copies of a prompt prefilled once), and two calls whose prompts
+share leading blocks (the second one's prefix found in the first one's pool).
 Usage: torchrun --nproc_per_node N tp_worker.py MODEL_FOLDER OUT_FOLDER
 """
 
@@ -14,6 +18,26 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DistributedConfig
 
 import nanoserve
+from nanoserve.adapters.decode_graphs import DecodeGraphs
+from nanoserve.adapters.step import state_of
+from nanoserve.adapters.tensor_parallel import capture_agreement
+
+
+def padded_batch(vocab: int):
+    """The left-padded greedy batch the test also runs in one process."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab, (3, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :9] = 0
+    return ids, mask
+
+
+def shared_prefix_prompts(vocab: int):
+    """Two prompts with the same 9 leading tokens (two full blocks of 4), then their own."""
+    gen = torch.Generator().manual_seed(4)
+    prefix = torch.randint(3, vocab, (9,), generator=gen)
+    return [torch.cat([prefix, torch.randint(3, vocab, (n,), generator=gen)])[None] for n in (3, 5)]
 
 
 def main(folder: str, out: str) -> None:
@@ -21,29 +45,43 @@ def main(folder: str, out: str) -> None:
         folder, distributed_config=DistributedConfig(tp_plan="auto")
     ).eval()
     rank = dist.get_rank()
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, model.config.vocab_size, (3, 12), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    mask[2, :9] = 0
-    opts = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    vocab = model.config.vocab_size
+    ids, mask = padded_batch(vocab)
+    greedy = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    sampled = dict(max_new_tokens=8, do_sample=True, top_k=20, num_return_sequences=3,
+                   eos_token_id=None, pad_token_id=0)  # fmt: skip
+    seen = dict(rank=rank, world=dist.get_world_size())
     with torch.no_grad():
-        stock = model.generate(input_ids=ids, attention_mask=mask, **opts)
+        seen["stock"] = model.generate(input_ids=ids, attention_mask=mask, **greedy).tolist()
+        torch.manual_seed(11)
+        seen["stock_sampled"] = model.generate(input_ids=ids[:1], **sampled).tolist()
+
         nanoserve.patch_model(model, block_size=4)
         result = model.generate(
-            input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **opts
+            input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **greedy
         )
-        paged = result.sequences
+        seen["paged"] = result.sequences.tolist()
         cache = nanoserve.adapters.last_cache(model).paged  # held by result
-    result = dict(
-        rank=rank,
-        world=dist.get_world_size(),
-        stock=stock.tolist(),
-        paged=paged.tolist(),
-        pool_shape=list(cache.key_pools[0].shape),
-        block_ids=[table.block_ids for table in cache.tables],
-    )
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        seen["pool_shape"] = list(cache.key_pools[0].shape)
+        seen["block_ids"] = [table.block_ids for table in cache.tables]
+        del result, cache
+
+        agree = capture_agreement(model)
+        seen["agree_all"] = agree(True)
+        seen["agree_one_fails"] = agree(rank != 0)
+        state_of(model).graphs = DecodeGraphs(capture=False, agree=agree)
+        seen["graph_runner"] = model.generate(input_ids=ids, attention_mask=mask, **greedy).tolist()
+        seen["graph_replays"] = state_of(model).graphs.replays
+
+        torch.manual_seed(11)
+        seen["paged_sampled"] = model.generate(input_ids=ids[:1], **sampled).tolist()
+        seen["sampled_rows_shared"] = nanoserve.cache_stats(model)["rows_shared"]
+
+        first, second = shared_prefix_prompts(vocab)
+        seen["prefix_first"] = model.generate(input_ids=first, **greedy).tolist()
+        seen["prefix_second"] = model.generate(input_ids=second, **greedy).tolist()
+        seen["prefix_hits"] = nanoserve.cache_stats(model)["prefix_hits"]
+    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
 
 
