@@ -1,4 +1,11 @@
-"""nanoserve: a paged KV cache with Triton kernels under stock Hugging Face models."""
+"""nanoserve: a paged KV cache with Triton kernels under stock Hugging Face models.
+
+Importing it makes ``from_pretrained(..., attn_implementation="nanoserve")`` load a patched
+model (``adapters/hf_native.py``) when a supported transformers is installed.
+"""
+
+import importlib.util
+import warnings
 
 from nanoserve.cache import BlockAllocator, BlockTable, OutOfBlocks, PagedKVCache
 
@@ -6,6 +13,7 @@ from nanoserve.cache import BlockAllocator, BlockTable, OutOfBlocks, PagedKVCach
 # kernels stay importable (and quick to import) without it.
 _ADAPTER_NAMES = (
     "PagedCache",
+    "PagedConfig",
     "cache_stats",
     "decode_graph_stats",
     "patch_model",
@@ -22,11 +30,27 @@ def __getattr__(name):
     raise AttributeError(f"module 'nanoserve' has no attribute {name!r}")
 
 
+def _open_doors() -> None:
+    try:
+        from nanoserve.adapters.hf_native import open_doors
+    except ImportError as error:  # the adapters' version check: patch_model says it again
+        if type(error).__name__ != "UnsupportedTransformers":
+            raise
+        warnings.warn(f"{error}; patch_model and the nanoserve doors are off", stacklevel=3)
+        return
+    open_doors()
+
+
+if importlib.util.find_spec("transformers") is not None:
+    _open_doors()
+
+
 __all__ = [
     "BlockAllocator",
     "BlockTable",
     "OutOfBlocks",
     "PagedCache",
+    "PagedConfig",
     "PagedKVCache",
     "cache_stats",
     "decode_graph_stats",

@@ -6,6 +6,10 @@ each forward's paged step; ``hf_cache.py`` is the transformers ``Cache`` over th
 ``attention.py`` the attention and mask functions.
 """
 
+from nanoserve.adapters.versions import check_transformers_version
+
+check_transformers_version()  # before importing what another release may lack
+
 from nanoserve.adapters.family import Family, KVLayout
 from nanoserve.adapters.hf import (
     cache_stats,
@@ -16,6 +20,7 @@ from nanoserve.adapters.hf import (
     unpatch_model,
 )
 from nanoserve.adapters.hf_cache import PagedCache
+from nanoserve.adapters.hf_native import PagedConfig
 from nanoserve.adapters.registry import FAMILIES, family_for, supported_model_types
 from nanoserve.adapters.step import state_of
 
@@ -24,6 +29,7 @@ __all__ = [
     "Family",
     "KVLayout",
     "PagedCache",
+    "PagedConfig",
     "cache_stats",
     "decode_graph_stats",
     "family_for",

@@ -1,0 +1,96 @@
+"""The ``attn_implementation="nanoserve"`` door: a tiny random Llama saved to disk, loaded
+through ``from_pretrained`` / ``from_config``, is the model ``patch_model`` gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_families import GREEDY, padded_batch, tiny_model
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+import nanoserve
+from nanoserve.adapters import state_of
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny random-weight Llama saved with save_pretrained (fresh weights per module run)."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tiny_model("llama", seed=int(torch.randint(0, 2**31, ()))).save_pretrained(path)
+    return path
+
+
+def generate(model):
+    with torch.no_grad():
+        return model.generate(**padded_batch([3, 7, 5], 7, seed=11), max_new_tokens=9, **GREEDY)
+
+
+def test_door_gives_patch_models_tokens_and_model(folder):
+    """Greedy tokens of a left-padded batch equal stock's and patch_model's; the door leaves
+    the same attention switch and options as patch_model, and unpatching returns to stock."""
+    stock = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert state_of(stock) is None  # a load without the door is left alone
+    expected = generate(stock)
+    nanoserve.patch_model(stock)
+    by_patch = generate(stock)
+
+    door = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="nanoserve"
+    ).eval()
+    assert torch.equal(generate(door), expected) and torch.equal(by_patch, expected)
+    assert door.config._attn_implementation == stock.config._attn_implementation
+    assert state_of(door).pool == state_of(stock).pool
+    assert nanoserve.cache_stats(door)["tokens"] > 0  # the call ran on the paged pool
+    nanoserve.unpatch_model(door)
+    assert door.config._attn_implementation == "sdpa"
+    assert torch.equal(generate(door), expected)
+
+
+def test_paged_config_reaches_the_patch(folder):
+    config = nanoserve.PagedConfig(num_blocks=40, block_size=8, keep_pools=False)
+    model, info = LlamaForCausalLM.from_pretrained(
+        folder, attn_implementation="nanoserve", paged_config=config, output_loading_info=True
+    )
+    state = state_of(model)
+    assert isinstance(info, dict)
+    assert (state.pool.num_blocks, state.pool.block_size, state.keep_pools) == (40, 8, False)
+    generate(model.eval())
+    assert nanoserve.cache_stats(model)["num_blocks"] == 40
+
+
+def test_from_config_door():
+    stock = tiny_model("llama", seed=3)
+    expected = generate(stock)
+    door = AutoModelForCausalLM.from_config(stock.config, attn_implementation="nanoserve")
+    door.load_state_dict(stock.state_dict())
+    assert state_of(door) is not None
+    assert torch.equal(generate(door.eval()), expected)
+
+
+def test_a_model_built_under_the_name_without_the_door_refuses_to_run():
+    """A model constructed directly under ``attn_implementation="nanoserve"`` was never
+    patched: its first forward raises naming patch_model instead of running stock attention."""
+    model = tiny_model("llama", attn_implementation="nanoserve")
+    assert state_of(model) is None
+    with pytest.raises(RuntimeError, match="nanoserve.patch_model"):
+        generate(model)
+
+
+def test_paged_config_is_checked():
+    with pytest.raises(ValueError, match="^block_size"):
+        nanoserve.PagedConfig(block_size=0)
+    with pytest.raises(ValueError, match="^num_blocks, max_memory"):
+        nanoserve.PagedConfig(num_blocks=4, max_memory=2**20)
+    with pytest.raises(ValueError, match="^cuda_graphs"):
+        nanoserve.PagedConfig(cuda_graphs=1)
+    with pytest.raises(ValueError, match="^backend"):
+        nanoserve.PagedConfig(backend="cuda")
+
+
+def test_paged_config_needs_the_door(folder):
+    with pytest.raises(ValueError, match="^paged_config.*attn_implementation"):
+        AutoModelForCausalLM.from_pretrained(folder, paged_config=nanoserve.PagedConfig())
+    with pytest.raises(ValueError, match="^paged_config.*PagedConfig"):
+        AutoModelForCausalLM.from_pretrained(
+            folder, attn_implementation="nanoserve", paged_config={"num_blocks": 4}
+        )
