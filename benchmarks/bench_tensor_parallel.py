@@ -117,15 +117,29 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def timed_generate(model, ids, mask, new: int, device) -> tuple[torch.Tensor, float]:
-    """(new tokens, seconds) of one greedy call after a warm-up call of the same shape."""
+def timed_generate(model, ids, mask, new: int, device) -> tuple[torch.Tensor, dict]:
+    """(new tokens, figures) of one greedy call after a warm-up call of the same shape:
+    the whole call's seconds, the first token's (a call of one new token: the prefill),
+    the decode step's milliseconds between them, and the graphs the timed call captured."""
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, **GREEDY)
     sync(device)
+    start = time.perf_counter()
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, **GREEDY)
+    sync(device)
+    first = time.perf_counter() - start
+    captures = nanoserve.decode_graph_stats(model)["captures"]
     start = time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
                          min_new_tokens=new, **GREEDY)  # fmt: skip
     sync(device)
-    return out[:, ids.shape[1] :], time.perf_counter() - start
+    total = time.perf_counter() - start
+    tokens = out[:, ids.shape[1] :]
+    return tokens, dict(
+        tok_s=tokens.numel() / total,
+        first_ms=first * 1e3,
+        step_ms=(total - first) / (new - 1) * 1e3,
+        captures=nanoserve.decode_graph_stats(model)["captures"] - captures,
+    )
 
 
 def logits_of(model, ids, mask, new: int, forced=None):
@@ -196,11 +210,10 @@ def speed(shape: str, args, device, dtype, log) -> list[dict]:
     for graphs in (True, False):
         nanoserve.patch_model(sharded, cuda_graphs=graphs and device.type == "cuda")
         for name, (ids, mask) in data.items():
-            tokens, secs = timed_generate(sharded, ids, mask, args.new_tokens, device)
+            tokens, figures = timed_generate(sharded, ids, mask, args.new_tokens, device)
             results[(name, graphs)] = tokens
-            rows.append(dict(shape=shape, batch=name, run=f"TP x{dist.get_world_size()} "
-                             + ("graphs" if graphs else "eager"), tok_s=tokens.numel() / secs,
-                             ms_step=secs / args.new_tokens * 1e3))  # fmt: skip
+            run = f"TP x{dist.get_world_size()} " + ("graphs" if graphs else "eager")
+            rows.append(dict(shape=shape, batch=name, run=run, **figures))
     for name in data:
         same = torch.equal(results[(name, True)], results[(name, False)])
         say(f"{shape} {name}: TP graph tokens equal TP eager: {same}", log)
@@ -208,6 +221,7 @@ def speed(shape: str, args, device, dtype, log) -> list[dict]:
     ids, mask = data["ragged 32"]
     nanoserve.patch_model(sharded, cuda_graphs=device.type == "cuda")
     replay_tokens, replay_logits = logits_of(sharded, ids, mask, 16)
+    say(f"{shape}: TP decode graph stats {nanoserve.decode_graph_stats(sharded)}", log)
     nanoserve.patch_model(sharded, cuda_graphs=False)
     eager_tokens, eager_logits = logits_of(sharded, ids, mask, 16)
     bitwise = torch.equal(replay_tokens, eager_tokens) and torch.equal(replay_logits, eager_logits)
@@ -215,8 +229,6 @@ def speed(shape: str, args, device, dtype, log) -> list[dict]:
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
     say(f"{shape}: graph replay equals eager bit for bit (tokens and logits, every rank): "
         f"{bool(verdict.item())}", log)  # fmt: skip
-    stats = nanoserve.decode_graph_stats(sharded)
-    say(f"{shape}: TP decode graph stats {stats}", log)
     del sharded
     torch.cuda.empty_cache() if device.type == "cuda" else None
     dist.barrier()
@@ -224,10 +236,8 @@ def speed(shape: str, args, device, dtype, log) -> list[dict]:
         alone = load(folder, dtype, device, sharded=False)
         nanoserve.patch_model(alone, cuda_graphs=device.type == "cuda")
         for name, (ids, mask) in data.items():
-            tokens, secs = timed_generate(alone, ids, mask, args.new_tokens, device)
-            rows.append(dict(shape=shape, batch=name, run="one GPU graphs",
-                             tok_s=tokens.numel() / secs,
-                             ms_step=secs / args.new_tokens * 1e3))  # fmt: skip
+            tokens, figures = timed_generate(alone, ids, mask, args.new_tokens, device)
+            rows.append(dict(shape=shape, batch=name, run="one GPU graphs", **figures))
             same = (tokens == results[(name, True)]).float().mean().item()
             say(f"{shape} {name}: bf16 greedy tokens equal to one GPU's: {same:.1%}", log)
         del alone
@@ -276,7 +286,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=["llama3-70b-slice", "llama3-8b"])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "nanoserve_tp"))
-    parser.add_argument("--log", default=None, help="also write the report to this file")
+    parser.add_argument("--report", default=None, help="also write the report to this file")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -285,7 +295,7 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    log = open(args.log, "w") if args.log and dist.get_rank() == 0 else None  # noqa: SIM115
+    log = open(args.report, "w") if args.report and dist.get_rank() == 0 else None  # noqa: SIM115
     import transformers
 
     backend = "nccl" if cuda else "gloo"
@@ -296,11 +306,12 @@ def main() -> None:
     for shape in ["tiny"] if args.tiny else args.shapes:
         rows += speed(shape, args, device, dtype, log)
     if dist.get_rank() == 0:
-        say("| shape | batch | run | tok/s | ms/step |", log)
-        say("|---|---|---|---|---|", log)
+        say("| shape | batch | run | tok/s (call) | first token ms | decode ms/step | "
+            "captures in timed call |", log)  # fmt: skip
+        say("|---|---|---|---|---|---|---|", log)
         for r in rows:
             say(f"| {r['shape']} | {r['batch']} | {r['run']} | {r['tok_s']:,.0f} | "
-                f"{r['ms_step']:.2f} |", log)  # fmt: skip
+                f"{r['first_ms']:.1f} | {r['step_ms']:.2f} | {r['captures']} |", log)  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
 

@@ -268,7 +268,7 @@ def test_a_capture_another_rank_refuses_decodes_eagerly(others_agree):
     failed, this one drops its good graph and decodes eagerly with the same tokens. Planted:
     ignoring the agreement's answer failed the False case."""
     model = _gpu_model(torch.float32)
-    inputs = {k: v.cuda() for k, v in padded_batch([40, 23, 7], 40, vocab=1000).items()}
+    inputs = {k: v.cuda() for k, v in padded_batch([40, 23, 7, 31], 40, vocab=1000).items()}
     eager, _ = _run(model, inputs, False, max_new_tokens=12, **GREEDY)
     asked = []
 
