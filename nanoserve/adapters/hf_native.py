@@ -1,5 +1,5 @@
 """HF's own doors onto nanoserve: ``from_pretrained(..., attn_implementation="nanoserve")``
-and the paged switches of ``generate`` (``cache_implementation="paged"``, ``generate_batch``).
+and ``model.generate_batch(...)``.
 
 transformers checks an ``attn_implementation`` name against its ``AttentionInterface`` when
 the model is built, and nothing else: a registered name loads, but nothing in transformers
@@ -13,7 +13,9 @@ explicit things:
   return asks for ``DOOR``, it is switched back to the attention transformers picks by
   default and handed to ``patch_model`` with the options of a ``PagedConfig``
   (``paged_config=``), so it is exactly the model ``patch_model`` gives. The pool and the
-  graphs attach on the first ``generate``, as after ``patch_model``.
+  graphs attach on the first ``generate``, as after ``patch_model``;
+- wraps ``GenerationMixin.generate_batch``: on a patched model it runs on nanoserve's pool
+  (``generate_batch.py``), on any other model it is transformers' own.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import functools
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from nanoserve.adapters.family import KVLayout
+from nanoserve.adapters.generate_batch import paged_generate_batch
 from nanoserve.adapters.hf import patch_model
 from nanoserve.adapters.sizing import PoolOptions
+from nanoserve.adapters.step import state_of
 from nanoserve.kernels.dispatch import check_backend
 
 DOOR = "nanoserve"
@@ -109,11 +113,27 @@ def _door(loader):
     return classmethod(load)
 
 
+def _batch_door(hf_generate_batch):
+    """``generate_batch`` that runs on nanoserve's pool when the model is patched."""
+
+    @functools.wraps(hf_generate_batch)
+    def generate_batch(self, *args, **kwargs):
+        if state_of(self) is None:
+            return hf_generate_batch(self, *args, **kwargs)
+        return paged_generate_batch(self, *args, **kwargs)
+
+    generate_batch.nanoserve_door = hf_generate_batch
+    return generate_batch
+
+
 def open_doors() -> None:
-    """Register ``DOOR`` with transformers and wrap its loaders (idempotent)."""
+    """Register ``DOOR`` with transformers and wrap its loaders and ``generate_batch``
+    (idempotent)."""
     AttentionInterface.register(DOOR, _not_patched)
     AttentionMaskInterface.register(DOOR, _not_patched)
     for name in _LOADERS:
         current = PreTrainedModel.__dict__[name].__func__
         if not hasattr(current, "nanoserve_door"):
             setattr(PreTrainedModel, name, _door(current))
+    if not hasattr(GenerationMixin.generate_batch, "nanoserve_door"):
+        GenerationMixin.generate_batch = _batch_door(GenerationMixin.generate_batch)

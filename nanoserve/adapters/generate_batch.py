@@ -1,0 +1,123 @@
+"""``model.generate_batch(inputs, generation_config)`` on a patched model, on nanoserve's pool.
+
+transformers' own ``generate_batch`` (continuous batching) refuses a patched model's
+attention, and would switch the model's attention while it runs. On a patched model
+``hf_native.open_doors`` routes it here instead: the prompts run as one left-padded
+``generate`` call on the paged cache, and each comes back as transformers returns it: a
+``GenerationOutput`` under ``req_<i>`` (``num_return_sequences`` copies under
+``req_<i>__child#<j>`` first, then ``req_<i>``) with the prompt, the generated tokens (up to
+and including the first EOS, as transformers keeps it) and, with
+``ContinuousBatchingConfig(return_logprobs=True)``, each token's log-probability under the
+processed scores.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+
+def _check_inputs(inputs) -> None:
+    if not isinstance(inputs, (list, tuple)) or not all(
+        isinstance(row, (list, tuple)) and row and all(isinstance(t, int) for t in row)
+        for row in inputs
+    ):
+        raise ValueError("inputs: expected a list of non-empty lists of token ids (ints)")
+
+
+def _eos_ids(config) -> set[int]:
+    eos = config.eos_token_id
+    if eos is None:
+        return set()
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    return {int(t) for t in eos if int(t) >= 0}
+
+
+def _left_padded(inputs, pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) int64 [B, longest prompt], padded on the left."""
+    width = max(len(row) for row in inputs)
+    ids = torch.full((len(inputs), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(inputs):
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _request_ids(num_inputs: int, copies: int) -> list[str]:
+    """Row order of the generate call (copies of a prompt side by side) to transformers'
+    request ids: the forked children first, the parent last."""
+    ids = []
+    for i in range(num_inputs):
+        ids += [f"req_{i}__child#{j}" for j in range(copies - 1)] + [f"req_{i}"]
+    return ids
+
+
+def paged_generate_batch(
+    model,
+    inputs: list[list[int]],
+    generation_config=None,
+    continuous_batching_config=None,
+    record_timestamps: bool = False,
+    progress_bar: bool = False,
+    persistent_manager: bool = False,
+    warmup: bool = True,
+    **kwargs,
+) -> dict[str, GenerationOutput]:
+    """transformers' ``generate_batch`` contract on the patched ``model``'s paged pool.
+
+    ``inputs``: token ids of each prompt. Returns {request id: GenerationOutput} in input
+    order. ``kwargs`` go to ``generate`` (``max_new_tokens`` among them). The continuous
+    batching manager's options (``persistent_manager``, ``warmup``, ``progress_bar``,
+    ``continuous_batching_config`` other than ``return_logprobs``) have nothing to set here.
+    """
+    _check_inputs(inputs)
+    if not inputs:
+        return {}
+    if record_timestamps:
+        raise ValueError(
+            "record_timestamps: nanoserve's generate_batch runs one generate call and has no "
+            "per-token timestamps (nanoserve.unpatch_model(model) for transformers' own)"
+        )
+    config = generation_config if generation_config is not None else model.generation_config
+    logprobs = bool(getattr(continuous_batching_config, "return_logprobs", False))
+    eos = _eos_ids(config)
+    pad = config.pad_token_id if config.pad_token_id is not None else min(eos, default=0)
+    ids, mask = _left_padded(inputs, pad, model.device)
+    copies = config.num_return_sequences or 1
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=config,
+            return_dict_in_generate=True,
+            output_scores=logprobs,
+            **kwargs,
+        )
+    end = time.perf_counter()
+
+    new = out.sequences[:, ids.shape[1] :].tolist()
+    results = {}
+    for row, request_id in enumerate(_request_ids(len(inputs), copies)):
+        tokens = new[row]
+        stop = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+        tokens = tokens[:stop]
+        result = GenerationOutput(
+            request_id=request_id,
+            prompt_ids=list(inputs[row // copies]),
+            generated_tokens=tokens,
+            status=RequestStatus.FINISHED,
+            created_time=start,
+            lifespan=(start, end),
+        )
+        if logprobs:
+            result.logprobs = [
+                torch.log_softmax(out.scores[i][row].float(), dim=-1)[t].item()
+                for i, t in enumerate(tokens)
+            ]
+        results[request_id] = result
+    return results

@@ -1,0 +1,103 @@
+"""``model.generate_batch`` on a patched model runs on nanoserve's pool and returns what
+transformers' continuous batching returns: per request the prompt, the generated tokens up to
+and including EOS, and log-probabilities when asked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import patched
+from test_families import tiny_model
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.requests import RequestStatus
+
+import nanoserve
+
+
+def random_prompts(count: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 12, (count,), generator=gen).tolist()
+    return [torch.randint(3, 97, (n,), generator=gen).tolist() for n in lengths]
+
+
+def stock_alone(model, prompt: list[int], **options):
+    """Stock generate on one prompt: (new tokens, scores per step)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), return_dict_in_generate=True, output_scores=True, **options
+        )
+    return out.sequences[0, len(prompt) :].tolist(), [s[0] for s in out.scores]
+
+
+def test_tokens_and_logprobs_equal_stock_per_prompt():
+    """Each request equals stock generate run on its prompt alone; an EOS that one row meets
+    early ends that request with the EOS kept. (With EOS dropped from the tokens, or with
+    the log-probabilities taken from the next step's scores, this test failed.)"""
+    seed = int(torch.randint(0, 2**31, ()))
+    model = tiny_model("llama", seed=seed)
+    prompts = random_prompts(5, seed)
+    free, _ = stock_alone(model, prompts[1], max_new_tokens=8, do_sample=False, eos_token_id=None)
+    eos = free[3]  # the second request stops after 4 tokens (or sooner, where eos comes back)
+    options = dict(max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    expected = [stock_alone(model, p, **options) for p in prompts]
+
+    with patched(model):
+        results = model.generate_batch(
+            prompts,
+            GenerationConfig(**options),
+            continuous_batching_config=ContinuousBatchingConfig(return_logprobs=True),
+        )
+        assert nanoserve.cache_stats(model)["tokens"] > 0  # it ran on the paged pool
+    assert list(results) == [f"req_{i}" for i in range(len(prompts))]
+    for i, (tokens, scores) in enumerate(expected):
+        result = results[f"req_{i}"]
+        assert result.prompt_ids == prompts[i]
+        assert result.generated_tokens == tokens
+        assert result.status == RequestStatus.FINISHED and result.error is None
+        stock_logprobs = [
+            torch.log_softmax(s, -1)[t].item() for s, t in zip(scores, tokens, strict=True)
+        ]
+        assert result.logprobs == pytest.approx(stock_logprobs, abs=1e-5)
+    assert len(results["req_1"].generated_tokens) <= 4
+    assert results["req_1"].generated_tokens[-1] == eos
+
+
+def test_copies_are_named_as_transformers_names_them():
+    model = tiny_model("llama")
+    config = GenerationConfig(max_new_tokens=3, do_sample=True, num_return_sequences=2)
+    with patched(model):
+        results = model.generate_batch(random_prompts(2, 5), config)
+    assert list(results) == ["req_0__child#0", "req_0", "req_1__child#0", "req_1"]
+    assert all(len(r.generated_tokens) == 3 and not r.logprobs for r in results.values())
+
+
+def test_bad_calls_are_refused():
+    model = tiny_model("llama")
+    with patched(model):
+        assert model.generate_batch([]) == {}
+        with pytest.raises(ValueError, match="^inputs"):
+            model.generate_batch([[5, 6], []])
+        with pytest.raises(ValueError, match="^inputs"):
+            model.generate_batch(torch.tensor([[5, 6]]))
+        with pytest.raises(ValueError, match="^record_timestamps"):
+            model.generate_batch([[5, 6]], record_timestamps=True)
+
+
+@pytest.mark.slow
+def test_equals_transformers_own_generate_batch():
+    """The same requests through transformers' continuous batching (the model unpatched: the
+    wrapper hands it to transformers) and through nanoserve's pool."""
+    model = tiny_model("llama", seed=4)
+    prompts = random_prompts(3, 4)
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None)
+    logprobs = ContinuousBatchingConfig(return_logprobs=True)
+    theirs = model.generate_batch(prompts, config, continuous_batching_config=logprobs)
+    assert model.config._attn_implementation == "sdpa"
+    with patched(model):
+        ours = model.generate_batch(prompts, config, continuous_batching_config=logprobs)
+    assert list(ours) == list(theirs)
+    for key, result in theirs.items():
+        assert ours[key].generated_tokens == result.generated_tokens
+        assert ours[key].prompt_ids == result.prompt_ids
+        assert ours[key].logprobs == pytest.approx(result.logprobs, abs=1e-5)
