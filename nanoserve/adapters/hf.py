@@ -25,6 +25,7 @@ from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.graph_forward import graph_decode_step, graph_step_possible
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.registry import family_for
+from nanoserve.adapters.sample_hook import hook, unhook
 from nanoserve.adapters.shared_rows import first_forward
 from nanoserve.adapters.sizing import (
     PoolOptions,
@@ -66,6 +67,7 @@ def patch_model(
     backend: str = "auto",
     keep_pools: bool = True,
     prefix_sharing: bool = True,
+    decode_loop: bool = True,
 ):
     """Make ``model.generate`` run on the paged KV cache; returns ``model``.
 
@@ -83,7 +85,9 @@ def patch_model(
     prompt in a batch (``num_return_sequences``, beams, a prompt repeated G times) are
     prefilled once and share their blocks, and so are leading blocks several prompts share
     or an earlier call stored (``shared_rows.py``; ``generate(..., cache_salt=...)`` keeps
-    callers apart).
+    callers apart). ``decode_loop`` (the default): greedy and multinomial sampling run
+    nanoserve's decode loop (``decode_loop.py``: token choice on the device, no host sync
+    per token); ``False`` runs HF's loop. Either way the tokens are stock's.
 
     Every argument is checked before anything changes: a failed call leaves the model as it
     was. Patching a patched model again replaces its options.
@@ -102,6 +106,7 @@ def patch_model(
         ("compile_decode", compile_decode),
         ("keep_pools", keep_pools),
         ("prefix_sharing", prefix_sharing),
+        ("decode_loop", decode_loop),
     ):
         if not isinstance(value, bool):
             raise ValueError(f"{name}: must be True or False, got {value!r}")
@@ -120,6 +125,7 @@ def patch_model(
         compile_decode=compile_decode,
         keep_pools=keep_pools,
         prefix_sharing=prefix_sharing,
+        decode_loop=decode_loop,
         original_attn=remember_original_attn(model.config, current),
         previous_generate=model.__dict__.get("generate"),
         previous_forward=model.__dict__.get("forward"),
@@ -160,6 +166,7 @@ def _restore(model, state: PatchState) -> None:
             model.__dict__.pop(name, None)
     if state.graphs is not None:
         state.graphs.reset()
+    unhook(model)
     # a config shared with another patched model stays switched until that one is unpatched
     if forget_original_attn(model.config) and model.config._attn_implementation == ATTN_NAME:
         model.set_attn_implementation(state.original_attn)
@@ -227,12 +234,15 @@ def last_cache(model) -> PagedCache | None:
 
 
 def decode_graph_stats(model) -> dict:
-    """The patched model's CUDA-graph figures: graphs held, captures, replays, and why
-    graphs were turned off (None while they are on)."""
-    graphs = _state(model).graphs
+    """The patched model's CUDA-graph figures: graphs held, captures, replays, why graphs
+    were turned off (None while they are on), and which loop the latest greedy / sampling
+    call ran (``decode_loop``: "nanoserve", "stock: <why>", or None before any)."""
+    state = _state(model)
+    graphs, loop = state.graphs, {"decode_loop": state.last_loop}
     if graphs is None:
-        return {"enabled": False, "graphs": 0, "captures": 0, "replays": 0, "disabled": None}
+        return {"enabled": False, "graphs": 0, "captures": 0, "replays": 0, "disabled": None} | loop
     return {
+        **loop,
         "enabled": graphs.disabled_reason is None,
         "graphs": len(graphs.graphs),
         "captures": graphs.captures,
@@ -374,6 +384,7 @@ def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs)
 def _paged_generate(self, *args, **kwargs):
     state = _state(self)
     stock = _stock(self, state.previous_generate, "generate")
+    hook(self)  # generate looks _sample up on the class (sample_hook.py)
     option = functools.partial(generate_option, self, kwargs)
 
     if state.graphs is not None:
@@ -391,7 +402,7 @@ def _paged_generate(self, *args, **kwargs):
     if option("output_attentions"):
         return stock(*args, **kwargs)  # stock's cache and attention, which return the weights
     implementation = option("cache_implementation")
-    if implementation is not None:
+    if implementation not in (None, "hybrid"):  # stock drops "hybrid", Gemma's hub default
         raise ValueError(
             f"cache_implementation: {implementation!r} asks for a transformers cache, but this "
             "model is patched by nanoserve and generates on its paged cache; leave "

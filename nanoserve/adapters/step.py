@@ -74,6 +74,9 @@ class PatchState:
     original_attn: str
     previous_generate: Callable | None = None  # an instance attribute patching replaced
     previous_forward: Callable | None = None
+    decode_loop: bool = True  # greedy / sampling run nanoserve's loop (decode_loop.py)
+    # which loop the latest _sample call ran: "nanoserve" or "stock: <why>" (None: none yet)
+    last_loop: str | None = None
     graphs: DecodeGraphs | None = None  # when cuda_graphs (and not tensor parallel)
     compiled_layers: CompiledLayers | None = None  # compile_decode's, built on first use
     # the latest generate call's PagedCache: weakly, or strongly after a call that raised
@@ -97,6 +100,7 @@ class PatchState:
             original_attn=self.original_attn,
             previous_generate=copy.deepcopy(self.previous_generate, memo),
             previous_forward=copy.deepcopy(self.previous_forward, memo),
+            decode_loop=self.decode_loop,
         )
         if self.graphs is not None:
             fresh.graphs = type(self.graphs)(capture=self.graphs.capture)

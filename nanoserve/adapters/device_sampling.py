@@ -1,0 +1,187 @@
+"""HF's logits processors and stopping criteria of greedy and multinomial sampling, as torch
+ops on the device that never read a tensor back on the host.
+
+``processor_steps`` turns the ``LogitsProcessorList`` that ``generate`` built into one step
+per entry, each computing exactly what the HF processor computes (the same ops in the same
+order, so ``output_scores`` and seeded sampling give stock's values). What differs is the
+state they keep: the repetition penalty keeps a ``[rows, vocab + 1]`` mask of the tokens a
+row has seen (updated with each step's tokens) instead of gathering over the growing
+``input_ids``, and the length processors take the length as a host integer. An entry of any
+other type makes ``unsupported`` name it, and the caller runs HF's loop instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.generation import logits_process as lp
+from transformers.generation import stopping_criteria as sc
+
+
+class _Step:
+    """One processor: ``__call__(scores [B, V] float32, length) -> scores``; ``observe``
+    sees each step's chosen tokens [B]."""
+
+    def __call__(self, scores: torch.Tensor, length: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def observe(self, tokens: torch.Tensor) -> None:
+        pass
+
+
+class _Temperature(_Step):
+    def __init__(self, p: lp.TemperatureLogitsWarper):
+        self.temperature = p.temperature
+
+    def __call__(self, scores, length):
+        return scores / self.temperature
+
+
+class _TopK(_Step):
+    def __init__(self, p: lp.TopKLogitsWarper):
+        self.top_k, self.filter_value = p.top_k, p.filter_value
+
+    def __call__(self, scores, length):
+        top_k = min(self.top_k, scores.size(-1))
+        remove = scores < torch.topk(scores, top_k)[0][..., -1, None]
+        return scores.masked_fill(remove, self.filter_value)
+
+
+class _TopP(_Step):
+    def __init__(self, p: lp.TopPLogitsWarper):
+        self.top_p, self.filter_value, self.keep = p.top_p, p.filter_value, p.min_tokens_to_keep
+
+    def __call__(self, scores, length):
+        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        sorted_remove = cumulative <= (1 - self.top_p)
+        sorted_remove[..., -self.keep :] = 0
+        remove = sorted_remove.scatter(1, sorted_indices, sorted_remove)
+        return scores.masked_fill(remove, self.filter_value)
+
+
+class _MinP(_Step):
+    def __init__(self, p: lp.MinPLogitsWarper):
+        self.min_p, self.filter_value, self.keep = p.min_p, p.filter_value, p.min_tokens_to_keep
+
+    def __call__(self, scores, length):
+        probs = torch.softmax(scores, dim=-1)
+        remove = probs < self.min_p * probs.amax(dim=-1, keepdim=True)
+        keep = torch.topk(probs, min(self.keep, probs.shape[-1]), dim=-1).indices
+        remove.scatter_(-1, keep, False)
+        return scores.masked_fill(remove, self.filter_value)
+
+
+class _RepetitionPenalty(_Step):
+    """Tokens a row has seen (its prompt but the first ``prompt_ignore_length`` columns, an
+    int or one per row, then every chosen token) are divided (positive) or multiplied
+    (negative) by the penalty. Ids past the vocabulary land in a dropped last column."""
+
+    def __init__(self, p: lp.RepetitionPenaltyLogitsProcessor, prompt: torch.Tensor):
+        self.penalty = p.penalty
+        ignore = getattr(p, "prompt_ignore_length", None)
+        if isinstance(ignore, torch.Tensor):  # 5.24 passes each row's left padding
+            columns = torch.arange(prompt.shape[1], device=prompt.device)
+            ignored = columns[None, :] < ignore.to(prompt.device)[:, None]
+            prompt = prompt.masked_fill(ignored, torch.iinfo(prompt.dtype).max)
+        elif ignore:
+            prompt = prompt[:, ignore:]
+        self.prompt = prompt
+        self.seen: torch.Tensor | None = None  # bool [B, V + 1], built at the first step
+
+    def __call__(self, scores, length):
+        vocab = scores.shape[-1]
+        if self.seen is None:
+            rows = scores.shape[0]
+            self.seen = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=scores.device)
+            self.seen.scatter_(1, self.prompt.to(scores.device).clamp(max=vocab), True)
+        penalized = torch.where(scores < 0, scores * self.penalty, scores / self.penalty)
+        return torch.where(self.seen[:, :vocab], penalized, scores)
+
+    def observe(self, tokens):
+        if self.seen is not None:
+            vocab = self.seen.shape[1] - 1
+            self.seen.scatter_(1, tokens.clamp(max=vocab)[:, None], True)
+
+
+class _EosBlocked(_Step):
+    """EOS gets -inf while ``length - skip < minimum`` (min_length, min_new_tokens)."""
+
+    def __init__(self, minimum: int, skip: int, eos_token_id):
+        self.minimum, self.skip = minimum, skip
+        self.eos = torch.as_tensor(eos_token_id).reshape(-1)
+        self.mask: torch.Tensor | None = None
+
+    def __call__(self, scores, length):
+        if length - self.skip >= self.minimum:
+            return scores
+        if self.mask is None:
+            vocab = torch.arange(scores.shape[-1], device=scores.device)
+            self.mask = torch.isin(vocab, self.eos.to(scores.device))
+        return torch.where(self.mask, -math.inf, scores)
+
+
+def _min_length(p: lp.MinLengthLogitsProcessor, prompt):
+    return _EosBlocked(p.min_length, 0, p.eos_token_id)
+
+
+def _min_new_tokens(p: lp.MinNewTokensLengthLogitsProcessor, prompt):
+    return _EosBlocked(p.min_new_tokens, p.prompt_length_to_skip, p.eos_token_id)
+
+
+_STEPS = {
+    lp.TemperatureLogitsWarper: lambda p, prompt: _Temperature(p),
+    lp.TopKLogitsWarper: lambda p, prompt: _TopK(p),
+    lp.TopPLogitsWarper: lambda p, prompt: _TopP(p),
+    lp.MinPLogitsWarper: lambda p, prompt: _MinP(p),
+    lp.RepetitionPenaltyLogitsProcessor: _RepetitionPenalty,
+    lp.MinLengthLogitsProcessor: _min_length,
+    lp.MinNewTokensLengthLogitsProcessor: _min_new_tokens,
+}
+
+
+def unsupported(logits_processor, stopping_criteria) -> str | None:
+    """Why these processors / criteria need HF's loop (a phrase naming the entry), or None
+    when ``processor_steps`` and ``stop_rule`` compute them exactly."""
+    for p in logits_processor:
+        if type(p) not in _STEPS:
+            return f"logits processor {type(p).__name__}"
+        if getattr(p, "logits_indices", None) is not None:  # HF's packed batches only
+            return "repetition penalty with packed logits_indices"
+    kinds = [type(c) for c in stopping_criteria]
+    for kind in kinds:
+        if kind not in (sc.MaxLengthCriteria, sc.EosTokenCriteria):
+            return f"stopping criterion {kind.__name__}"
+    if kinds.count(sc.MaxLengthCriteria) != 1:
+        return "no single max_length"
+    return None
+
+
+def processor_steps(logits_processor, prompt: torch.Tensor) -> list[_Step]:
+    """One device step per entry of ``logits_processor`` (all supported: ``unsupported``
+    said None); ``prompt`` int64 [B, L] is the ``input_ids`` generate starts from."""
+    return [_STEPS[type(p)](p, prompt) for p in logits_processor]
+
+
+def apply_steps(steps: list[_Step], scores: torch.Tensor, length: int) -> torch.Tensor:
+    """``scores`` [B, V] float32 processed as HF's list would at sequence length ``length``."""
+    for step in steps:
+        scores = step(scores, length)
+    return scores
+
+
+class StopRule:
+    """HF's ``MaxLengthCriteria`` (a host length) and ``EosTokenCriteria`` (on the device)."""
+
+    def __init__(self, stopping_criteria, device: torch.device):
+        self.max_length = next(
+            c.max_length for c in stopping_criteria if type(c) is sc.MaxLengthCriteria
+        )
+        eos = [c.eos_token_id for c in stopping_criteria if type(c) is sc.EosTokenCriteria]
+        ids = [torch.as_tensor(e).reshape(-1) for e in eos]
+        self.eos = torch.cat(ids).to(device) if ids else None
+
+    def finished(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """bool [B]: rows whose new token ``tokens`` [B] is an EOS (None without EOS)."""
+        return torch.isin(tokens, self.eos) if self.eos is not None else None

@@ -1,0 +1,341 @@
+"""nanoserve's decode loop (``decode_loop.py``) behind the unchanged ``generate``.
+
+Each call runs three ways: stock (unpatched), patched with HF's loop (``decode_loop=False``)
+and patched with nanoserve's loop. Sequences must equal stock's; the scores and logits must
+equal HF's loop on the patched model bit for bit (both run the same paged forward, so any
+difference is the loop's), and ``decode_graph_stats`` must name the loop that ran. EOS is made
+to arrive at different steps per row by scaling its row of the output embedding.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+import torch
+from helpers import patched
+from test_families import padded_batch, tiny_model
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from transformers.generation import logits_process as lp
+
+import nanoserve
+from nanoserve.adapters import decode_loop
+from nanoserve.adapters.device_sampling import apply_steps, processor_steps, unsupported
+from nanoserve.adapters.step import find_cache
+
+EOS = 2
+RETURN_ALL = dict(return_dict_in_generate=True, output_scores=True, output_logits=True)
+
+
+def eos_early(model, scale: float):
+    """Make EOS likelier (its output-embedding row scaled), so rows end at spread steps."""
+    with torch.no_grad():
+        model.lm_head.weight[EOS] *= scale
+    return model
+
+
+def three_ways(model, inputs, seed=None, patch_options=None, **opts):
+    """(stock, HF's loop patched, nanoserve's loop patched, the latter's loop name)."""
+    outs = []
+
+    def run():
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.no_grad():
+            return model.generate(**inputs, **opts)
+
+    outs.append(run())
+    for loop in (False, True):
+        with patched(model, decode_loop=loop, **(patch_options or {})):
+            outs.append(run())
+            ran = nanoserve.decode_graph_stats(model)["decode_loop"]
+            assert ran == ("nanoserve" if loop else "stock: decode_loop=False")
+    return (*outs, ran)
+
+
+def assert_same(stock, hf_loop, ours):
+    assert torch.equal(stock.sequences, ours.sequences), (stock.sequences, ours.sequences)
+    assert torch.equal(hf_loop.sequences, ours.sequences)
+    for field in ("scores", "logits"):
+        a, b = getattr(hf_loop, field), getattr(ours, field)
+        assert len(a) == len(b) == len(getattr(stock, field))
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), field
+    # the steps run past the stop were cropped: the returned cache is HF's loop's
+    ours_cache, hf_cache = (find_cache(dict(out.items())) for out in (ours, hf_loop))
+    assert ours_cache.get_seq_length() == hf_cache.get_seq_length()
+    assert ours_cache.paged.seq_lens() == hf_cache.paged.seq_lens()
+
+
+def test_eos_at_different_steps():
+    """Left-padded rows ending at different steps, then all rows finish before max_length:
+    the loop reads "all finished" back a few steps late and must cut those steps. Planted:
+    no crop of the extra steps (the cache kept 4 more columns) and no pad after EOS both
+    failed."""
+    model = eos_early(tiny_model("llama", seed=10), 3.0)  # rows end after 6, 13 and 4 tokens
+    inputs = padded_batch([13, 6, 2], 13)
+    stock, hf_loop, ours, _ = three_ways(model, inputs, max_new_tokens=30, **RETURN_ALL)
+    ends = [(row == EOS).nonzero()[0].item() for row in stock.sequences[:, 13:]]
+    assert len(set(ends)) == 3 and stock.sequences.shape[1] < 13 + 30  # spread, stopped early
+    assert_same(stock, hf_loop, ours)
+
+
+@pytest.mark.parametrize("prefix_sharing", [True, False])
+def test_sampling_processors_and_copies(prefix_sharing):
+    """Seeded sampling with every processor the loop implements, num_return_sequences and
+    min_new_tokens: stock's tokens (the same RNG calls), HF's loop's scores bit for bit.
+    Planted: the repetition penalty forgetting the prompt, and top-p keeping one token
+    fewer, each failed."""
+    model = eos_early(tiny_model("llama", seed=3), 2.0)
+    inputs = padded_batch([9, 5], 9, seed=4)
+    opts = dict(
+        do_sample=True, temperature=0.7, top_k=40, top_p=0.9, min_p=0.02,
+        repetition_penalty=1.3, min_new_tokens=3, num_return_sequences=3, max_new_tokens=25,
+    )  # fmt: skip
+    seed = int.from_bytes(os.urandom(4), "little")
+    stock, hf_loop, ours, _ = three_ways(
+        model, inputs, seed, dict(prefix_sharing=prefix_sharing), **opts, **RETURN_ALL
+    )
+    assert_same(stock, hf_loop, ours)
+
+
+def test_greedy_without_eos_and_multiple_eos_ids():
+    """No EOS at all (runs to max_length), then two EOS ids and min_length."""
+    model = eos_early(tiny_model("qwen2", seed=5), 3.0)
+    inputs = padded_batch([7, 3], 7)
+    args = dict(max_new_tokens=12, eos_token_id=None, **RETURN_ALL)
+    assert_same(*three_ways(model, inputs, **args)[:3])
+    args = dict(max_new_tokens=20, eos_token_id=[EOS, 5], min_length=10, **RETURN_ALL)
+    assert_same(*three_ways(model, inputs, **args)[:3])
+
+
+def test_plain_tensor_output_and_streamer():
+    """``return_dict_in_generate=False`` returns stock's tensor; a streamer gets the same
+    puts in the same order as with stock (prompt, one tensor per step, then end)."""
+
+    class Record:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.clone())
+
+        def end(self):
+            self.ended = True
+
+    model = eos_early(tiny_model("llama", seed=6), 3.0)  # EOS after 35 tokens
+    inputs = padded_batch([6], 6)
+    records = [Record(), Record()]
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=40, streamer=records[0])
+        with patched(model):
+            ours = model.generate(**inputs, max_new_tokens=40, streamer=records[1])
+            assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
+    assert torch.equal(stock, ours) and stock.shape[1] < 6 + 40
+    assert len(records[0].puts) == len(records[1].puts) and records[1].ended
+    assert all(torch.equal(a, b) for a, b in zip(records[0].puts, records[1].puts, strict=True))
+
+
+class AddOne(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        return scores + 1
+
+
+class NeverStop(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@pytest.mark.parametrize(
+    "opts, reason",
+    [
+        (dict(logits_processor=LogitsProcessorList([AddOne()])), "logits processor AddOne"),
+        (dict(stopping_criteria=StoppingCriteriaList([NeverStop()])), "NeverStop"),
+        (dict(no_repeat_ngram_size=2), "NoRepeatNGramLogitsProcessor"),
+        (dict(renormalize_logits=True), "LogitNormalization"),
+        (dict(output_hidden_states=True, return_dict_in_generate=True), "output_hidden_states"),
+        (dict(past_key_values="dynamic"), "a cache other than nanoserve's PagedCache"),
+    ],
+)
+def test_fallbacks_run_hf_loop(opts, reason):
+    """What the loop does not implement runs HF's ``_sample`` (stock's tokens) and says why.
+    Planted: dropping the processor check made the AddOne case run nanoserve's loop."""
+    from transformers import DynamicCache
+
+    model = eos_early(tiny_model("llama"), 2.0)
+    inputs = padded_batch([8, 4], 8)
+
+    def run():
+        extra = dict(opts)
+        if extra.get("past_key_values") == "dynamic":
+            extra["past_key_values"] = DynamicCache(config=model.config)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=10, **extra)
+        return out if isinstance(out, torch.Tensor) else out.sequences
+
+    stock = run()
+    with patched(model):
+        ours = run()
+        ran = nanoserve.decode_graph_stats(model)["decode_loop"]
+    assert ran.startswith("stock: ") and reason in ran, ran
+    assert torch.equal(stock, ours)
+
+
+def test_beam_search_never_reaches_the_loop():
+    """Beam search is not ``_sample``: the hook is not called, the last loop stays unset."""
+    model = tiny_model("llama")
+    with patched(model), torch.no_grad():
+        model.generate(**padded_batch([5], 5), max_new_tokens=4, num_beams=2)
+        assert nanoserve.decode_graph_stats(model)["decode_loop"] is None
+
+
+def test_hook_lives_on_the_class_while_patched():
+    """generate looks ``_sample`` up on the class: the hook is there while a patched model of
+    the class lives and gone after the last unpatch; an unpatched model of the same class
+    runs stock's ``_sample`` meanwhile."""
+    first, second = tiny_model("llama"), tiny_model("llama", seed=1)
+    cls = type(first)
+    assert "_sample" not in cls.__dict__
+    inputs = padded_batch([6, 3], 6)
+    with torch.no_grad():
+        stock_second = second.generate(**inputs, max_new_tokens=6)
+        nanoserve.patch_model(first)
+        first.generate(**inputs, max_new_tokens=6)
+        assert "_sample" in cls.__dict__
+        assert torch.equal(second.generate(**inputs, max_new_tokens=6), stock_second)
+        nanoserve.patch_model(second)
+        second.generate(**inputs, max_new_tokens=6)
+        nanoserve.unpatch_model(first)
+        assert "_sample" in cls.__dict__  # second is still patched
+        nanoserve.unpatch_model(second)
+    assert "_sample" not in cls.__dict__
+
+
+def test_decode_loop_option_is_checked():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="decode_loop"):
+        nanoserve.patch_model(model, decode_loop="yes")
+
+
+# -- the processors alone, on random logits ---------------------------------------------
+
+
+# transformers 5.24 ignores each row's left padding (a tensor); 5.17 takes an int only
+PER_ROW_IGNORE = "Tensor" in str(
+    inspect.signature(lp.RepetitionPenaltyLogitsProcessor).parameters["prompt_ignore_length"]
+)
+
+
+def random_processors(gen: torch.Generator, prompt_len: int) -> list:
+    """A random subset of the supported processors, in a random order, random parameters."""
+
+    def u(low, high):
+        return low + (high - low) * torch.rand((), generator=gen).item()
+
+    per_row = torch.randint(0, prompt_len, (3,), generator=gen)  # 5.24: each row's padding
+    choices = [
+        lambda: lp.TemperatureLogitsWarper(u(0.3, 2.0)),
+        lambda: lp.TopKLogitsWarper(int(torch.randint(1, 60, (), generator=gen))),
+        lambda: lp.TopPLogitsWarper(u(0.05, 1.0), min_tokens_to_keep=int(u(1, 4))),
+        lambda: lp.MinPLogitsWarper(u(0.0, 0.5), min_tokens_to_keep=int(u(1, 4))),
+        lambda: lp.RepetitionPenaltyLogitsProcessor(u(0.5, 2.0)),
+        lambda: lp.RepetitionPenaltyLogitsProcessor(u(0.5, 2.0), prompt_ignore_length=3),
+        lambda: lp.MinLengthLogitsProcessor(prompt_len + 2, [EOS, 7]),
+        lambda: lp.MinNewTokensLengthLogitsProcessor(prompt_len, 2, EOS),
+    ]
+    if PER_ROW_IGNORE:
+        choices.append(
+            lambda: lp.RepetitionPenaltyLogitsProcessor(1.7, prompt_ignore_length=per_row)
+        )
+    order = torch.randperm(len(choices), generator=gen)[
+        : int(torch.randint(1, 6, (), generator=gen))
+    ]
+    return [choices[i]() for i in order]
+
+
+def test_processed_scores_equal_hf_processors():
+    """On fresh random logits and token histories, the device steps give exactly what HF's
+    processors give, step after step as tokens are appended (the repetition penalty's mask
+    follows the new tokens). Planted: the penalty's mask never updated after the prompt
+    failed, and min-p comparing with <= failed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(40):
+        rows, vocab, prompt_len = 3, 97, 5
+        ids = torch.randint(0, vocab, (rows, prompt_len), generator=gen)
+        processors = LogitsProcessorList(random_processors(gen, prompt_len))
+        assert unsupported(processors, []) in (None, "no single max_length")
+        steps = processor_steps(processors, ids)
+        for _ in range(4):
+            logits = torch.randn(rows, vocab, generator=gen) * 4
+            expected = processors(ids, logits.clone())
+            got = apply_steps(steps, logits.clone(), ids.shape[1])
+            assert torch.equal(expected, got), (seed, processors)
+            tokens = torch.randint(0, vocab, (rows,), generator=gen)
+            for step in steps:
+                step.observe(tokens)
+            ids = torch.cat([ids, tokens[:, None]], dim=1)
+
+
+def test_read_back_lag_is_what_the_tests_exercise():
+    """The CPU tests rely on the flags being read back late (extra steps to cut)."""
+    assert decode_loop.READ_BACK_LAG >= 2
+
+
+# -- the real model ---------------------------------------------------------------------
+
+
+def test_smollm2_greedy(smollm2):
+    from helpers import chat
+
+    model, tok = smollm2
+    inputs = chat(tok, ["What is the capital of France?", "Name a color."])
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+        with patched(model):
+            ours = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+            assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
+    assert torch.equal(stock, ours)
+
+
+# -- GPU ----------------------------------------------------------------------------------
+
+gpu = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_greedy_float32_with_graphs(graphs):
+    """On CUDA (replayed graphs, Triton kernels, the non-blocking read-back): float32 greedy
+    rows ending at spread steps give stock's sequences and HF's loop's logits."""
+    model = eos_early(tiny_model("llama", hidden_size=256, num_hidden_layers=3), 3.0).cuda()
+    inputs = {k: v.cuda() for k, v in padded_batch([40, 17, 5, 33, 2], 40).items()}
+    stock, hf_loop, ours, _ = three_ways(
+        model, inputs, patch_options=dict(cuda_graphs=graphs), max_new_tokens=60, **RETURN_ALL
+    )
+    assert_same(stock, hf_loop, ours)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_sampling_bfloat16_seed_reproduces():
+    """bf16 sampling on CUDA: the same seed gives the same tokens run to run, and HF's
+    loop's tokens on the patched model (same logits, same RNG calls)."""
+    model = eos_early(tiny_model("llama", hidden_size=256), 2.0).cuda().to(torch.bfloat16)
+    inputs = {k: v.cuda() for k, v in padded_batch([30, 9, 21], 30).items()}
+    opts = dict(do_sample=True, top_p=0.9, temperature=0.8, num_return_sequences=4)
+    runs = []
+    for loop in (True, True, False):
+        with patched(model, decode_loop=loop), torch.no_grad():
+            torch.manual_seed(7)
+            runs.append(model.generate(**inputs, max_new_tokens=50, **opts))
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
