@@ -1,13 +1,17 @@
 """nanoserve: a paged KV cache with Triton kernels under stock Hugging Face models.
 
 Importing it makes ``from_pretrained(..., attn_implementation="nanoserve")`` load a patched
-model (``adapters/hf_native.py``) when a supported transformers is installed.
+model (``adapters/hf_native.py``) when a supported transformers is installed, and applies
+``NANOSERVE_LOG`` (``log.py``).
 """
 
 import importlib.util
 import warnings
 
 from nanoserve.cache import BlockAllocator, BlockTable, OutOfBlocks, PagedKVCache
+from nanoserve.log import configure_from_env
+
+configure_from_env()
 
 # The HF adapter imports transformers; it is loaded on first use so that the cache and the
 # kernels stay importable (and quick to import) without it.

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.cache import StepMetadata
+from nanoserve.log import get_logger
+
+_log = get_logger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -156,6 +159,8 @@ class DecodeGraphs:
         self.recheck = False
         signature = signature(cache) if signature is not None else None
         if signature is None or signature != self.cache_signature:
+            if self.graphs:
+                _log.info("decode graphs: %d dropped (new pools or weights)", len(self.graphs))
             self.reset()
         self.cache = weakref.ref(cache)
         self.cache_signature = signature
@@ -210,6 +215,7 @@ class DecodeGraphs:
             failure = RuntimeError("another tensor-parallel rank failed to capture this step")
         if failure is not None:
             self.disabled_reason = f"{type(failure).__name__}: {failure}"
+            _log.info("fallback: decode steps run eagerly (capture failed: %s)", failure)
             warnings.warn(
                 f"nanoserve: CUDA-graph capture failed, decoding eagerly ({self.disabled_reason})",
                 stacklevel=3,
@@ -219,6 +225,13 @@ class DecodeGraphs:
         self.captures += 1
         captured = _Captured(graph, static, *_template(output, cache))
         self.graphs[key] = captured
+        _log.info(
+            "decode graph captured: batch bucket %d (batch %d), block table width %d; %d held",
+            key[0],
+            batch,
+            key[1],
+            len(self.graphs),
+        )
         graph.replay()
         self.replays += 1
         return _trim(captured, cache, batch)

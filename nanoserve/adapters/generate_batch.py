@@ -18,6 +18,10 @@ import time
 import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
+from nanoserve.log import get_logger
+
+_log = get_logger(__name__)
+
 
 def _check_inputs(inputs) -> None:
     if not isinstance(inputs, (list, tuple)) or not all(
@@ -87,6 +91,7 @@ def paged_generate_batch(
     pad = config.pad_token_id if config.pad_token_id is not None else min(eos, default=0)
     ids, mask = _left_padded(inputs, pad, model.device)
     copies = config.num_return_sequences or 1
+    _log.info("generate_batch: %d requests as one generate call on the paged pool", len(inputs))
 
     start = time.perf_counter()
     with torch.no_grad():

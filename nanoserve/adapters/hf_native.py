@@ -33,11 +33,13 @@ from nanoserve.adapters.hf import patch_model
 from nanoserve.adapters.sizing import PoolOptions
 from nanoserve.adapters.step import state_of
 from nanoserve.kernels.dispatch import check_backend
+from nanoserve.log import get_logger
 
 DOOR = "nanoserve"
 _LOADERS = ("from_pretrained", "_from_config")
 # a model built inside another's loading (a composite model's sub-model) is not patched alone
 _LOADING: ContextVar[bool] = ContextVar("nanoserve_loading", default=False)
+_log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,11 @@ def _pass_door(model, paged_config: PagedConfig | None):
     # what transformers picks when no attention is asked for: unpatch_model goes back to it
     default = model._check_and_adjust_attn_implementation(None, is_init_check=True)
     model.set_attn_implementation(default)
-    return patch_model(model, **(paged_config or PagedConfig()).options())
+    paged_config = paged_config or PagedConfig()
+    _log.info(
+        '%s: attn_implementation="%s", patched with %s', type(model).__name__, DOOR, paged_config
+    )
+    return patch_model(model, **paged_config.options())
 
 
 def _door(loader):

@@ -28,6 +28,9 @@ import torch
 
 from nanoserve.adapters.step import CACHE_KWARGS, new_token_mask, paged_step
 from nanoserve.cache import block_digests
+from nanoserve.log import get_logger
+
+_log = get_logger(__name__)
 
 # Forward arguments whose rows can be taken from the group leaders alone.
 _ROW_KWARGS = ("input_ids", "attention_mask", "position_ids")
@@ -73,10 +76,19 @@ def first_forward(stock_forward, backend: str, cache, kwargs: dict):
         paged.reset()  # the call's first forward: nothing of it stays
         raise
     cache.end_step(columns=ids.shape[1])
-    cache.note_shared(
+    shared = dict(
         rows=len(plan.groups) - len(plan.leaders),
         hits=sum(1 for n in cached if n),
         tokens=int(every_row.sum()) - int(meta.cu_seqlens_q[-1]) - computed,
+    )
+    cache.note_shared(**shared)
+    _log.info(
+        "first forward: %d rows copy another, %d rows found %d cached prefix tokens, "
+        "%d prompt tokens not recomputed",
+        shared["rows"],
+        shared["hits"],
+        sum(cached),
+        shared["tokens"],
     )
     if len(plan.leaders) < len(plan.groups):
         logits = output["logits"]

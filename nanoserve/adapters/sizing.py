@@ -9,6 +9,9 @@ import torch
 
 from nanoserve.adapters.family import KVLayout
 from nanoserve.cache.allocator import as_index
+from nanoserve.log import get_logger
+
+_log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ def pool_size(
     bs = options.block_size
     table_width = coarse_width(math.ceil((shape.width + shape.new_tokens) / bs) + 1)
     if options.num_blocks is not None:
+        _log.info("pool: %d blocks of %d tokens (num_blocks)", options.num_blocks, bs)
         return PoolSize(options.num_blocks, table_width)
     if options.max_memory is not None:
         size = block_bytes(options.layout, bs, model.dtype)
@@ -149,7 +153,15 @@ def pool_size(
             raise ValueError(
                 f"max_memory: {options.max_memory} bytes is less than one block ({size} bytes)"
             )
-        return PoolSize(options.max_memory // size, table_width)
+        num_blocks = options.max_memory // size
+        _log.info(
+            "pool: %d blocks of %d tokens, what fits in max_memory=%d bytes (%d bytes a block)",
+            num_blocks,
+            bs,
+            options.max_memory,
+            size,
+        )
+        return PoolSize(num_blocks, table_width)
     new, spare = shape.new_tokens, shape.spare
     blocks = 0
     for first, rows in shape.groups:
@@ -157,6 +169,18 @@ def pool_size(
         alone = rows * (math.ceil((n + new) / bs) + spare)
         shared = math.ceil(n / bs) + rows * (math.ceil((n + new) / bs) - n // bs + spare)
         blocks += min(alone, shared) if share_rows else alone
+    _log.info(
+        "pool: %d blocks of %d tokens: %d needed (%d rows, %d prompt tokens, up to %d new "
+        "tokens a row%s%s), rounded up to a coarse size",
+        coarse_blocks(blocks),
+        bs,
+        blocks,
+        len(shape.prompt_lens) * shape.copies,
+        sum(shape.prompt_lens),
+        new,
+        ", a spare block per beam" if spare else "",
+        ", copies of a prompt stored once" if share_rows else "",
+    )
     return PoolSize(coarse_blocks(blocks), table_width)
 
 
