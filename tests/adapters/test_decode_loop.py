@@ -116,7 +116,8 @@ def test_greedy_without_eos_and_multiple_eos_ids():
 
 def test_plain_tensor_output_and_streamer():
     """``return_dict_in_generate=False`` returns stock's tensor; a streamer gets the same
-    puts in the same order as with stock (prompt, one tensor per step, then end)."""
+    puts in the same order as with stock (prompt, one tensor per step, then end).
+    Planted: the read-back never feeding the streamer failed."""
 
     class Record:
         def __init__(self):
@@ -262,7 +263,7 @@ def test_processed_scores_equal_hf_processors():
     """On fresh random logits and token histories, the device steps give exactly what HF's
     processors give, step after step as tokens are appended (the repetition penalty's mask
     follows the new tokens). Planted: the penalty's mask never updated after the prompt
-    failed, and min-p comparing with <= failed."""
+    failed, and top-p keeping one token fewer failed."""
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     for _ in range(40):
