@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 from nanoserve.adapters.family import Family
+from nanoserve.adapters.gemma import GEMMA
 from nanoserve.adapters.llama import LLAMA
+from nanoserve.adapters.phi3 import PHI3
 
-FAMILIES: tuple[Family, ...] = (LLAMA,)
+FAMILIES: tuple[Family, ...] = (LLAMA, GEMMA, PHI3)
 
 
 def supported_model_types() -> list[str]:

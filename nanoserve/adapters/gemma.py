@@ -1,0 +1,36 @@
+"""The Gemma family: Gemma 2 and Gemma 3's text models (``Gemma3ForCausalLM``).
+
+What their attention modules hand the attention function, beyond Llama's contract: the
+scale ``query_pre_attn_scalar ** -0.5`` (not ``head_dim ** -0.5``), Gemma 2's logit softcap
+(``softcap=``; Gemma 3 passes none), and ``sliding_window`` on the layers that
+``config.layer_types`` marks "sliding_attention" (None on the global ones). ``paged_attention``
+takes all three from the call, so a layer is computed as stock computes it. Gemma 3's q/k
+norms and its separate rope base for local layers act on the query and key before
+``cache.update``: the cache stores the K it is given and needs nothing of them. HF's own
+cache keeps only the last window of a sliding layer; the paged pool keeps every token and
+the window is applied when attention reads it, which gives the same result.
+"""
+
+from __future__ import annotations
+
+from nanoserve.adapters.family import Family
+from nanoserve.adapters.llama import kv_layout
+
+KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check(config) -> None:
+    if getattr(config, "use_bidirectional_attention", False):
+        raise NotImplementedError("nanoserve: bidirectional (use_bidirectional_attention) models")
+    unknown = set(getattr(config, "layer_types", None) or ()) - set(KNOWN_LAYER_TYPES)
+    if unknown:
+        raise NotImplementedError(f"nanoserve: layer_types {sorted(unknown)} in a Gemma config")
+
+
+GEMMA = Family(
+    name="gemma",
+    model_types=("gemma2", "gemma3_text"),
+    kv_layout=kv_layout,
+    decoder_layers=lambda model: model.base_model.layers,
+    check=check,
+)
