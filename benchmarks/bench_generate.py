@@ -24,6 +24,12 @@ call with one new token.
 `--system-prompt` runs 32 calls of batch 4 that share one 2,048-token system prompt and add
 64-token user turns, each call's prefill timed alone (one new token), with and without prefix
 sharing.
+`--eos-spread` runs 64 sampled rows (top_k 50) of one 512-token prompt whose EOS arrives
+spread over 32..512 new tokens (min_new_tokens 32, max_new_tokens 512; EOS made likely by
+scaling its output-embedding row, calibrated once so the median row ends near 128 new
+tokens; the same model for every provider): nanoserve with its own decode loop, with HF's
+loop (``decode_loop=False``), and the static cache + compile. Useful tokens/s counts each
+row's tokens up to its EOS.
 `--tiny` runs a 2-layer model on whatever device there is (a smoke test, not a benchmark).
 """
 
@@ -165,9 +171,19 @@ def provider_patched(model, ids, mask, lens, new, device, **patch_kwargs):
         graphs = nanoserve.decode_graph_stats(model)
         if patch_kwargs.get("cuda_graphs") and graphs["disabled"]:
             raise RuntimeError(f"graphs disabled: {graphs['disabled']}")
+        check_loop(graphs, patch_kwargs.get("decode_loop", True))
     finally:
         nanoserve.unpatch_model(model)
     return out, secs, stats["bytes_reserved"]
+
+
+def check_loop(graphs: dict, decode_loop: bool) -> None:
+    """RuntimeError when the patched call did not run the decode loop it was meant to."""
+    ran = graphs["decode_loop"]
+    if decode_loop and ran != "nanoserve":
+        raise RuntimeError(f"nanoserve's decode loop did not run: {ran}")
+    if not decode_loop and ran != "stock: decode_loop=False":
+        raise RuntimeError(f"HF's loop was asked for, {ran} ran")
 
 
 def capacity(model, new: int, device: str, budget: int, prefill_chunk: int) -> dict:
@@ -231,6 +247,9 @@ PROVIDERS = {
     "nanoserve_graphs": functools.partial(provider_patched, cuda_graphs=True),
     "nanoserve_graphs_compiled": functools.partial(
         provider_patched, cuda_graphs=True, compile_decode=True
+    ),
+    "nanoserve_graphs_hf_loop": functools.partial(
+        provider_patched, cuda_graphs=True, decode_loop=False
     ),
     "nanoserve_eager": functools.partial(provider_patched, cuda_graphs=False),
     "stock_static_compile": provider_static,
@@ -358,6 +377,82 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
     return rows
 
 
+def eos_lengths(out: torch.Tensor, eos: int) -> list[int]:
+    """Each row's new tokens up to and including its first EOS (all of them without one)."""
+    ends = (out == eos).int().argmax(dim=1)
+    has = (out == eos).any(dim=1)
+    return torch.where(has, ends + 1, out.shape[1]).tolist()
+
+
+def eos_spread(model, device: str, tiny: bool) -> list[dict]:
+    """Rows: one per provider over 64 sampled rows whose EOS arrives spread over 32..512."""
+    rows_n, prompt, low, high, eos = (8, 16, 4, 64, 2) if tiny else (64, 512, 32, 512, 2)
+    gen = torch.Generator().manual_seed(8)
+    ids, mask = left_padded([prompt], model.config.vocab_size, gen, device)
+    ids, mask = ids.repeat(rows_n, 1), mask.repeat(rows_n, 1)
+    sample = dict(do_sample=True, top_k=50, eos_token_id=eos, pad_token_id=0, min_new_tokens=low)
+
+    def call(new, **extra):
+        torch.manual_seed(11)
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                             **sample, **extra)  # fmt: skip
+        sync(device)
+        return out[:, ids.shape[1] :], time.perf_counter() - start
+
+    # calibrate the EOS row's scale (geometric bisection) so the median row ends near 4x low
+    row = model.lm_head.weight[eos].detach().clone()
+    nanoserve.patch_model(model)
+    lo, hi, scale, lengths = 1.0, 4096.0, 1.0, []
+    try:
+        for _ in range(12):
+            scale = (lo * hi) ** 0.5
+            with torch.no_grad():
+                model.lm_head.weight[eos] = row * scale
+            lengths = eos_lengths(call(high)[0], eos)
+            median = statistics.median(lengths)
+            if 3 * low <= median <= 6 * low:
+                break
+            lo, hi = (scale, hi) if median > 6 * low else (lo, scale)
+    finally:
+        nanoserve.release_memory(model)
+        nanoserve.unpatch_model(model)
+    print(f"EOS row scaled by {scale:.3g}: new tokens per row min {min(lengths)}, median "
+          f"{statistics.median(lengths)}, max {max(lengths)}", flush=True)  # fmt: skip
+    providers = {
+        "nanoserve, own decode loop": dict(decode_loop=True),
+        "nanoserve, HF's loop": dict(decode_loop=False),
+        "stock static + compile": None,
+    }
+    results = []
+    for name, patch in providers.items():
+        extra = dict(cache_implementation="static") if patch is None else {}
+        if patch is not None:
+            nanoserve.patch_model(model, **patch)
+        try:
+            call(high, **extra)  # warm-up: compiles, captures
+            runs = [call(high, **extra) for _ in range(1 if patch is None else TIMED_CALLS)]
+            out, _ = runs[0]
+            seconds = statistics.median(secs for _, secs in runs)
+            if patch is not None:
+                check_loop(nanoserve.decode_graph_stats(model), patch["decode_loop"])
+        finally:
+            if patch is not None:
+                nanoserve.release_memory(model)
+                nanoserve.unpatch_model(model)
+        lengths = eos_lengths(out, eos)
+        result = {"provider": name, "useful_tok/s": round(sum(lengths) / seconds, 1),
+                  "seconds": round(seconds, 3), "steps": out.shape[1],
+                  "len_min": min(lengths), "len_median": statistics.median(lengths),
+                  "len_max": max(lengths), "eos_scale": round(scale, 3)}  # fmt: skip
+        results.append(result)
+        print(result, flush=True)
+    with torch.no_grad():
+        model.lm_head.weight[eos] = row
+    return results
+
+
 def report(rows: list[dict], columns: list[str], name: str) -> None:
     """Write ``rows`` to ``name``.csv and print them as a table (missing cells empty)."""
     rows = [{c: r.get(c, "") for c in columns} for r in rows]
@@ -383,6 +478,8 @@ def main() -> None:
                         help="only 32 calls sharing a 2,048-token system prompt")  # fmt: skip
     parser.add_argument("--group", action="store_true",
                         help="only the group rollout (16 prompts x 8 rows, sampled)")  # fmt: skip
+    parser.add_argument("--eos-spread", action="store_true",
+                        help="only 64 sampled rows ending over 32..512 tokens")  # fmt: skip
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(args.tiny, device)
@@ -395,6 +492,11 @@ def main() -> None:
         columns = ["provider", "tok/s", "seconds", "first_token_s", "peak_GiB",
                    "kv_reserved/unique", "rows_shared"]  # fmt: skip
         report(group_rollout(model, device, args.tiny), columns, "generate_group")
+        return
+    if args.eos_spread:
+        columns = ["provider", "useful_tok/s", "seconds", "steps", "len_min", "len_median",
+                   "len_max", "eos_scale"]  # fmt: skip
+        report(eos_spread(model, device, args.tiny), columns, "generate_eos_spread")
         return
     if args.stream:
         columns = ["policy", "calls", "total_s", "median_s", "max_s", "captures",
