@@ -1,4 +1,6 @@
-"""CLI: ``python -m nanoserve generate [prompt] [--model FOLDER] [--max-new-tokens N]`` and
+"""CLI: ``python -m nanoserve generate [prompt] [--model FOLDER] [--max-new-tokens N]`` (one
+prompt, streamed and compared with stock), ``python -m nanoserve generate --prompts IN.jsonl
+--out OUT.jsonl`` (a file of prompts in batches: ``cli_prompts.py``) and
 ``python -m nanoserve info``."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from nanoserve import cli_prompts
 from nanoserve.default_model import SMOLLM2_GGUF, smollm2_folder
 
 DEFAULT_PROMPT = "What is the capital of France?"
@@ -21,6 +24,16 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -157,6 +170,13 @@ def generate(args) -> int:
     dtype = getattr(torch, args.dtype)
     model, tokenizer, name = _load(args.folder, args.options, dtype, args.torch_device)
     device = args.torch_device
+    if args.prompts is not None:
+        print(f"model: {name} ({model.config.model_type}, {dtype}, {device})")
+        nanoserve.patch_model(model, block_size=args.block_size)
+        try:
+            return cli_prompts.serve(args, model, tokenizer)
+        finally:
+            nanoserve.unpatch_model(model)
     inputs = _prompt_ids(tokenizer, args.prompt, device)
     prompt_len = inputs["input_ids"].shape[1]
     kernels = "Triton kernels" if device.type == "cuda" else "torch reference kernels"
@@ -230,9 +250,38 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "prompt",
         nargs="?",
-        default=DEFAULT_PROMPT,
         metavar="PROMPT",
-        help=f"the user message ({DEFAULT_PROMPT!r})",
+        help=f"the user message ({DEFAULT_PROMPT!r}; not with --prompts)",
+    )
+    gen.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help='a file of prompts, one JSON object a line with "prompt", "messages" or '
+        '"input_ids" (and an optional "id"); answers go to --out, in batches, without the '
+        "comparison with stock",
+    )
+    gen.add_argument("--out", metavar="OUT.jsonl", help="where --prompts' answers go")
+    gen.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=16,
+        metavar="N",
+        help="prompts per generate call with --prompts (default: 16)",
+    )
+    gen.add_argument(
+        "--do-sample", action="store_true", help="sample instead of greedy (with --prompts)"
+    )
+    gen.add_argument(
+        "--temperature", type=_positive_float, default=1.0, help="sampling temperature (1.0)"
+    )
+    gen.add_argument("--top-p", type=_positive_float, default=1.0, help="nucleus sampling (1.0)")
+    gen.add_argument("--top-k", type=_positive_int, default=50, help="top-k sampling (50)")
+    gen.add_argument("--seed", type=int, help="torch.manual_seed before generating")
+    gen.add_argument(
+        "--no-chat-template",
+        dest="chat_template",
+        action="store_false",
+        help='--prompts: tokenize "prompt" as it is, without the tokenizer\'s chat template',
     )
     gen.add_argument(
         "--model",
@@ -278,6 +327,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _file_mode(args) -> None:
+    """Check the --prompts / --out pair (ValueError, one line) and read the prompts."""
+    args.records = None
+    if args.prompts is None:
+        if args.out is not None:
+            raise ValueError("--out: needs --prompts")
+        if args.do_sample:
+            raise ValueError("--do-sample: needs --prompts (the single-prompt demo is greedy)")
+        args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+        return
+    if args.prompt is not None:
+        raise ValueError("--prompts: give a PROMPT or --prompts, not both")
+    if args.out is None:
+        raise ValueError("--prompts: needs --out OUT.jsonl")
+    cli_prompts.check_out(args.out)
+    args.records = cli_prompts.read_prompts(args.prompts)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -285,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         # every check that needs no model, before the model is loaded
         command = f"{parser.prog} generate"
         try:
+            _file_mode(args)
             args.folder, args.options = _model_source(args.model)
             args.torch_device = _device(args.device)
         except ValueError as error:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -141,3 +143,129 @@ def test_generate_without_the_comparison(load_once, capsys):
     out = capsys.readouterr().out
     assert "KV pool:" in out
     assert "output equals stock" not in out
+
+
+# -- file mode: --prompts IN.jsonl --out OUT.jsonl ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_and_prompts(tmp_path_factory):
+    """(folder, prompts, eos): a random-weight Llama (97 tokens, pad 0) and a word-level
+    tokenizer saved as an HF folder (no download), 5 random prompts of 2..8 token ids, and
+    the EOS id, chosen as the 4th greedy token of the first prompt so that it stops early."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny_cli_model")
+    words = ["<pad>", "<s>", "</s>", *(f"w{i}" for i in range(94))]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(folder)
+    sizes = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+    config = LlamaConfig(
+        vocab_size=97, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **sizes
+    )
+    torch.manual_seed(int(torch.randint(0, 2**31, ())))
+    model = LlamaForCausalLM(config).eval()
+    prompts = [torch.randint(3, 97, (int(n),)).tolist() for n in torch.randint(2, 9, (5,))]
+    with torch.no_grad():
+        free = model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
+    eos = int(free[0, -1])
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
+    model.save_pretrained(folder)
+    return folder, prompts, eos
+
+
+def write_prompts(path, rows: list[list[int]]) -> None:
+    """The prompts as token ids (odd lines, with an id) and as text (even lines)."""
+    with open(path, "w") as file:
+        for i, row in enumerate(rows):
+            if i % 2:
+                record = {"input_ids": row, "id": f"q{i}"}
+            else:
+                record = {"prompt": " ".join(f"w{t - 3}" for t in row)}
+            file.write(json.dumps(record) + "\n")
+
+
+def patched_tokens(folder, rows, eos, batch_size, max_new_tokens, seed=None, **sampling):
+    """What patch_model + generate give for ``rows`` in batches, cut after the first EOS."""
+    from transformers import AutoModelForCausalLM
+
+    model = nanoserve.patch_model(AutoModelForCausalLM.from_pretrained(folder).eval())
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = []
+    for first in range(0, len(rows), batch_size):
+        batch = rows[first : first + batch_size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in batch])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch])
+        with torch.no_grad():
+            seqs = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=0,
+                **sampling,
+            )
+        for new in seqs[:, width:].tolist():
+            out.append(new[: new.index(eos) + 1] if eos in new else new)
+    return out
+
+
+def test_file_mode_gives_patch_models_tokens(tiny_model_and_prompts, tmp_path, capsys):
+    """Prompts as text and as ids, in batches of 2 (the last one short): each answer equals
+    patch_model's generate on the same batch, the first one ending at its EOS. (With the CLI
+    planted to pad on the right, or to drop the EOS from the tokens, this test failed.)"""
+    folder, rows, eos = tiny_model_and_prompts
+    write_prompts(tmp_path / "in.jsonl", rows)
+    argv = ["generate", "--model", str(folder), "--prompts", str(tmp_path / "in.jsonl")]
+    argv += ["--out", str(tmp_path / "out.jsonl"), "--batch-size", "2", "--max-new-tokens", "7"]
+    assert cli.main(argv) == 0
+    answers = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [a["id"] for a in answers] == [0, "q1", 2, "q3", 4]
+    assert [a["prompt_tokens"] for a in answers] == [len(r) for r in rows]
+    expected = patched_tokens(folder, rows, eos, 2, 7, do_sample=False)
+    assert [a["tokens"] for a in answers] == expected
+    for answer in answers:
+        stopped = answer["tokens"][-1:] == [eos]
+        assert answer["finish_reason"] == ("stop" if stopped else "length")
+        assert stopped or len(answer["tokens"]) == 7
+    assert answers[0]["finish_reason"] == "stop" and len(answers[0]["tokens"]) <= 4
+    out = capsys.readouterr().out
+    assert "5 prompts, " in out and "tokens/s" in out and "KV pool at its fullest" in out
+
+
+def test_file_mode_samples_with_a_seed(tiny_model_and_prompts, tmp_path):
+    folder, rows, eos = tiny_model_and_prompts
+    write_prompts(tmp_path / "in.jsonl", rows)
+    argv = ["generate", "--model", str(folder), "--prompts", str(tmp_path / "in.jsonl")]
+    argv += ["--out", str(tmp_path / "out.jsonl"), "--max-new-tokens", "5", "--do-sample"]
+    argv += ["--seed", "7", "--temperature", "1.5", "--top-k", "20", "--top-p", "0.9"]
+    assert cli.main(argv) == 0
+    answers = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    sampling = dict(do_sample=True, temperature=1.5, top_k=20, top_p=0.9)
+    expected = patched_tokens(folder, rows, eos, 16, 5, 7, **sampling)
+    assert [a["tokens"] for a in answers] == expected
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--prompts", "absent.jsonl", "--out", "o.jsonl"], ["--prompts", "absent.jsonl"]),
+        (["--prompts", "{in}"], ["--prompts", "--out"]),
+        (["--out", "o.jsonl"], ["--out", "--prompts"]),
+        (["hello", "--prompts", "{in}", "--out", "o.jsonl"], ["PROMPT", "--prompts"]),
+        (["--prompts", "{in}", "--out", "no/such/dir/o.jsonl"], ["--out"]),
+        (["--prompts", "{bad}", "--out", "o.jsonl"], ["--prompts", "line 2"]),
+        (["--prompts", "{in}", "--out", "o.jsonl", "--batch-size", "0"], ["--batch-size"]),
+        (["--do-sample"], ["--do-sample", "--prompts"]),
+    ],
+)
+def test_file_mode_arguments_fail_in_one_line(no_load, capsys, tmp_path, argv, words):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{"text": "no prompt key"}\n')
+    argv = [a.format(**{k: str(tmp_path / f"{k}.jsonl") for k in ("in", "bad")}) for a in argv]
+    fails_in_one_line(capsys, ["generate", *argv], *words)

@@ -1,0 +1,152 @@
+"""``python -m nanoserve generate --prompts FILE.jsonl --out OUT.jsonl``: serve a file of
+prompts on the paged cache, in batches, with a progress bar and a summary.
+
+Each input line is a JSON object with one of ``"prompt"`` (a user message: the tokenizer's
+chat template is applied when it has one, unless ``--no-chat-template``), ``"messages"`` (a
+chat) or ``"input_ids"`` (token ids, used as they are), and optionally an ``"id"``. Each
+output line, in input order: ``{"id", "completion", "tokens", "prompt_tokens",
+"finish_reason"}``, where ``tokens`` are the generated ids up to and including the first EOS
+and ``finish_reason`` is ``"stop"`` (an EOS) or ``"length"``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+PROMPT_KEYS = ("prompt", "messages", "input_ids")
+
+
+def read_prompts(path: str) -> list[dict]:
+    """The records of a JSONL file of prompts; ValueError naming ``--prompts`` and the line
+    for anything that is not one of the forms above (nothing is loaded before this)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--prompts: no such file: {path}")
+    records = []
+    for number, line in enumerate(file.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--prompts: line {number} is not JSON ({error.msg})") from None
+        keys = [k for k in PROMPT_KEYS if isinstance(record, dict) and k in record]
+        if len(keys) != 1:
+            raise ValueError(
+                f"--prompts: line {number} needs exactly one of {', '.join(PROMPT_KEYS)}"
+            )
+        value = record[keys[0]]
+        ok = {
+            "prompt": isinstance(value, str),
+            "messages": isinstance(value, list) and bool(value),
+            "input_ids": isinstance(value, list)
+            and bool(value)
+            and all(isinstance(t, int) for t in value),
+        }[keys[0]]
+        if not ok:
+            raise ValueError(f"--prompts: line {number}: {keys[0]} has the wrong type")
+        record.setdefault("id", len(records))
+        records.append(record)
+    if not records:
+        raise ValueError(f"--prompts: {path} holds no prompt")
+    return records
+
+
+def check_out(path: str) -> None:
+    """ValueError naming ``--out`` when its folder does not exist."""
+    if not Path(path).resolve().parent.is_dir():
+        raise ValueError(f"--out: no such folder for {path}")
+
+
+def token_ids(tokenizer, record: dict, chat_template: bool) -> list[int]:
+    """The prompt of ``record`` as token ids."""
+    if "input_ids" in record:
+        return list(record["input_ids"])
+    if "messages" in record:
+        messages = record["messages"]
+    elif chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": record["prompt"]}]
+    else:
+        return tokenizer(record["prompt"])["input_ids"]
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    return list(encoded["input_ids"])
+
+
+def left_padded(rows: list[list[int]], pad: int, device):
+    """(input_ids, attention_mask) int64 [len(rows), longest], padded on the left."""
+    import torch
+
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return set()
+    return {int(t) for t in ([eos] if isinstance(eos, int) else eos)}
+
+
+def _summary(records: int, new_tokens: int, seconds: float, peak: dict) -> str:
+    rate = new_tokens / seconds if seconds > 0 else float("inf")
+    return (
+        f"{records} prompts, {new_tokens} new tokens in {seconds:.1f} s ({rate:.1f} tokens/s); "
+        f"KV pool at its fullest: {peak.get('blocks_used', 0)}/{peak.get('num_blocks', 0)} "
+        f"blocks of {peak.get('block_size', 0)} tokens, "
+        f"{peak.get('bytes_reserved', 0) / 2**20:.2f} MiB reserved"
+    )
+
+
+def serve(args, model, tokenizer) -> int:
+    """Generate for every record of ``args.prompts`` in batches of ``args.batch_size`` on the
+    patched ``model``; writes ``args.out`` and prints the summary."""
+    import torch
+    from tqdm.auto import tqdm
+
+    import nanoserve
+
+    records = args.records
+    options = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
+    if args.do_sample:
+        options.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    eos = _eos_ids(model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
+    prompts = [token_ids(tokenizer, r, args.chat_template) for r in records]
+    peak: dict = {}
+    new_tokens = 0
+    start = time.perf_counter()
+    with open(args.out, "w") as out, tqdm(total=len(records), unit="prompt") as bar:
+        for first in range(0, len(records), args.batch_size):
+            rows = prompts[first : first + args.batch_size]
+            ids, mask = left_padded(rows, pad, args.torch_device)
+            with torch.no_grad():
+                sequences = model.generate(
+                    input_ids=ids, attention_mask=mask, pad_token_id=pad, **options
+                )
+            stats = nanoserve.cache_stats(model)
+            if stats.get("blocks_used", 0) >= peak.get("blocks_used", -1):
+                peak = stats
+            for i, generated in enumerate(sequences[:, ids.shape[1] :].tolist()):
+                stop = next((j + 1 for j, t in enumerate(generated) if t in eos), None)
+                tokens = generated[:stop]
+                new_tokens += len(tokens)
+                line = {
+                    "id": records[first + i]["id"],
+                    "completion": tokenizer.decode(tokens, skip_special_tokens=True),
+                    "tokens": tokens,
+                    "prompt_tokens": len(rows[i]),
+                    "finish_reason": "stop" if stop is not None else "length",
+                }
+                out.write(json.dumps(line) + "\n")
+            bar.update(len(rows))
+    print(_summary(len(records), new_tokens, time.perf_counter() - start, peak))
+    return 0
