@@ -7,13 +7,17 @@ block size 16, blocks scattered at random; batch 1/8/32/128 x context 512/2048/8
 (shapes whose K/V exceeds 40 GB skipped). FlashInfer 0.5.3 is optional: when it does not import,
 its rows say why. Usage:
     python3 benchmarks/bench_decode.py [--sweep] [--shapes 32x4096,...] [--dims 128,64]
-Prints a markdown table (median µs under CUDA-graph replay, eager too for shapes under 64 MiB);
-writes CSV and a plot (GB/s per shape, one line per provider, the ceiling dashed) under $OUT.
+Timed with triton.testing (``do_bench_cudagraph``: median µs under CUDA-graph replay, the calls
+rotating over enough input sets to miss the L2; eager ``do_bench`` too for shapes under 64 MiB).
+Per head dim and batch, ``triton.testing.perf_report`` prints GB/s per provider against the
+context and writes decode_d<dim>_b<batch>.csv/.png under $OUT (the band: 20th to 80th
+percentile); then the table RESULTS.md uses is printed and written to $OUT/bench_decode.csv.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -23,17 +27,21 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from harness import require_cuda  # noqa: E402
+
+require_cuda("bench_decode")
+
+import triton.testing  # noqa: E402
 from harness import (  # noqa: E402
-    ceiling_us,
+    ceiling,
     num_input_sets,
-    print_table,
+    out_dir,
     rel_err,
+    show_table,
     time_eager,
     time_graph,
     versions,
-    write_csv,
 )
-from plot import plot_rows  # noqa: E402
 
 from nanoserve.kernels import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from nanoserve.kernels.triton_decode import paged_decode_attention_triton  # noqa: E402
@@ -49,6 +57,12 @@ EAGER_BELOW = 64 * 2**20  # eager timings only where launch overhead matters
 REF_SEQS = 4  # the float32 reference covers this many sequences of each batch
 SWEEP_SHAPES = [(32, 8192), (1, 32768), (128, 512)]
 MIB = 2**20
+# small K/V rotates over up to this many input sets, so graph replays read from memory, not L2
+MAX_SETS = 64
+PROVIDERS = ["pure_read_ceiling", "nanoserve", "flashinfer", "sdpa_contiguous", "gather_sdpa"]
+STYLES = [("black", "--"), ("C0", "-"), ("C1", "-"), ("C2", "-"), ("C3", "-")]
+COLUMNS = ["shape", "kv_MiB", "provider", "eager_us", "graph_us", "GB/s", "x_ceil", "x_sdpa"]
+COLUMNS += ["x_flashinfer", "err"]
 
 
 def kv_bytes(batch: int, ctx: int, dim: int) -> int:
@@ -79,11 +93,11 @@ def flashinfer_or_reason():
         return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:80]
 
 
-def flashinfer_provider(s: dict, flashinfer):
-    """FlashInfer's paged decode with tensor cores over the same pools (NHD = our layout)."""
+def flashinfer_provider(s: dict, flashinfer, workspace: torch.Tensor):
+    """FlashInfer's paged decode with tensor cores over the same pools (NHD = our layout).
+    The input sets of one shape share ``workspace``: their plans are the same."""
     batch, pages = s["bt"].shape
     dim = s["dim"]
-    workspace = torch.zeros(128 * MIB, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
     indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages
     indices = s["bt"].flatten().contiguous()
@@ -96,7 +110,7 @@ def flashinfer_provider(s: dict, flashinfer):
     return lambda: wrapper.run(s["q"], (s["kc"], s["vc"]))
 
 
-def providers(s: dict, flashinfer) -> dict:
+def providers(s: dict, flashinfer, workspace=None) -> dict:
     batch, ctx, dim = s["bt"].shape[0], s["bt"].shape[1] * BS, s["dim"]
     q4 = s["q"].view(batch, HQ, 1, dim)
 
@@ -115,7 +129,9 @@ def providers(s: dict, flashinfer) -> dict:
 
     out = {"nanoserve": nanoserve, "sdpa_contiguous": sdpa, "gather_sdpa": gather_sdpa}
     if flashinfer is not None:
-        out["flashinfer"] = flashinfer_provider(s, flashinfer)
+        if workspace is None:
+            workspace = torch.zeros(128 * MIB, dtype=torch.uint8, device="cuda")
+        out["flashinfer"] = flashinfer_provider(s, flashinfer, workspace)
     return out
 
 
@@ -129,46 +145,88 @@ def reference_rows(s: dict) -> torch.Tensor:
     return paged_decode_attention_ref(s["q"][:n].float(), kc, vc, local, s["sl"][:n], check=False)
 
 
-def bench_shape(batch: int, ctx: int, dim: int, flashinfer, fi_reason) -> list[dict]:
-    nbytes = kv_bytes(batch, ctx, dim)
-    shape = f"d{dim} {batch}x{ctx}"
-    sets = [make_set(batch, ctx, dim) for _ in range(num_input_sets(nbytes))]
-    ref = reference_rows(sets[0])
-    n_ref = ref.shape[0]
-    eager = nbytes < EAGER_BELOW
-    ceil_graph = ceiling_us(nbytes, len(sets), graph=True)
-    rows = [dict(shape=shape, provider="pure_read_ceiling", err="",
-                 eager_us=ceiling_us(nbytes, len(sets), graph=False) if eager else "",
-                 graph_us=ceil_graph)]  # fmt: skip
-    per_set = [providers(s, flashinfer) for s in sets]
-    for name in per_set[0]:
-        fns = [p[name] for p in per_set]
-        err = rel_err(fns[0]()[:n_ref], ref)
-        try:
-            graph = time_graph(fns)
-        except RuntimeError as e:  # a provider that cannot be captured
-            print(f"{name} {shape}: no graph ({e})", file=sys.stderr)
-            graph = float("nan")
-        rows.append(dict(shape=shape, provider=name, err=f"{err:.1e}",
-                         eager_us=time_eager(fns) if eager else "", graph_us=graph))  # fmt: skip
-    if flashinfer is None:
-        rows.append(dict(shape=shape, provider="flashinfer", err=f"not run ({fi_reason})"))
-    for r in rows:
-        if "graph_us" not in r:
-            continue
-        r["kv_MiB"] = round(nbytes / MIB, 1)
-        r["GB/s"] = round(nbytes / (r["graph_us"] * 1e-6) / 1e9)
-        r["x_ceil"] = round(r["graph_us"] / ceil_graph, 2)
-        if r["eager_us"] != "":
-            r["eager_us"] = round(r["eager_us"], 1)
-        r["graph_us"] = round(r["graph_us"], 1)
-    by = {r["provider"]: r for r in rows if "graph_us" in r}
-    for r in by.values():
-        r["x_sdpa"] = round(r["graph_us"] / by["sdpa_contiguous"]["graph_us"], 2)
-        if "flashinfer" in by:
-            r["x_flashinfer"] = round(r["graph_us"] / by["flashinfer"]["graph_us"], 2)
-    del sets, per_set
-    torch.cuda.empty_cache()
+class Shapes:
+    """What ``perf_report`` measures: one (shape, provider) point at a time. The input sets of
+    the shape being measured are built once for all its providers; every point also appends
+    its row of the RESULTS table to ``rows``."""
+
+    def __init__(self, flashinfer, fi_reason):
+        self.flashinfer, self.fi_reason = flashinfer, fi_reason
+        self.rows: list[dict] = []
+        self.key = None
+        self.current: dict = {}
+
+    def _load(self, batch: int, ctx: int, dim: int) -> dict:
+        if self.key != (batch, ctx, dim):
+            self.current = {}
+            torch.cuda.empty_cache()
+            nbytes = kv_bytes(batch, ctx, dim)
+            sets = [make_set(batch, ctx, dim) for _ in range(num_input_sets(nbytes, MAX_SETS))]
+            workspace = torch.zeros(128 * MIB, dtype=torch.uint8, device="cuda")
+            per_set = [providers(s, self.flashinfer, workspace) for s in sets]
+            self.current = dict(sets=sets, per_set=per_set, ref=reference_rows(sets[0]))
+            self.key = (batch, ctx, dim)
+        return self.current
+
+    def __call__(self, context: int, provider: str, dim: int, batch: int):
+        """GB/s of ``provider`` at ``batch`` x ``context``: (median, at p80, at p20 time)."""
+        ctx, shape = context, f"{batch}x{context}"
+        nbytes = kv_bytes(batch, ctx, dim)
+        data = self._load(batch, ctx, dim)
+        row = dict(shape=f"d{dim} {shape}", provider=provider, err="", eager_us="")
+        eager = nbytes < EAGER_BELOW
+        if provider == "pure_read_ceiling":
+            graph = ceiling(nbytes, len(data["sets"]), graph=True)
+            if eager:
+                row["eager_us"] = round(ceiling(nbytes, len(data["sets"]), graph=False).median, 1)
+        elif provider not in data["per_set"][0]:
+            row["err"] = f"not run ({self.fi_reason})"
+            self.rows.append(row)
+            return math.nan, math.nan, math.nan
+        else:
+            fns = [p[provider] for p in data["per_set"]]
+            ref = data["ref"]
+            row["err"] = f"{rel_err(fns[0]()[: ref.shape[0]], ref):.1e}"
+            try:
+                graph = time_graph(fns)
+            except RuntimeError as e:  # a provider that cannot be captured
+                print(f"{provider} d{dim} {shape}: no graph ({e})", file=sys.stderr)
+                graph = None
+            if eager:
+                row["eager_us"] = round(time_eager(fns).median, 1)
+        if graph is None:
+            row["graph_us"] = math.nan
+            self.rows.append(row)
+            return math.nan, math.nan, math.nan
+        row["graph_us"] = graph.median
+        self.rows.append(row)
+        return tuple(nbytes / (us * 1e-6) / 1e9 for us in (graph.median, graph.p80, graph.p20))
+
+
+def ratio(us: float, base: float):
+    """``us / base`` to two places; "" where either time is missing."""
+    return "" if math.isnan(us) or math.isnan(base) else round(us / base, 2)
+
+
+def finish_rows(rows: list[dict]) -> list[dict]:
+    """The RESULTS columns derived per shape: K/V MiB, GB/s, and the ratios to the ceiling,
+    SDPA and FlashInfer (timed rows only)."""
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        timed = {r["provider"]: r for r in rows if r["shape"] == shape and "graph_us" in r}
+        head_dim, batch_ctx = shape.split()
+        batch, ctx = (int(x) for x in batch_ctx.split("x"))
+        nbytes = kv_bytes(batch, ctx, int(head_dim[1:]))
+        bases = {"x_ceil": "pure_read_ceiling", "x_sdpa": "sdpa_contiguous"}
+        if "flashinfer" in timed:
+            bases["x_flashinfer"] = "flashinfer"
+        for r in timed.values():
+            us = r["graph_us"]
+            r["kv_MiB"] = round(nbytes / MIB, 1)
+            r["GB/s"] = "" if math.isnan(us) else round(nbytes / (us * 1e-6) / 1e9)
+            for column, base in bases.items():
+                r[column] = ratio(us, timed[base]["graph_us"])
+        for r in timed.values():
+            r["graph_us"] = "" if math.isnan(r["graph_us"]) else round(r["graph_us"], 1)
     return rows
 
 
@@ -193,7 +251,7 @@ def sweep_shape(batch: int, ctx: int, dim: int) -> list[dict]:
     for splits, config in variants:
         fns = [variant(s, splits, config) for s in sets]
         err = rel_err(fns[0]()[: ref.shape[0]], ref)
-        us = time_graph(fns)
+        us = time_graph(fns).median
         rows.append(dict(shape=f"d{dim} {batch}x{ctx}", splits=splits or "auto",
                          config=config or "default", graph_us=round(us, 1),
                          GBps=round(nbytes / (us * 1e-6) / 1e9), err=f"{err:.1e}"))  # fmt: skip
@@ -219,8 +277,7 @@ def main() -> None:
     if args.sweep:
         sweep_shapes = shapes if args.shapes else SWEEP_SHAPES
         sweep = [r for d in dims for b, c in sweep_shapes for r in sweep_shape(b, c, d)]
-        write_csv(sweep, "decode_sweep.csv")
-        print_table(sweep, list(sweep[0]))
+        show_table(sweep, "decode_sweep.csv")
         return
     flashinfer, fi_reason = flashinfer_or_reason()
     print(f"flashinfer: {flashinfer.__version__ if flashinfer else fi_reason}")
@@ -232,22 +289,32 @@ def main() -> None:
                 for name, fn in providers(s, flashinfer).items():
                     print(f"d{dim} {b}x{c} {name}: err {rel_err(fn()[: ref.shape[0]], ref):.1e}")
         return
-    rows = []
+    measure = Shapes(flashinfer, fi_reason)
     for dim in dims:
-        for b, c in shapes:
-            if kv_bytes(b, c, dim) > MAX_KV_BYTES:
-                print(f"skip d{dim} {b}x{c}: K/V over {MAX_KV_BYTES / 1e9:.0f} GB")
+        for batch in dict.fromkeys(b for b, _ in shapes):
+            contexts = []
+            for c in (c for b, c in shapes if b == batch):
+                if kv_bytes(batch, c, dim) > MAX_KV_BYTES:
+                    print(f"skip d{dim} {batch}x{c}: K/V over {MAX_KV_BYTES / 1e9:.0f} GB")
+                else:
+                    contexts.append(c)
+            if not contexts:
                 continue
-            rows += bench_shape(b, c, dim, flashinfer, fi_reason)
-    write_csv(rows, "bench_decode.csv")
-    for dim in dims:
-        title = f"paged decode, bf16, 32/8 heads, head_dim {dim} (graph replay)"
-        plot_rows([r for r in rows if r["shape"].startswith(f"d{dim} ") and "GB/s" in r],
-                  x="shape", y="GB/s", name=f"decode_d{dim}.png", ceiling="pure_read_ceiling",
-                  title=title)  # fmt: skip
-    cols = ["shape", "kv_MiB", "provider", "eager_us", "graph_us", "GB/s", "x_ceil", "x_sdpa"]
-    cols += ["x_flashinfer", "err"]
-    print_table(rows, cols)
+            report = triton.testing.Benchmark(
+                x_names=["context"],
+                x_vals=contexts,
+                x_log=True,
+                line_arg="provider",
+                line_vals=PROVIDERS,
+                line_names=PROVIDERS,
+                styles=STYLES,
+                ylabel="GB/s",
+                xlabel=f"context (batch {batch}, head_dim {dim}, bf16, graph replay)",
+                plot_name=f"decode_d{dim}_b{batch}",
+                args={"dim": dim, "batch": batch},
+            )
+            triton.testing.perf_report(report)(measure).run(print_data=True, save_path=out_dir())
+    show_table(finish_rows(measure.rows), "bench_decode.csv", COLUMNS)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,12 @@ causal, on the same K/V laid out contiguously; TFLOP/s of the causal work.
 bf16, Llama-3-8B attention (32 query / 8 KV heads, head_dim 128) and Llama-3.2-1B (32/8/64),
 block size 16, blocks scattered at random. Prefill: batch 1/8 x 512/2048/8192 new tokens.
 Chunked prefill: 512 new tokens over 2048 / 8192 cached ones. Each provider is checked against
-SDPA in float32 first. Timed eager and under CUDA-graph replay (the kernels without
-the host's launch cost, which dominates the smallest shapes).
+SDPA in float32 first. Timed with triton.testing, eager (``do_bench``) and under CUDA-graph
+replay (``do_bench_cudagraph``: the kernels without the host's launch cost, which dominates
+the smallest shapes). ``triton.testing.perf_report`` prints eager TFLOP/s per provider and
+writes extend_d<dim>_b<batch>.csv/.png (against the new tokens) and extend_d<dim>_chunked
+(against the cached history) under $OUT; then the table RESULTS.md uses is printed and
+written to $OUT/extend.csv.
 Usage: python3 benchmarks/bench_extend.py [--sweep]
 (`--sweep`: nanoserve at fixed tile configs on a few shapes, beside SDPA; tuning data only).
 """
@@ -23,16 +27,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from harness import require_cuda  # noqa: E402
+
+require_cuda("bench_extend")
+
+import triton.testing  # noqa: E402
 from harness import (  # noqa: E402
     num_input_sets,
-    print_table,
+    out_dir,
     rel_err,
+    show_table,
     time_eager,
     time_graph,
     versions,
-    write_csv,
 )
-from plot import plot_rows  # noqa: E402
 
 from nanoserve.kernels import paged_extend_attention, triton_extend  # noqa: E402
 
@@ -42,6 +50,9 @@ DTYPE = torch.bfloat16
 CASES = [(1, 0, 512), (1, 0, 2048), (1, 0, 8192), (8, 0, 512), (8, 0, 2048), (8, 0, 8192),
          (1, 2048, 512), (1, 8192, 512)]  # fmt: skip
 HEAD_DIMS = [128, 64]
+PROVIDERS = ["nanoserve", "sdpa_contiguous"]
+COLUMNS = ["shape", "provider", "err", "us", "TFLOPs", "pct_sdpa", "graph_us", "graph_TFLOPs"]
+COLUMNS += ["graph_pct_sdpa"]
 # (head_dim, batch, history, new) and (BLOCK_M, BLOCK_N, num_warps, num_stages) for --sweep
 SWEEP_CASES = [(128, 1, 0, 2048), (128, 1, 0, 8192), (128, 1, 0, 512), (128, 1, 8192, 512),
                (64, 1, 0, 8192), (64, 1, 8192, 512)]  # fmt: skip
@@ -123,7 +134,7 @@ def sweep() -> None:
         ref = reference(sets[0])
         flops = 4 * dim * HQ * batch * causal_pairs(history, new)
         shape = case_name(dim, batch, history, new)
-        sdpa_us = time_eager([providers(s)["sdpa_contiguous"] for s in sets])
+        sdpa_us = time_eager([providers(s)["sdpa_contiguous"] for s in sets]).median
         rows.append(dict(shape=shape, config="sdpa", us=round(sdpa_us, 1),
                          TFLOPs=tflops(flops, sdpa_us), pct_sdpa=100))  # fmt: skip
         print(rows[-1], flush=True)
@@ -137,7 +148,7 @@ def sweep() -> None:
 
             try:
                 err = f"{rel_err(run(sets[0]), ref):.1e}"
-                us = time_eager([lambda s=s: run(s) for s in sets])
+                us = time_eager([lambda s=s: run(s) for s in sets]).median
             except Exception as e:  # e.g. out of shared memory for this tile
                 rows.append(dict(shape=shape, config=str(config), err=str(e)[:60]))
                 continue
@@ -147,13 +158,91 @@ def sweep() -> None:
             print(rows[-1], flush=True)
         del sets, ref
         torch.cuda.empty_cache()
-    write_csv(rows, "extend_sweep.csv")
-    print_table(rows, ["shape", "config", "us", "TFLOPs", "pct_sdpa", "err"])
+    show_table(rows, "extend_sweep.csv", ["shape", "config", "us", "TFLOPs", "pct_sdpa", "err"])
 
 
 def tuned_configs() -> list[str]:
     """What autotune picked, per (family, head_dim, grid/length bucket, dtypes)."""
     return [f"{key[:3]}: {config}" for key, config in triton_extend.autotune_picks().items()]
+
+
+class Cases:
+    """What ``perf_report`` measures: one (case, provider) point at a time; the input sets of
+    a case are built once for its providers. Every point appends its RESULTS row to
+    ``rows``."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.key = None
+        self.current: dict = {}
+
+    def _load(self, dim: int, batch: int, history: int, new: int) -> dict:
+        if self.key != (dim, batch, history, new):
+            self.current = {}
+            torch.cuda.empty_cache()
+            kv_bytes = 2 * batch * (history + new) * HKV * dim * 2
+            sets = [make_set(batch, history, new, dim) for _ in range(num_input_sets(kv_bytes, 4))]
+            per_set = [providers(s) for s in sets]
+            self.current = dict(per_set=per_set, ref=reference(sets[0]))
+            self.key = (dim, batch, history, new)
+        return self.current
+
+    def __call__(self, provider: str, dim: int, batch: int, history: int, new: int):
+        """Eager TFLOP/s of ``provider`` on the case: (median, at p80, at p20 time)."""
+        data = self._load(dim, batch, history, new)
+        fns = [p[provider] for p in data["per_set"]]
+        flops = 4 * dim * HQ * batch * causal_pairs(history, new)
+        err = rel_err(fns[0](), data["ref"])
+        eager = time_eager(fns)
+        graph = time_graph(fns).median  # the kernels alone, without launch overhead
+        self.rows.append(dict(kernel="extend", shape=case_name(dim, batch, history, new),
+                              provider=provider, err=f"{err:.1e}", us=round(eager.median, 1),
+                              TFLOPs=tflops(flops, eager.median), graph_us=round(graph, 1),
+                              graph_TFLOPs=tflops(flops, graph)))  # fmt: skip
+        return tuple(flops / (us * 1e-6) / 1e12 for us in (eager.median, eager.p80, eager.p20))
+
+
+def finish_rows(rows: list[dict]) -> list[dict]:
+    """Each row's TFLOP/s as a percentage of SDPA's on the same case, eager and graph."""
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        case = [r for r in rows if r["shape"] == shape]
+        sdpa_row = next(r for r in case if r["provider"] == "sdpa_contiguous")
+        for r in case:
+            r["pct_sdpa"] = round(100 * r["TFLOPs"] / sdpa_row["TFLOPs"])
+            r["graph_pct_sdpa"] = round(100 * r["graph_TFLOPs"] / sdpa_row["graph_TFLOPs"])
+    return rows
+
+
+def reports(dim: int) -> list:
+    """The head dim's perf_report benchmarks: prefill per batch against the new tokens, and
+    chunked prefill against the cached history."""
+    out = []
+    groups: dict[tuple, list[int]] = {}
+    for batch, history, new in CASES:
+        if history:
+            groups.setdefault(("history", batch, new), []).append(history)
+        else:
+            groups.setdefault(("new", batch, 0), []).append(new)
+    for (x_name, batch, fixed), x_vals in groups.items():
+        chunked = x_name == "history"
+        name = f"extend_d{dim}_" + (f"chunked_b{batch}_{fixed}" if chunked else f"b{batch}")
+        args = dict(dim=dim, batch=batch, **({"new": fixed} if chunked else {"history": 0}))
+        what = f"{fixed} new tokens over this history" if chunked else "new tokens, no history"
+        out.append(
+            triton.testing.Benchmark(
+                x_names=[x_name],
+                x_vals=x_vals,
+                x_log=True,
+                line_arg="provider",
+                line_vals=PROVIDERS,
+                line_names=PROVIDERS,
+                ylabel="TFLOP/s (eager)",
+                xlabel=f"{what} (batch {batch}, head_dim {dim}, bf16, causal)",
+                plot_name=name,
+                args=args,
+            )
+        )
+    return out
 
 
 def main() -> None:
@@ -164,37 +253,12 @@ def main() -> None:
     if args.sweep:
         sweep()
         return
-    rows = []
+    measure = Cases()
     for dim in HEAD_DIMS:
-        for batch, history, new in CASES:
-            kv_bytes = 2 * batch * (history + new) * HKV * dim * 2
-            sets = [make_set(batch, history, new, dim) for _ in range(num_input_sets(kv_bytes, 4))]
-            ref = reference(sets[0])
-            flops = 4 * dim * HQ * batch * causal_pairs(history, new)
-            shape = case_name(dim, batch, history, new)
-            per_set = [providers(s) for s in sets]
-            for name in per_set[0]:
-                fns = [p[name] for p in per_set]
-                err = rel_err(fns[0](), ref)
-                us = time_eager(fns)
-                graph_us = time_graph(fns)  # the kernels alone, without launch overhead
-                rows.append(dict(kernel="extend", shape=shape, provider=name, err=f"{err:.1e}",
-                                 us=round(us, 1), TFLOPs=tflops(flops, us),
-                                 graph_us=round(graph_us, 1),
-                                 graph_TFLOPs=tflops(flops, graph_us)))  # fmt: skip
-            sdpa_row = next(r for r in rows if r["shape"] == shape and r["provider"] != "nanoserve")
-            for r in rows:
-                if r["shape"] == shape:
-                    r["pct_sdpa"] = round(100 * r["TFLOPs"] / sdpa_row["TFLOPs"])
-                    r["graph_pct_sdpa"] = round(100 * r["graph_TFLOPs"] / sdpa_row["graph_TFLOPs"])
-            del sets, per_set, ref
-            torch.cuda.empty_cache()
-    write_csv(rows, "extend.csv")
-    plot_rows(rows, x="shape", y="TFLOPs", name="extend.png",
-              title="paged extend vs SDPA causal, bf16")  # fmt: skip
+        benchmarks = reports(dim)
+        triton.testing.perf_report(benchmarks)(measure).run(print_data=True, save_path=out_dir())
     print("\n".join(["autotune picked:", *tuned_configs()]))
-    print_table(rows, ["shape", "provider", "err", "us", "TFLOPs", "pct_sdpa", "graph_us",
-                       "graph_TFLOPs", "graph_pct_sdpa"])  # fmt: skip
+    show_table(finish_rows(measure.rows), "extend.csv", COLUMNS)
 
 
 if __name__ == "__main__":

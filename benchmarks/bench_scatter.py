@@ -3,8 +3,12 @@ device-to-device copy of the same bytes (the ceiling for a write-heavy kernel).
 
 bf16, 8 KV heads x head_dim 128 (Llama-3-8B) and 8 x 64 (Llama-3.2-1B); 32 tokens (one decode
 step of a batch of 32) and 8192 tokens (a prefill), slots scattered at random over the pool.
-Bytes = K and V rows read once and written once. Usage: python3 benchmarks/bench_scatter.py
-[--sweep] (`--sweep`: the Triton kernel at several tile sizes and warps; tuning data only).
+Bytes = K and V rows read once and written once. Timed with triton.testing, eager
+(``do_bench``) and under CUDA-graph replay (``do_bench_cudagraph``); ``perf_report`` prints
+GB/s per provider against the tokens written and writes scatter_d<dim>.csv/.png under $OUT;
+then the table RESULTS.md uses is printed and written to $OUT/scatter.csv.
+Usage: python3 benchmarks/bench_scatter.py [--sweep] (`--sweep`: the Triton kernel at several
+tile sizes and warps; tuning data only).
 """
 
 from __future__ import annotations
@@ -18,8 +22,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import num_input_sets, print_table, time_eager, time_graph, versions, write_csv  # noqa: E402
-from plot import plot_rows  # noqa: E402
+from harness import require_cuda  # noqa: E402
+
+require_cuda("bench_scatter")
+
+import triton.testing  # noqa: E402
+from harness import num_input_sets, out_dir, show_table, time_eager, time_graph, versions  # noqa: E402
 
 from nanoserve.kernels import slot_scatter, slot_scatter_ref  # noqa: E402
 from nanoserve.kernels.triton_scatter import slot_scatter_triton  # noqa: E402
@@ -29,6 +37,9 @@ DTYPE = torch.bfloat16
 POOL_BLOCKS = 4096
 SHAPES = [(32, 8, 128), (8192, 8, 128), (32, 8, 64), (8192, 8, 64)]
 SWEEP_CONFIGS = [(e, w) for e in (2048, 4096, 8192, 16384) for w in (4, 8)]
+PROVIDERS = ["device_copy_ceiling", "nanoserve", "torch_index"]
+STYLES = [("black", "--"), ("C0", "-"), ("C2", "-")]
+COLUMNS = ["shape", "provider", "check", "eager_us", "graph_us", "GB/s", "vs_copy", "vs_torch"]
 
 
 def make_set(tokens: int, heads: int, dim: int) -> dict:
@@ -74,14 +85,14 @@ def sweep() -> None:
         nbytes = 2 * 2 * tokens * heads * dim * 2
         sets = [make_set(tokens, heads, dim) for _ in range(num_input_sets(nbytes, 4))]
         shape = f"{tokens}tok x{heads}x{dim}"
-        copy_us = time_graph([providers(s)["device_copy_ceiling"] for s in sets])
-        torch_us = time_graph([providers(s)["torch_index"] for s in sets])
+        copy_us = time_graph([providers(s)["device_copy_ceiling"] for s in sets]).median
+        torch_us = time_graph([providers(s)["torch_index"] for s in sets]).median
         for config in SWEEP_CONFIGS:
 
             def run(s, config=config):
                 slot_scatter_triton(s["k"], s["v"], s["kc"], s["vc"], s["slots"], config=config)
 
-            us = time_graph([lambda s=s: run(s) for s in sets])
+            us = time_graph([lambda s=s: run(s) for s in sets]).median
             rows.append(dict(shape=shape, config=str(config), graph_us=round(us, 2),
                              copy_us=round(copy_us, 2), torch_us=round(torch_us, 2),
                              vs_copy=round(us / copy_us, 2),
@@ -89,8 +100,58 @@ def sweep() -> None:
             print(rows[-1], flush=True)
         del sets
         torch.cuda.empty_cache()
-    write_csv(rows, "scatter_sweep.csv")
-    print_table(rows, list(rows[0]))
+    show_table(rows, "scatter_sweep.csv")
+
+
+def nbytes_of(tokens: int, heads: int, dim: int) -> int:
+    """K and V rows, read once and written once, bf16."""
+    return 2 * 2 * tokens * heads * dim * 2
+
+
+class Writes:
+    """What ``perf_report`` measures: one (shape, provider) point at a time; the input sets
+    of a shape are built (and checked) once for its providers. Every point appends its
+    RESULTS row to ``rows``."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.key = None
+        self.current: dict = {}
+
+    def _load(self, tokens: int, heads: int, dim: int) -> dict:
+        if self.key != (tokens, heads, dim):
+            self.current = {}
+            torch.cuda.empty_cache()
+            count = num_input_sets(nbytes_of(tokens, heads, dim), 4)
+            sets = [make_set(tokens, heads, dim) for _ in range(count)]
+            status = check(sets[0])
+            self.current = dict(per_set=[providers(s) for s in sets], check=status)
+            self.key = (tokens, heads, dim)
+        return self.current
+
+    def __call__(self, tokens: int, provider: str, heads: int, dim: int):
+        """GB/s of ``provider`` writing ``tokens`` rows: (median, at p80, at p20 time)."""
+        data = self._load(tokens, heads, dim)
+        fns = [p[provider] for p in data["per_set"]]
+        eager, graph = time_eager(fns), time_graph(fns)
+        nbytes = nbytes_of(tokens, heads, dim)
+        self.rows.append(dict(kernel="slot_scatter", shape=f"{tokens}tok x{heads}x{dim}",
+                              provider=provider,
+                              check=data["check"] if provider == "nanoserve" else "",
+                              eager_us=round(eager.median, 2), graph_us=round(graph.median, 2),
+                              **{"GB/s": round(nbytes / (graph.median * 1e-6) / 1e9)}))  # fmt: skip
+        return tuple(nbytes / (us * 1e-6) / 1e9 for us in (graph.median, graph.p80, graph.p20))
+
+
+def finish_rows(rows: list[dict]) -> list[dict]:
+    """Each row's graph time over the device copy's and torch indexing's of its shape."""
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        same = [r for r in rows if r["shape"] == shape]
+        by = {r["provider"]: r["graph_us"] for r in same}
+        for r in same:
+            r["vs_copy"] = round(r["graph_us"] / by["device_copy_ceiling"], 2)
+            r["vs_torch"] = round(r["graph_us"] / by["torch_index"], 2)
+    return rows
 
 
 def main() -> None:
@@ -101,34 +162,23 @@ def main() -> None:
     if args.sweep:
         sweep()
         return
-    rows = []
-    for tokens, heads, dim in SHAPES:
-        nbytes = 2 * 2 * tokens * heads * dim * 2  # K and V, read + write, bf16
-        sets = [make_set(tokens, heads, dim) for _ in range(num_input_sets(nbytes, 4))]
-        status = check(sets[0])
-        per_set = [providers(s) for s in sets]
-        shape = f"{tokens}tok x{heads}x{dim}"
-        for name in per_set[0]:
-            fns = [p[name] for p in per_set]
-            eager, graph = time_eager(fns), time_graph(fns)
-            rows.append(dict(kernel="slot_scatter", shape=shape, provider=name,
-                             check=status if name == "nanoserve" else "",
-                             eager_us=round(eager, 2), graph_us=round(graph, 2),
-                             **{"GB/s": round(nbytes / (graph * 1e-6) / 1e9)}))  # fmt: skip
-        ceiling = next(r for r in rows if r["shape"] == shape and r["provider"].endswith("ceiling"))
-        torch_row = next(r for r in rows if r["shape"] == shape and r["provider"] == "torch_index")
-        for r in rows:
-            if r["shape"] == shape:
-                r["vs_copy"] = round(r["graph_us"] / ceiling["graph_us"], 2)
-                r["vs_torch"] = round(r["graph_us"] / torch_row["graph_us"], 2)
-        del sets, per_set
-        torch.cuda.empty_cache()
-    write_csv(rows, "scatter.csv")
-    plot_rows(rows, x="shape", y="GB/s", name="scatter.png",
-              title="slot scatter, bf16 (graph replay)", ceiling="device_copy_ceiling")  # fmt: skip
-    print_table(
-        rows, ["shape", "provider", "check", "eager_us", "graph_us", "GB/s", "vs_copy", "vs_torch"]
-    )
+    measure = Writes()
+    for heads, dim in dict.fromkeys((h, d) for _, h, d in SHAPES):
+        report = triton.testing.Benchmark(
+            x_names=["tokens"],
+            x_vals=[t for t, h, d in SHAPES if (h, d) == (heads, dim)],
+            x_log=True,
+            line_arg="provider",
+            line_vals=PROVIDERS,
+            line_names=PROVIDERS,
+            styles=STYLES,
+            ylabel="GB/s",
+            xlabel=f"tokens written ({heads} KV heads x {dim}, bf16, graph replay)",
+            plot_name=f"scatter_d{dim}",
+            args={"heads": heads, "dim": dim},
+        )
+        triton.testing.perf_report(report)(measure).run(print_data=True, save_path=out_dir())
+    show_table(finish_rows(measure.rows), "scatter.csv", COLUMNS)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,33 @@
-"""Shared benchmark helpers: timing (eager and CUDA-graph replay), the pure-read ceiling,
-error against a reference, and the table/CSV output."""
+"""Shared benchmark helpers, on ``triton.testing``: the CUDA check every script makes first,
+timing (``do_bench`` eager, ``do_bench_cudagraph`` under CUDA-graph replay) rotating over
+input sets, the pure-read ceiling, error against a reference, and the results table (a pandas
+DataFrame printed as markdown and saved as CSV under $OUT).
+
+The kernel benchmarks (decode, extend, scatter) draw their per-provider plots and CSVs with
+``triton.testing.perf_report``; ``print_table`` / ``write_csv`` remain for bench_generate and
+bench_families.
+"""
 
 from __future__ import annotations
 
 import csv
 import os
+import sys
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
 L2_BYTES = 60 * 2**20
 ROTATE_BYTES = 200 * 2**20  # rotate input sets until this much is touched per round
 WARMUP_MS, REP_MS = 25, 60  # do_bench warm-up and measuring time per timing
+
+
+def require_cuda(script: str) -> None:
+    """Exit with one line on stderr when torch sees no CUDA GPU: every benchmark here times
+    GPU kernels. Call it before importing Triton or the kernels."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{script}: needs a CUDA GPU, and torch {torch.__version__} sees none")
 
 
 def num_input_sets(nbytes: int, max_sets: int = 8) -> int:
@@ -33,60 +47,38 @@ def rotating(fns: Sequence[Callable[[], object]]) -> Callable[[], object]:
     return run
 
 
-def time_eager(fns: Sequence[Callable[[], object]], rep: int = REP_MS) -> float:
-    """Median microseconds of one call, rotating over ``fns`` (one per input set)."""
-    ms = triton.testing.do_bench(rotating(fns), warmup=WARMUP_MS, rep=rep, return_mode="median")
-    return ms * 1e3
+class Timing(NamedTuple):
+    """Microseconds of one call: median, 20th and 80th percentile."""
+
+    median: float
+    p20: float
+    p80: float
 
 
-def time_graph(fns: Sequence[Callable[[], object]], rep: int = REP_MS) -> float:
-    """Median microseconds of one CUDA-graph replay, one graph captured per input set."""
-    graphs = []
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    for fn in fns:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        graphs.append(g)
-    torch.cuda.synchronize()
-    return time_eager([g.replay for g in graphs], rep)
+def time_eager(fns: Sequence[Callable[[], object]], rep: int = REP_MS) -> Timing:
+    """One call's µs, launched from Python, rotating over ``fns`` (one per input set);
+    ``triton.testing.do_bench`` clears the L2 before each call."""
+    from triton.testing import do_bench
+
+    ms = do_bench(rotating(fns), warmup=WARMUP_MS, rep=rep, quantiles=[0.5, 0.2, 0.8])
+    return Timing(*(m * 1e3 for m in ms))
 
 
-@triton.jit
-def _read_kernel(x, out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    base = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for i in range(ITERS):
-        offs = base + i * BLOCK + tl.arange(0, BLOCK)
-        acc += tl.load(x + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(out + tl.program_id(0), tl.sum(acc, 0))
+def time_graph(fns: Sequence[Callable[[], object]], rep: int = REP_MS) -> Timing:
+    """One call's µs under CUDA-graph replay (``triton.testing.do_bench_cudagraph``: many
+    calls captured in one graph, so no launch cost), the calls rotating over ``fns``."""
+    from triton.testing import do_bench_cudagraph
+
+    ms = do_bench_cudagraph(rotating(fns), rep=rep, quantiles=[0.5, 0.2, 0.8])
+    return Timing(*(m * 1e3 for m in ms))
 
 
-def pure_read_fns(nbytes: int, sets: int, device: str = "cuda") -> list[list[Callable]]:
-    """For each read config, one closure per input set that reads ``nbytes`` of bf16 once."""
-    n = nbytes // 2
-    bufs = [torch.randn(n, device=device, dtype=torch.bfloat16) for _ in range(sets)]
-    variants = []
-    for block, iters, warps in ((4096, 4, 8), (2048, 8, 4), (8192, 2, 8)):
-        grid = (triton.cdiv(n, block * iters),)
-        out = torch.empty(grid[0], device=device)
+def ceiling(nbytes: int, sets: int, graph: bool) -> Timing:
+    """Best pure read of ``nbytes`` (over a few launch configs): the bar for a decode."""
+    from pure_read import pure_read_fns
 
-        def make(buf, block=block, iters=iters, warps=warps, grid=grid, out=out):
-            return lambda: _read_kernel[grid](buf, out, n, block, iters, num_warps=warps)
-
-        variants.append([make(b) for b in bufs])
-    return variants
-
-
-def ceiling_us(nbytes: int, sets: int, graph: bool) -> float:
-    """Best pure-read time (µs) over a few configs for ``nbytes``: the bar for a decode."""
     timer = time_graph if graph else time_eager
-    return min(timer(fns) for fns in pure_read_fns(nbytes, sets))
+    return min((timer(fns) for fns in pure_read_fns(nbytes, sets)), key=lambda t: t.median)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -95,6 +87,25 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
         return float("inf")
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm()).item()
+
+
+def show_table(rows: list[dict], name: str, columns: list[str] | None = None):
+    """``rows`` as a DataFrame: printed as a markdown table (``columns`` only, in order,
+    when given) and written whole to $OUT/name when OUT is set. Returns the DataFrame."""
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    shown = frame if columns is None else frame[[c for c in columns if c in frame.columns]]
+    print(shown.fillna("").to_markdown(index=False, disable_numparse=True))
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        frame.to_csv(os.path.join(out_dir, name), index=False)
+    return frame
+
+
+def out_dir() -> str:
+    """Where ``perf_report`` saves its plots and CSVs: $OUT, or nowhere ("")."""
+    return os.environ.get("OUT", "")
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
@@ -121,6 +132,8 @@ def write_csv(rows: list[dict], name: str) -> str | None:
 
 def versions() -> str:
     """One line: GPU, SMs, torch, triton, CUDA."""
+    import triton
+
     props = torch.cuda.get_device_properties(0)
     return (
         f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "

@@ -1,9 +1,10 @@
 """Run the benchmarks one after another, each in its own Python process.
 
 bench_decode, bench_extend and bench_scatter always (or those named with --only);
-bench_generate too with --generate. Each script's output streams through as it runs; at the
-end every script's final table is printed again, in order, with its exit status and time.
-CSVs and plots go under $OUT (or --out). Usage:
+bench_generate too with --generate. Each script's output streams through as it runs; every
+script writes its tables as CSV under $OUT (or --out; a temporary folder when neither is
+given), and at the end each script's exit status, time and main table (read back from its CSV,
+never from its printed output) are printed again, in order. Usage:
     python3 benchmarks/run_all.py [--generate] [--only decode,extend] [--out DIR] [-- ARGS]
 Arguments after ``--`` go to every script.
 """
@@ -11,43 +12,64 @@ Arguments after ``--`` go to every script.
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 KERNEL_BENCHES = ("decode", "extend", "scatter")
-
-
-def last_table(text: str) -> str:
-    """The last run of consecutive markdown table lines in ``text``."""
-    lines = text.splitlines()
-    end = len(lines)
-    while end and not lines[end - 1].startswith("|"):
-        end -= 1
-    start = end
-    while start and lines[start - 1].startswith("|"):
-        start -= 1
-    return "\n".join(lines[start:end])
+# the table RESULTS.md takes from each script (the others it writes are plot data)
+MAIN_TABLE = {
+    "decode": "bench_decode.csv",
+    "extend": "extend.csv",
+    "scatter": "scatter.csv",
+    "generate": "generate.csv",
+}
 
 
 def run_one(name: str, env: dict, extra: list[str]) -> tuple[int, float, str]:
-    """Run benchmarks/bench_<name>.py, echoing its output; (exit code, seconds, output)."""
+    """Run benchmarks/bench_<name>.py, its output streaming through; (exit code, seconds,
+    its last output line)."""
     cmd = [sys.executable, str(HERE / f"bench_{name}.py"), *extra]
     print(f"\n=== {' '.join(cmd)}", flush=True)
     start = time.perf_counter()
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     )
-    captured = []
+    last = ""
     assert proc.stdout is not None
     for line in proc.stdout:
         print(line, end="", flush=True)
-        captured.append(line)
+        last = line.strip() or last
     code = proc.wait()
-    return code, time.perf_counter() - start, "".join(captured)
+    return code, time.perf_counter() - start, last
+
+
+def markdown(path: Path) -> str:
+    """The CSV at ``path`` as a markdown table."""
+    with open(path, newline="") as file:
+        rows = list(csv.reader(file))
+    if not rows:
+        return "(empty table)"
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+    return "\n".join(lines)
+
+
+def tables_written(name: str, out: Path, since: float) -> str:
+    """What bench_<name> wrote under ``out`` since ``since`` (a time.time()): its main table
+    in markdown, or the names of the CSVs it wrote, or a line saying there are none."""
+    written = sorted(p for p in out.glob("*.csv") if p.stat().st_mtime >= since)
+    main = out / MAIN_TABLE.get(name, f"{name}.csv")
+    if main in written:
+        return markdown(main)
+    if written:
+        return "tables: " + ", ".join(p.name for p in written)
+    return "(no table written)"
 
 
 def main() -> int:
@@ -64,16 +86,19 @@ def main() -> int:
     names = list(KERNEL_BENCHES) + (["generate"] if args.generate else [])
     if args.only:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        env["OUT"] = args.out
-    results = [(name, *run_one(name, env, extra)) for name in names]
-    print("\n=== summary")
-    for name, code, seconds, text in results:
+    out = Path(args.out or tempfile.mkdtemp(prefix="nanoserve_bench_"))
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OUT=str(out))
+    results = []
+    for name in names:
+        since = time.time() - 1  # file times may be coarser than a second
+        code, seconds, last = run_one(name, env, extra)
+        results.append((name, code, seconds, last, tables_written(name, out, since)))
+    print(f"\n=== summary (tables and plots in {out})")
+    for name, code, seconds, last, tables in results:
         print(f"\n## bench_{name}: exit {code}, {seconds:.0f} s")
-        print(last_table(text) or "(no table)")
-    return int(any(code != 0 for _, code, _, _ in results))
+        print(tables if code == 0 else last)
+    return int(any(code != 0 for _, code, *_ in results))
 
 
 if __name__ == "__main__":
