@@ -10,26 +10,29 @@ The loop prefills through HF's ``_prefill`` (so chunked prefill and prefix shari
 before), then runs each decode step through the patched forward with only the arguments a
 paged decode step needs (on CUDA a replayed graph), processes the logits and picks the
 token on the device (``device_sampling.py``), and writes it into a preallocated
-``sequences`` buffer. Whether every row has finished is copied back without waiting: the
-host reads a step's flag (and the streamer its tokens) once the device has finished that
-step, at most ``READ_BACK_LAG`` steps behind the step it is issuing. The steps run past the
-stop are cut from the returned sequences, scores and logits and cropped from the cache, so
-the result is stock's. (Those steps still drew from the global RNG when sampling.)
+``sequences`` buffer. Which rows have finished is copied back without waiting
+(``read_back.py``): the host learns it a few steps late, so the steps issued past the stop
+are cut from the returned sequences, scores and logits and cropped from the cache, and the
+result is stock's. (Those steps still drew from the global RNG when sampling.)
+
+Finished rows leave the batch (``ActiveRows``) when the rest fits a smaller graph bucket and
+nothing of theirs past EOS is returned (no scores, logits or cache): their blocks are freed
+and their sequences padded, as stock pads them. Sampling still draws over every row of the
+call (the rows that left get a stand-in distribution), so each row meets the random numbers
+it meets in stock's loop and seeded tokens stay stock's.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 import torch
 from transformers import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from nanoserve.adapters.decode_graphs import bucket_for
 from nanoserve.adapters.device_sampling import StopRule, apply_steps, processor_steps, unsupported
 from nanoserve.adapters.hf_cache import PagedCache
+from nanoserve.adapters.read_back import ReadBack
 from nanoserve.adapters.step import CACHE_KWARGS, find_cache, state_of
-
-READ_BACK_LAG = 4  # decode steps the host may issue past the last one it has read back
 
 # generate's model_kwargs the loop handles; any other (not None) runs HF's loop
 _KNOWN_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", *CACHE_KWARGS}
@@ -130,7 +133,10 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     sequences = input_ids.new_empty(rows, max(rule.max_length, prompt_len + 1))
     sequences[:, :prompt_len] = input_ids
     unfinished = torch.ones(rows, dtype=torch.long, device=device)
-    watch = _ReadBack(device, rows, streamer, rule.eos is not None)
+    # Finished rows leave the batch only where nothing of theirs past EOS is returned: no
+    # scores, logits or cache (stock's hold the pad steps' values)
+    batch = ActiveRows(rows, device, pad, compact=pad is not None and not keep)
+    watch = ReadBack(device, rows, streamer, batch.pad_value, rule.eos is not None)
     length, stop_at = prompt_len, None
     while stop_at is None:
         processed = apply_steps(steps, logits, length)
@@ -139,23 +145,28 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
         if raw_logits is not None:
             raw_logits.append(logits)
         if config.do_sample:
-            probs = torch.nn.functional.softmax(processed, dim=-1)
-            tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+            tokens = batch.draw(torch.nn.functional.softmax(processed, dim=-1))
         else:
             tokens = torch.argmax(processed, dim=-1)
         if pad is not None:  # finished rows get the pad token, as in stock
             tokens = tokens * unfinished + pad * (1 - unfinished)
-        sequences[:, length] = tokens
+        batch.write(sequences, length, tokens)
         length += 1
         for step in steps:
             step.observe(tokens)
         if rule.eos is not None:
             unfinished = unfinished & ~rule.finished(tokens)
-        watch.push(length, unfinished, tokens)
+        watch.push(length, unfinished, tokens, batch.rows)
         stop_at = watch.poll(drain=length >= rule.max_length)
         if stop_at is None and length >= rule.max_length:
             stop_at = length
         if stop_at is None:
+            keep_at = batch.rows_to_keep(watch.finished)
+            if keep_at is not None:  # the batch fits a smaller graph bucket: compact it
+                index = batch.compact(keep_at, sequences, length, cache)
+                tokens, positions, unfinished = tokens[index], positions[index], unfinished[index]
+                for step in steps:
+                    step.select(index)
             step_out = model(input_ids=tokens[:, None], position_ids=positions, **fixed)
             positions = positions + 1
             logits = step_out.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
@@ -180,48 +191,51 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     )
 
 
-class _ReadBack:
-    """Each step's "every row finished" flag and, for a streamer, its tokens, copied to the
-    host without waiting; ``poll`` consumes the steps the device has finished (on CPU, and
-    on CUDA when the host is ``READ_BACK_LAG`` steps ahead, it waits for the oldest)."""
+class ActiveRows:
+    """Which of the call's rows are still in the decode batch (``rows``: the original row
+    of each batch row). With ``compact``, rows known to have finished leave once the rest
+    fits a smaller graph bucket: their blocks are freed and their sequences padded."""
 
-    def __init__(self, device: torch.device, rows: int, streamer, has_eos: bool):
-        self.streamer, self.has_eos = streamer, has_eos
-        self.cuda = device.type == "cuda"
-        slots = READ_BACK_LAG + 2
-        self.flags = torch.zeros(slots, dtype=torch.bool, pin_memory=self.cuda)
-        self.tokens = torch.zeros(slots, rows, dtype=torch.long, pin_memory=self.cuda)
-        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]
-        self.pending: deque[tuple[int, int]] = deque()  # (sequence length, slot)
-        self.next_slot = 0
+    def __init__(self, rows: int, device: torch.device, pad, compact: bool):
+        self.total, self.device, self.pad, self.compact_ok = rows, device, pad, compact
+        self.rows = list(range(rows))
+        self.index: torch.Tensor | None = None  # device int64 [len(rows)]; None: all rows
+        self.pad_value = int(pad) if pad is not None else 0  # one read, before the loop
 
-    def push(self, length: int, unfinished: torch.Tensor, tokens: torch.Tensor) -> None:
-        slot, self.next_slot = self.next_slot, (self.next_slot + 1) % len(self.events)
-        if not (self.has_eos or self.streamer is not None):
-            return
-        if self.has_eos:
-            self.flags[slot].copy_(unfinished.max() == 0, non_blocking=True)
-        if self.streamer is not None:
-            self.tokens[slot].copy_(tokens, non_blocking=True)
-        if self.cuda:
-            self.events[slot].record()
-        self.pending.append((length, slot))
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """``torch.multinomial(probs, 1)`` for the batch rows, drawn as stock draws them over
+        every row of the call: the rows that left get a valid stand-in distribution, so each
+        batch row meets the same random numbers as in stock's full batch."""
+        if self.index is None:
+            return torch.multinomial(probs, num_samples=1).squeeze(1)
+        full = probs.new_zeros(self.total, probs.shape[1])
+        full[:, 0] = 1
+        full[self.index] = probs
+        return torch.multinomial(full, num_samples=1).squeeze(1)[self.index]
 
-    def poll(self, drain: bool = False) -> int | None:
-        """The sequence length at which every row had finished, once read back; else None.
-        ``drain`` reads every pending step."""
-        while self.pending:
-            length, slot = self.pending[0]
-            event = self.events[slot]
-            ready = drain or len(self.pending) > READ_BACK_LAG
-            if not ready and not (event is not None and event.query()):
-                return None
-            if event is not None:
-                event.synchronize()
-            self.pending.popleft()
-            if self.streamer is not None:
-                self.streamer.put(self.tokens[slot].clone())
-            if self.has_eos and bool(self.flags[slot]):
-                self.pending.clear()
-                return length
-        return None
+    def write(self, sequences: torch.Tensor, column: int, tokens: torch.Tensor) -> None:
+        if self.index is None:
+            sequences[:, column] = tokens
+        else:
+            sequences[self.index, column] = tokens
+
+    def rows_to_keep(self, finished: set[int]) -> list[int] | None:
+        """Batch positions to keep when dropping the rows of ``finished`` moves the batch to a
+        smaller bucket; else None."""
+        if not self.compact_ok:
+            return None
+        keep = [i for i, row in enumerate(self.rows) if row not in finished]
+        if not keep or bucket_for(len(keep)) == bucket_for(len(self.rows)):
+            return None
+        return keep
+
+    def compact(self, keep: list[int], sequences, column: int, cache) -> torch.Tensor:
+        """Drop every batch row not in ``keep`` (from the cache too); returns the device index
+        of the kept batch rows, to select each per-row tensor with."""
+        kept = set(keep)
+        gone = [row for i, row in enumerate(self.rows) if i not in kept]
+        sequences[torch.tensor(gone, device=self.device), column:] = self.pad
+        cache.paged.reorder(keep)
+        self.rows = [self.rows[i] for i in keep]
+        self.index = torch.tensor(self.rows, device=self.device)
+        return torch.tensor(keep, device=self.device)

@@ -21,12 +21,15 @@ from transformers.generation import stopping_criteria as sc
 
 class _Step:
     """One processor: ``__call__(scores [B, V] float32, length) -> scores``; ``observe``
-    sees each step's chosen tokens [B]."""
+    sees each step's chosen tokens [B]; ``select`` keeps the rows of a compacted batch."""
 
     def __call__(self, scores: torch.Tensor, length: int) -> torch.Tensor:
         raise NotImplementedError
 
     def observe(self, tokens: torch.Tensor) -> None:
+        pass
+
+    def select(self, index: torch.Tensor) -> None:
         pass
 
 
@@ -103,6 +106,10 @@ class _RepetitionPenalty(_Step):
         if self.seen is not None:
             vocab = self.seen.shape[1] - 1
             self.seen.scatter_(1, tokens.clamp(max=vocab)[:, None], True)
+
+    def select(self, index):
+        if self.seen is not None:
+            self.seen = self.seen[index]
 
 
 class _EosBlocked(_Step):

@@ -25,7 +25,7 @@ from transformers import (
 from transformers.generation import logits_process as lp
 
 import nanoserve
-from nanoserve.adapters import decode_loop
+from nanoserve.adapters import decode_loop, read_back
 from nanoserve.adapters.device_sampling import apply_steps, processor_steps, unsupported
 from nanoserve.adapters.step import find_cache
 
@@ -139,6 +139,88 @@ def test_plain_tensor_output_and_streamer():
             assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
     assert torch.equal(stock, ours) and stock.shape[1] < 6 + 40
     assert len(records[0].puts) == len(records[1].puts) and records[1].ended
+    assert all(torch.equal(a, b) for a, b in zip(records[0].puts, records[1].puts, strict=True))
+
+
+def count_compactions(monkeypatch) -> list[tuple[int, int]]:
+    """Record each compaction as (rows before, rows kept), with the blocks it freed checked."""
+    seen = []
+    compact = decode_loop.ActiveRows.compact
+
+    def counted(self, keep, sequences, column, cache):
+        used, before = cache.paged.allocator.num_used, len(self.rows)
+        index = compact(self, keep, sequences, column, cache)
+        assert cache.paged.allocator.num_used < used  # the rows that left freed their blocks
+        seen.append((before, len(keep)))
+        return index
+
+    monkeypatch.setattr(decode_loop.ActiveRows, "compact", counted)
+    return seen
+
+
+def test_finished_rows_leave_the_batch(monkeypatch):
+    """Greedy rows ending after 6, 13 and 4 tokens (batch bucket 4, then 2, then 1): the
+    sequences stay stock's (pads after EOS) while the batch shrinks. Planted: compaction
+    not padding the rows that left, and keeping the wrong rows' cache, each failed."""
+    model = eos_early(tiny_model("llama", seed=10), 3.0)
+    inputs = padded_batch([13, 6, 2], 13)
+    compactions = count_compactions(monkeypatch)
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=30)
+        with patched(model):
+            ours = model.generate(**inputs, max_new_tokens=30)
+    assert torch.equal(stock, ours)
+    assert compactions == [(3, 2), (2, 1)]
+
+
+def test_compacted_sampling_draws_as_stock(monkeypatch):
+    """Seeded sampling over 6 rows (2 prompts x 3 return sequences) with a repetition
+    penalty: rows leave the batch as they finish, and the tokens still equal stock's, since
+    every draw is made over all 6 rows. Planted: drawing over the kept rows only, and the
+    penalty's mask not following the compaction, each failed."""
+    model = eos_early(tiny_model("llama", seed=3), 2.5)
+    inputs = padded_batch([9, 5], 9, seed=4)
+    opts = dict(do_sample=True, top_k=30, repetition_penalty=1.2, num_return_sequences=3,
+                max_new_tokens=40)  # fmt: skip
+    compactions = count_compactions(monkeypatch)
+    for _ in range(3):  # fresh seeds until a call compacts
+        seed = int.from_bytes(os.urandom(4), "little")
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            stock = model.generate(**inputs, **opts)
+            with patched(model):
+                torch.manual_seed(seed)
+                ours = model.generate(**inputs, **opts)
+        assert torch.equal(stock, ours), seed
+        if compactions:
+            break
+    assert compactions
+
+
+def test_streamer_with_compaction(monkeypatch):
+    """A streamer over a batch that compacts gets stock's puts (the rows that left: pads).
+    Planted: the read-back putting the batch rows' tokens in the first columns failed."""
+
+    class Record:
+        def __init__(self):
+            self.puts = []
+
+        def put(self, value):
+            self.puts.append(value.clone())
+
+        def end(self):
+            pass
+
+    model = eos_early(tiny_model("llama", seed=10), 3.0)
+    inputs = padded_batch([13, 6, 2], 13)
+    compactions = count_compactions(monkeypatch)
+    records = [Record(), Record()]
+    with torch.no_grad():
+        model.generate(**inputs, max_new_tokens=30, streamer=records[0])
+        with patched(model):
+            model.generate(**inputs, max_new_tokens=30, streamer=records[1])
+    assert compactions
+    assert len(records[0].puts) == len(records[1].puts)
     assert all(torch.equal(a, b) for a, b in zip(records[0].puts, records[1].puts, strict=True))
 
 
@@ -285,7 +367,7 @@ def test_processed_scores_equal_hf_processors():
 
 def test_read_back_lag_is_what_the_tests_exercise():
     """The CPU tests rely on the flags being read back late (extra steps to cut)."""
-    assert decode_loop.READ_BACK_LAG >= 2
+    assert read_back.READ_BACK_LAG >= 2
 
 
 # -- the real model ---------------------------------------------------------------------

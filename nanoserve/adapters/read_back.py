@@ -1,0 +1,72 @@
+"""What the decode loop's host learns from the device, a few steps late and without waiting.
+
+Each step copies the batch rows' "unfinished" flags (and, for a streamer, their tokens) into
+pinned host memory and records an event; ``poll`` consumes the steps the device has
+finished. On CUDA it waits only once the host is ``READ_BACK_LAG`` steps ahead; on CPU (no
+events) a step is read ``READ_BACK_LAG`` steps late, so the CPU tests cut the same extra
+steps a GPU run does.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+READ_BACK_LAG = 4  # decode steps the host may issue past the last one it has read back
+
+
+class ReadBack:
+    """Lagged read-back of one decode loop over ``rows`` rows (the call's full batch)."""
+
+    def __init__(self, device: torch.device, rows: int, streamer, pad_value: int, has_eos: bool):
+        self.streamer, self.pad_value, self.has_eos = streamer, pad_value, has_eos
+        self.cuda = device.type == "cuda"
+        slots = READ_BACK_LAG + 2
+        self.unfinished = torch.zeros(slots, rows, dtype=torch.long, pin_memory=self.cuda)
+        self.tokens = torch.zeros(slots, rows, dtype=torch.long, pin_memory=self.cuda)
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]
+        self.pending: deque[tuple[int, int, list[int]]] = deque()  # (length, slot, batch rows)
+        self.next_slot = 0
+        self.finished: set[int] = set()  # original rows known to have finished
+
+    def push(self, length: int, unfinished, tokens, batch_rows: list[int]) -> None:
+        """The step that made the sequences ``length`` long: its ``unfinished`` [b] and
+        ``tokens`` [b] of the batch rows ``batch_rows`` (original row of each)."""
+        if not (self.has_eos or self.streamer is not None):
+            return
+        slot, self.next_slot = self.next_slot, (self.next_slot + 1) % len(self.events)
+        width = len(batch_rows)
+        if self.has_eos:
+            self.unfinished[slot, :width].copy_(unfinished, non_blocking=True)
+        if self.streamer is not None:
+            self.tokens[slot, :width].copy_(tokens, non_blocking=True)
+        if self.cuda:
+            self.events[slot].record()
+        self.pending.append((length, slot, batch_rows))
+
+    def poll(self, drain: bool = False) -> int | None:
+        """The sequence length at which every row had finished, once read back; else None.
+        Feeds the streamer each step read (every row: the rows that left get the pad) and
+        adds the rows read as finished to ``finished``. ``drain`` reads every pending step."""
+        while self.pending:
+            length, slot, batch_rows = self.pending[0]
+            event = self.events[slot]
+            ready = drain or len(self.pending) > READ_BACK_LAG
+            if not ready and not (event is not None and event.query()):
+                return None
+            if event is not None:
+                event.synchronize()
+            self.pending.popleft()
+            width = len(batch_rows)
+            if self.streamer is not None:
+                tokens = torch.full((self.tokens.shape[1],), self.pad_value, dtype=torch.long)
+                tokens[batch_rows] = self.tokens[slot, :width]
+                self.streamer.put(tokens)
+            if self.has_eos:
+                flags = self.unfinished[slot, :width].tolist()
+                self.finished.update(row for row, f in zip(batch_rows, flags, strict=True) if not f)
+                if len(self.finished) == self.unfinished.shape[1]:
+                    self.pending.clear()
+                    return length
+        return None
