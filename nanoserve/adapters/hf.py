@@ -16,8 +16,6 @@ import types
 import weakref
 
 import torch
-import transformers
-from packaging.version import Version
 from transformers import GenerationMixin
 
 from nanoserve.adapters.attention import ATTN_NAME, register
@@ -49,11 +47,9 @@ from nanoserve.adapters.step import (
     state_of,
 )
 from nanoserve.adapters.tensor_parallel import capture_agreement, local_layout
+from nanoserve.adapters.versions import check_transformers_version
 from nanoserve.cache import PagedKVCache
 from nanoserve.kernels.dispatch import check_backend
-
-# transformers releases the adapter was written and tested against: [lowest, first unsupported)
-SUPPORTED_TRANSFORMERS = ("5.17", "6")
 
 
 def patch_model(
@@ -170,17 +166,6 @@ def _restore(model, state: PatchState) -> None:
     # a config shared with another patched model stays switched until that one is unpatched
     if forget_original_attn(model.config) and model.config._attn_implementation == ATTN_NAME:
         model.set_attn_implementation(state.original_attn)
-
-
-def check_transformers_version(version: str | None = None) -> None:
-    """NotImplementedError naming the supported range when transformers is outside it."""
-    version = version or transformers.__version__
-    low, high = SUPPORTED_TRANSFORMERS
-    if not Version(low) <= Version(version) < Version(high):
-        raise NotImplementedError(
-            f"nanoserve supports transformers >= {low}, < {high}; this is {version} "
-            f'(pip install "transformers>={low},<{high}")'
-        )
 
 
 def _state(model) -> PatchState:
