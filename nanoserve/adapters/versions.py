@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from importlib.metadata import version as installed_version
 
-from packaging.version import Version
+from packaging.specifiers import SpecifierSet
 
 # transformers releases the adapters were written and tested against: [lowest, first unsupported)
 SUPPORTED_TRANSFORMERS = ("5.17", "6")
@@ -20,7 +20,8 @@ def check_transformers_version(version: str | None = None) -> None:
     installed transformers) is outside it."""
     version = version or installed_version("transformers")
     low, high = SUPPORTED_TRANSFORMERS
-    if not Version(low) <= Version(version) < Version(high):
+    # as pip reads ">=low,<high": a pre-release of ``high`` is outside, one of 5.x inside
+    if not SpecifierSet(f">={low},<{high}").contains(version, prereleases=True):
         raise UnsupportedTransformers(
             f"nanoserve's adapters support transformers >= {low}, < {high}; this is {version} "
             f'(pip install "transformers>={low},<{high}")'
