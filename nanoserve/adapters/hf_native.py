@@ -56,10 +56,12 @@ class PagedConfig:
     backend: str = "auto"
     keep_pools: bool = True
     prefix_sharing: bool = True
+    decode_loop: bool = True
 
     def __post_init__(self):
         PoolOptions(KVLayout(1, 1, 1), self.block_size, self.num_blocks, self.max_memory)
-        for name in ("cuda_graphs", "compile_decode", "keep_pools", "prefix_sharing"):
+        flags = ("cuda_graphs", "compile_decode", "keep_pools", "prefix_sharing", "decode_loop")
+        for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
         check_backend(self.backend)

@@ -3,6 +3,8 @@ through ``from_pretrained`` / ``from_config``, is the model ``patch_model`` give
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from test_families import GREEDY, padded_batch, tiny_model
@@ -74,6 +76,16 @@ def test_a_model_built_under_the_name_without_the_door_refuses_to_run():
     assert state_of(model) is None
     with pytest.raises(RuntimeError, match="nanoserve.patch_model"):
         generate(model)
+
+
+def test_paged_config_mirrors_patch_model():
+    """Every keyword of patch_model, with its default, is a PagedConfig field."""
+    keywords = {
+        name: p.default
+        for name, p in inspect.signature(nanoserve.patch_model).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    assert nanoserve.PagedConfig().options() == keywords
 
 
 def test_paged_config_is_checked():
