@@ -50,6 +50,9 @@ from nanoserve.adapters.tensor_parallel import capture_agreement, local_layout
 from nanoserve.adapters.versions import check_transformers_version
 from nanoserve.cache import PagedKVCache
 from nanoserve.kernels.dispatch import check_backend
+from nanoserve.log import get_logger
+
+_log = get_logger(__name__)
 
 
 def patch_model(
@@ -323,11 +326,20 @@ def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype):
     kept, state.kept_pools = state.kept_pools, None
     fresh = size.num_blocks, None, None
     if kept is None or kept.owner() is not None or kept.dtype != dtype:
+        if kept is not None:
+            why = "a returned cache holds it" if kept.owner() is not None else f"{kept.dtype}"
+            _log.info("pool: the kept pool is not reused (%s)", why)
         return fresh
     if state.pool.fixed:
         fits = kept.num_blocks == size.num_blocks
     else:
         fits = kept.num_blocks >= size.num_blocks
+    _log.info(
+        "pool: the kept pool of %d blocks %s (%d asked for)",
+        kept.num_blocks,
+        "serves this call" if fits else "is let go",
+        size.num_blocks,
+    )
     return (kept.num_blocks, kept.pools, kept.allocator) if fits else fresh
 
 
@@ -383,8 +395,11 @@ def _paged_generate(self, *args, **kwargs):
             _room_to_continue(state, passed, self, args, kwargs)
             return stock(*args, **kwargs)
     if passed is not None or option("use_cache") is False:
+        why = "the caller's own cache" if passed is not None else "use_cache=False"
+        _log.info("fallback: stock generate (%s)", why)
         return stock(*args, **kwargs)  # the caller's own transformers cache
     if option("output_attentions"):
+        _log.info("fallback: stock generate (output_attentions: paged kernels compute no weights)")
         return stock(*args, **kwargs)  # stock's cache and attention, which return the weights
     implementation = option("cache_implementation")
     if implementation not in (None, "hybrid"):  # stock drops "hybrid", Gemma's hub default

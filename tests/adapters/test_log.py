@@ -14,6 +14,7 @@ import torch
 from helpers import patched
 from test_families import GREEDY, padded_batch, tiny_model
 
+from nanoserve.adapters.hf_cache import cache_kwarg
 from nanoserve.log import ROOT, configure_from_env
 
 
@@ -113,6 +114,7 @@ def test_configure_adds_one_handler():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_graph_captures_are_logged_per_bucket(caplog):
     caplog.set_level(logging.INFO, logger=ROOT)
     model = tiny_model("llama").cuda()
@@ -120,3 +122,23 @@ def test_graph_captures_are_logged_per_bucket(caplog):
     with patched(model), torch.no_grad():
         model.generate(**batch, max_new_tokens=4, **GREEDY)
     assert "decode graph captured: batch bucket 4 (batch 3), block table width" in messages(caplog)
+
+
+def test_kept_pool_and_fallbacks(caplog):
+    from transformers import DynamicCache
+
+    caplog.set_level(logging.INFO, logger=ROOT)
+    model = tiny_model("llama")
+    batch = padded_batch([3, 5], 5)
+    with patched(model), torch.no_grad():
+        model.generate(**batch, max_new_tokens=3, **GREEDY)
+        caplog.clear()
+        model.generate(**batch, max_new_tokens=3, **GREEDY)
+        assert "pool: the kept pool of 8 blocks serves this call (8 asked for)" in messages(caplog)
+        caplog.clear()
+        own = {cache_kwarg(type(model)): DynamicCache()}
+        model.generate(**batch, max_new_tokens=3, **own, **GREEDY)
+        assert "fallback: stock generate (the caller's own cache)" in messages(caplog)
+        caplog.clear()
+        model.generate(**batch, max_new_tokens=3, use_cache=False, **GREEDY)
+        assert "fallback: stock generate (use_cache=False)" in messages(caplog)
