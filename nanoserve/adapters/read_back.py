@@ -1,10 +1,13 @@
 """What the decode loop's host learns from the device, a few steps late and without waiting.
 
 Each step copies the batch rows' "unfinished" flags (and, for a streamer, their tokens) into
-pinned host memory and records an event; ``poll`` consumes the steps the device has
-finished. On CUDA it waits only once the host is ``READ_BACK_LAG`` steps ahead; on CPU (no
-events) a step is read ``READ_BACK_LAG`` steps late, so the CPU tests cut the same extra
-steps a GPU run does.
+pinned host memory and records an event; ``poll`` reads a step exactly ``READ_BACK_LAG``
+steps after it was issued (on CUDA waiting on its event, which the device passed long ago:
+the graph runner keeps the host at most a step or two ahead). Always that lag, never
+"whatever has arrived": when the loop stops, how many steps it issued past the stop and
+when rows leave the batch then depend on the tokens alone, not on timing, so tensor-
+parallel ranks issue the same steps, a seed's global RNG state after the call is the same
+run to run, and the CPU tests cut the same extra steps a GPU run does.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections import deque
 
 import torch
 
-READ_BACK_LAG = 4  # decode steps the host may issue past the last one it has read back
+READ_BACK_LAG = 3  # decode steps issued after a step before the host reads it
 
 
 class ReadBack:
@@ -52,8 +55,7 @@ class ReadBack:
         while self.pending:
             length, slot, batch_rows = self.pending[0]
             event = self.events[slot]
-            ready = drain or len(self.pending) > READ_BACK_LAG
-            if not ready and not (event is not None and event.query()):
+            if not drain and len(self.pending) <= READ_BACK_LAG:
                 return None
             if event is not None:
                 event.synchronize()

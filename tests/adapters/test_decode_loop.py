@@ -388,37 +388,60 @@ def test_smollm2_greedy(smollm2):
 
 # -- GPU ----------------------------------------------------------------------------------
 
-gpu = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+
+def on_cuda(inputs: dict) -> dict:
+    return {k: v.cuda() for k, v in inputs.items()}
 
 
 @pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_greedy_float32_with_graphs(graphs):
-    """On CUDA (replayed graphs, Triton kernels, the non-blocking read-back): float32 greedy
-    rows ending at spread steps give stock's sequences and HF's loop's logits."""
-    model = eos_early(tiny_model("llama", hidden_size=256, num_hidden_layers=3), 3.0).cuda()
-    inputs = {k: v.cuda() for k, v in padded_batch([40, 17, 5, 33, 2], 40).items()}
+def test_gpu_greedy_float32_scores_and_cache(graphs):
+    """On CUDA (replayed graphs, Triton kernels, pinned read-back with events): float32
+    greedy rows ending at spread steps give stock's sequences and HF's loop's scores,
+    logits and cache."""
+    model = eos_early(tiny_model("llama", seed=10), 3.0).cuda()
+    inputs = on_cuda(padded_batch([13, 6, 2], 13))
     stock, hf_loop, ours, _ = three_ways(
-        model, inputs, patch_options=dict(cuda_graphs=graphs), max_new_tokens=60, **RETURN_ALL
+        model, inputs, patch_options=dict(cuda_graphs=graphs), max_new_tokens=30, **RETURN_ALL
     )
     assert_same(stock, hf_loop, ours)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_sampling_bfloat16_seed_reproduces():
-    """bf16 sampling on CUDA: the same seed gives the same tokens run to run, and HF's
-    loop's tokens on the patched model (same logits, same RNG calls)."""
-    model = eos_early(tiny_model("llama", hidden_size=256), 2.0).cuda().to(torch.bfloat16)
-    inputs = {k: v.cuda() for k, v in padded_batch([30, 9, 21], 30).items()}
-    opts = dict(do_sample=True, top_p=0.9, temperature=0.8, num_return_sequences=4)
-    runs = []
-    for loop in (True, True, False):
+def test_gpu_compaction_replays_smaller_buckets(monkeypatch):
+    """On CUDA the batch of 3 leaves bucket 4 for buckets 2 and 1 (a graph captured for
+    each) and the sequences stay stock's."""
+    model = eos_early(tiny_model("llama", seed=10), 3.0).cuda()
+    inputs = on_cuda(padded_batch([13, 6, 2], 13))
+    compactions = count_compactions(monkeypatch)
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=30)
+        with patched(model):
+            ours = model.generate(**inputs, max_new_tokens=30)
+            stats = nanoserve.decode_graph_stats(model)
+    assert torch.equal(stock, ours)
+    assert compactions == [(3, 2), (2, 1)] and stats["captures"] == 3, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_sampling_seed_reproduces():
+    """bf16 sampling on CUDA, 12 rows leaving the batch as they finish: one seed gives the
+    same tokens run to run; with the whole batch kept (return_dict_in_generate) the tokens
+    equal HF's loop's on the patched model (same logits, same random numbers)."""
+    model = eos_early(tiny_model("llama", seed=3), 2.5).cuda().to(torch.bfloat16)
+    inputs = on_cuda(padded_batch([30, 9, 21], 30))
+    opts = dict(do_sample=True, top_p=0.9, temperature=0.8, num_return_sequences=4,
+                max_new_tokens=50)  # fmt: skip
+
+    def run(loop, **extra):
         with patched(model, decode_loop=loop), torch.no_grad():
             torch.manual_seed(7)
-            runs.append(model.generate(**inputs, max_new_tokens=50, **opts))
-    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+            out = model.generate(**inputs, **opts, **extra)
+        return out if isinstance(out, torch.Tensor) else out.sequences
+
+    assert torch.equal(run(True), run(True))
+    kept = dict(return_dict_in_generate=True)
+    assert torch.equal(run(True, **kept), run(False, **kept))
