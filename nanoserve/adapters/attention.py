@@ -56,6 +56,14 @@ def paged_attention(
         )
     step = current.meta.to(query.device)
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    kept = current.cache.paged.sliding_window
+    if kept is not None and (window is None or window > kept):
+        raise RuntimeError(
+            f"layer {getattr(module, 'layer_idx', '?')} of {type(module).__name__} attends "
+            f"{'to all positions' if window is None else f'within {window}'}, but the cache "
+            f"releases blocks older than {kept} positions (Family.cache_window is wrong for "
+            "this config)"
+        )
     softcap = kwargs.get("softcap")
     batch, heads, q_len, head_dim = query.shape
     opts = dict(

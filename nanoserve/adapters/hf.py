@@ -98,7 +98,7 @@ def patch_model(
             "language-model head (e.g. AutoModelForCausalLM), not its base model"
         )
     family = family_for(model.config)  # NotImplementedError names the supported families
-    layout = local_layout(family.kv_layout(model.config), model)  # this rank's KV heads
+    layout = local_layout(family.layout(model.config), model)  # this rank's KV heads
     options = PoolOptions(layout, block_size, num_blocks, max_memory)
     for name, value in (
         ("cuda_graphs", cuda_graphs),
@@ -425,6 +425,7 @@ def _paged_generate(self, *args, **kwargs):
             pools=pools,
             backend=state.backend,
             allocator=allocator,
+            sliding_window=state.pool.layout.sliding_window,
         )
         cache = PagedCache(paged)
         if state.prefix_sharing and not option("prefill_chunk_size"):  # else none looked up

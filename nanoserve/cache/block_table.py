@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from nanoserve.cache.allocator import BlockAllocator, as_index
 
+DROPPED = -1  # block_ids entry of a block released under a sliding window
+
 
 class BlockTable:
     """Logical position ``p`` lives in block ``block_ids[p // block_size]`` at offset
@@ -13,6 +15,10 @@ class BlockTable:
     Blocks may be shared with other tables (``fork``); a shared block is never written in
     place: ``append`` swaps it for a private copy and records the (source, destination)
     pair in ``pending_copies`` for the owner of the pools to copy (copy-on-write).
+
+    Under a sliding window the leading blocks no query will read again are released
+    (``drop_before``); their entries in ``block_ids`` become ``DROPPED`` and the positions
+    they held have no slot.
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int):
@@ -21,12 +27,22 @@ class BlockTable:
         self.block_size = block_size
         self._block_ids: list[int] = []
         self._num_tokens = 0
+        self._dropped = 0  # leading entries of _block_ids released by drop_before (DROPPED)
         self.pending_copies: list[tuple[int, int]] = []
         self.version = 0  # bumped whenever block_ids change (lets readers cache them)
 
     @property
     def block_ids(self) -> list[int]:
+        """Block id of every logical block, ``DROPPED`` for those ``drop_before`` released."""
         return list(self._block_ids)
+
+    @property
+    def dropped(self) -> int:
+        """How many leading blocks ``drop_before`` released."""
+        return self._dropped
+
+    def _held(self) -> list[int]:
+        return self._block_ids[self._dropped :]
 
     @property
     def num_blocks(self) -> int:
@@ -39,8 +55,9 @@ class BlockTable:
 
     def slot(self, pos: int) -> int:
         """Flat pool slot of logical position ``pos`` (0 <= pos < num_tokens)."""
-        if not 0 <= pos < self._num_tokens:
-            raise ValueError(f"pos: {pos} outside [0, {self._num_tokens})")
+        if not self._dropped * self.block_size <= pos < self._num_tokens:
+            low = self._dropped * self.block_size
+            raise ValueError(f"pos: {pos} outside [{low}, {self._num_tokens}) (the held positions)")
         return self._block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _blocks_needed(self, n: int) -> tuple[int, bool]:
@@ -76,23 +93,43 @@ class BlockTable:
         return [self.slot(p) for p in range(start, start + n)]
 
     def truncate(self, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens; blocks past them are released."""
+        """Keep the first ``num_tokens`` tokens; blocks past them are released. A table
+        that dropped leading blocks keeps at least one block past them (or none: 0)."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
             raise ValueError(f"num_tokens: must be an int, got {num_tokens!r}")
         if not 0 <= num_tokens <= self._num_tokens:
             raise ValueError(f"num_tokens: {num_tokens} outside [0, {self._num_tokens}]")
         keep = -(-num_tokens // self.block_size)
+        if 0 < keep <= self._dropped:
+            raise ValueError(
+                f"num_tokens: {num_tokens} ends inside the {self._dropped} leading blocks "
+                "released by the sliding window"
+            )
         if keep and num_tokens % self.block_size:
             # The new last block is partial and its tail will be written (in place, or into
             # a copy while shared): it must no longer be found by the tokens it held in full.
             last = self._block_ids[keep - 1]
             if self.allocator.is_published(last):
                 self.allocator.unpublish(last)
-        self.allocator.free(self._block_ids[keep:])
+        self.allocator.free(self._block_ids[max(keep, self._dropped) :])
         if keep < len(self._block_ids):
             self.version += 1
         del self._block_ids[keep:]
+        self._dropped = min(self._dropped, keep)
         self._num_tokens = num_tokens
+
+    def drop_before(self, position: int) -> int:
+        """Release the leading blocks all of whose positions are before ``position`` (never
+        the last block); returns how many were released now."""
+        end = min(max(position, 0) // self.block_size, len(self._block_ids) - 1)
+        if end <= self._dropped:
+            return 0
+        released = self._block_ids[self._dropped : end]
+        self.allocator.free(released)  # a published block stays findable: its tokens are whole
+        self._block_ids[self._dropped : end] = [DROPPED] * len(released)
+        self._dropped = end
+        self.version += 1
+        return len(released)
 
     def adopt(self, block_ids: list[int]) -> None:
         """Start an empty table with ``block_ids``, full blocks whose references the caller
@@ -101,21 +138,24 @@ class BlockTable:
             raise ValueError("block_ids: only an empty table adopts cached blocks")
         self._block_ids = list(block_ids)
         self._num_tokens = len(block_ids) * self.block_size
+        self._dropped = 0
         if block_ids:
             self.version += 1
 
     def fork(self) -> BlockTable:
         """A second table over the same tokens, sharing every block by reference count."""
-        self.allocator.incref(self._block_ids)
+        self.allocator.incref(self._held())
         child = BlockTable(self.allocator, self.block_size)
         child._block_ids = list(self._block_ids)
         child._num_tokens = self._num_tokens
+        child._dropped = self._dropped
         return child
 
     def free(self) -> None:
         """Release every block; the table is empty afterwards."""
-        self.allocator.free(self._block_ids)
+        self.allocator.free(self._held())
         self._block_ids = []
         self._num_tokens = 0
+        self._dropped = 0
         self.pending_copies = []
         self.version += 1

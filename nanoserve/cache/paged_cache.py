@@ -9,6 +9,12 @@ block id names a slot in every layer's pool.
 Pools are allocated lazily by the first ``write`` of each layer, with that K/V's dtype and
 device, so layers spread over several devices (accelerate's ``device_map``) keep their pool
 beside them.
+
+When every layer attends only to the last ``sliding_window`` positions, ``begin_step`` first
+releases each sequence's leading blocks that no query of this step or a later one can see
+(all of their positions before ``num_tokens - sliding_window + 1``): a long sequence then
+holds about ``sliding_window / block_size + 1`` blocks. The kernels never read those
+entries of the block table (their window starts past them; the entries read as block 0).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import numpy as np
 import torch
 
 from nanoserve.cache.allocator import BlockAllocator, as_index
-from nanoserve.cache.block_table import BlockTable
+from nanoserve.cache.block_table import DROPPED, BlockTable
 from nanoserve.kernels.dispatch import check_backend
 from nanoserve.kernels.slot_scatter import slot_scatter
 
@@ -96,6 +102,7 @@ class PagedKVCache:
         pools: tuple[list, list] | None = None,
         backend: str = "auto",
         allocator: BlockAllocator | None = None,
+        sliding_window: int | None = None,
     ):
         """``table_width``: the least number of columns of every step's ``block_tables``.
         A fixed width keeps shapes (and so the kernels' launch choices) the same from step
@@ -113,8 +120,16 @@ class PagedKVCache:
 
         ``allocator``: the allocator of the store that last used ``pools`` (its cached
         prefixes come with it); it must have ``num_blocks`` blocks and no owner left: every
-        reference it held is dropped."""
+        reference it held is dropped.
+
+        ``sliding_window``: every layer's attention sees only the last this many positions
+        (a query at position p sees p - sliding_window < q <= p); blocks wholly before that
+        are released at the next ``begin_step``. None (the default) keeps every block."""
         check_backend(backend)
+        if sliding_window is not None:
+            sliding_window = as_index(sliding_window, "sliding_window", minimum=1)
+        self.sliding_window = sliding_window
+        self.blocks_dropped = 0  # released by the window, over the cache's life
         num_layers = as_index(num_layers, "num_layers", minimum=1)
         table_width = as_index(table_width, "table_width", minimum=1)
         block_size = as_index(block_size, "block_size", minimum=1)
@@ -173,6 +188,15 @@ class PagedKVCache:
         candidates); a sequence with fewer keeps none."""
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"n: must be an int >= 0, got {n!r}")
+        if self.sliding_window is not None:
+            for table in self.tables:
+                keep = max(0, table.num_tokens - n)
+                if keep and table.dropped * self.block_size > keep - self.sliding_window + 1:
+                    raise ValueError(
+                        f"n: dropping {n} tokens would leave a sequence whose next query sees "
+                        f"positions the sliding window ({self.sliding_window}) already "
+                        f"released (before {table.dropped * self.block_size})"
+                    )
         for table in self.tables:
             table.truncate(max(0, table.num_tokens - n))
 
@@ -208,7 +232,8 @@ class PagedKVCache:
         table = self.tables[seq]
         full = table.num_tokens // self.block_size
         for block, digest in zip(table.block_ids[:full], digests, strict=False):
-            self.allocator.publish(block, digest)
+            if block != DROPPED:  # a released block was published before it was released
+                self.allocator.publish(block, digest)
 
     def grow(self, n: int) -> None:
         """Give the pool ``n`` more blocks: every allocated pool is copied into a larger one
@@ -251,6 +276,11 @@ class PagedKVCache:
         mask_np = mask.numpy()
         counts_np = mask_np.sum(axis=1, dtype=np.int32)
         counts = counts_np.tolist()
+        if self.sliding_window is not None:
+            # no query of this step or later sits before num_tokens, so none sees a position
+            # before num_tokens - window + 1 (released even if OutOfBlocks follows: unneeded)
+            for table in tables:
+                self.blocks_dropped += table.drop_before(table.num_tokens - self.sliding_window + 1)
         self._reserve(tables, counts)
         self.tables = tables
         slot_lists = [table.append(n) for table, n in zip(tables, counts, strict=True)]
@@ -296,6 +326,7 @@ class PagedKVCache:
             if source is None or source[0] is not table or source[1] != table.version:
                 ids = table.block_ids
                 rows[i, : len(ids)] = ids
+                rows[i, : table.dropped] = 0  # DROPPED entries: never read, kept in range
                 rows[i, len(ids) :] = 0
                 self._row_sources[i] = (table, table.version)
         return torch.from_numpy(rows[:, :width].copy())
@@ -389,10 +420,13 @@ class PagedKVCache:
     # -- figures -----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        """Pool figures: blocks used, tokens stored, bytes reserved, share holding no token."""
+        """Pool figures: blocks used, tokens stored, bytes reserved, share holding no token,
+        blocks the sliding window released."""
         filled: dict[int, int] = {}
         for table in self.tables:
             for i, block in enumerate(table.block_ids):
+                if block == DROPPED:
+                    continue
                 in_block = min(self.block_size, table.num_tokens - i * self.block_size)
                 filled[block] = max(filled.get(block, 0), in_block)
         slots_filled = sum(filled.values())
@@ -413,4 +447,5 @@ class PagedKVCache:
             "bytes_reserved": total_slots * bytes_per_slot,
             "bytes_holding_tokens": slots_filled * bytes_per_slot,
             "unused_share": 1.0 - slots_filled / total_slots,
+            "blocks_dropped_by_window": self.blocks_dropped,
         }

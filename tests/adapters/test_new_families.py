@@ -243,6 +243,58 @@ def test_phi3_long_rope_switch_matches_stock(decode_loop):
         assert_logits_equal(stock, paged)
 
 
+# -- memory for sliding layers: where every layer slides (Phi-3 here, Mistral), the blocks
+# that fell out of the window are released -----------------------------------------------
+
+
+@BACKENDS
+def test_all_sliding_generation_far_past_the_window(backend, monkeypatch):
+    """Phi-3 with a window of 8 on every layer, 60 greedy steps after prompts of 19 and 4
+    tokens: per-step logits equal stock's while each row holds at most 3 blocks of 4 (the
+    tokens stored need 36), in a pool fixed at 12 blocks. Planted: begin_step releasing one
+    position too early (num_tokens - window + 2): failed."""
+    model = tiny_model("phi3")
+    assert nanoserve.adapters.family_for(model.config).layout(model.config).sliding_window == 8
+    inputs = padded_batch([19, 4], 19)
+    launches = count_triton_launches(monkeypatch)
+    options = {"block_size": 4, "num_blocks": 12, "backend": backend}
+    stock, paged = stock_and_paged(
+        model, **inputs, max_new_tokens=60, **LOGITS, patch_options=options
+    )
+    check_launches(launches, backend)
+    assert_logits_equal(stock, paged)
+    stats = paged.past_key_values.stats()
+    stored = [19 + 59, 4 + 59]  # the last token is not stored
+    assert stats["tokens"] == sum(stored)
+    full = sum(-(-n // 4) for n in stored)
+    held, released = stats["blocks_used"], stats["blocks_dropped_by_window"]
+    print(f"phi3, window 8: blocks held {held} of {full} (released {released})")
+    assert full == 36 and held <= 2 * 3
+    assert released == full - held
+
+
+def test_mixed_layers_keep_every_block():
+    """Gemma (sliding and global layers): the global layers read the whole history, so no
+    block is released."""
+    model = tiny_model("gemma3")
+    assert nanoserve.adapters.family_for(model.config).layout(model.config).sliding_window is None
+    with patched(model, block_size=4), torch.no_grad():
+        out = model.generate(**padded_batch([19], 19), max_new_tokens=20, **LOGITS)
+    assert out.past_key_values.stats()["blocks_dropped_by_window"] == 0
+
+
+def test_a_layer_wider_than_the_cache_window_is_an_error():
+    """A config whose sliding_window its attention ignores (a Llama config carrying one):
+    the cache would release blocks a layer reads, so the paged forward raises naming the
+    layer instead of computing on missing history."""
+    config = transformers.LlamaConfig(**SMALL, num_hidden_layers=2)
+    config.sliding_window = 6
+    model = transformers.LlamaForCausalLM(config).eval()
+    refused = pytest.raises(RuntimeError, match="layer 0 of LlamaAttention attends to all")
+    with patched(model, block_size=4), torch.no_grad(), refused:
+        model.generate(**padded_batch([9], 9), max_new_tokens=3, **GREEDY)
+
+
 # -- on a CUDA GPU, the Triton kernels and decode graphs: real head dims and widths, fewer
 # layers, windows of 32 tokens under 64 new ones -------------------------------------------
 

@@ -1,0 +1,155 @@
+"""A PagedKVCache with a sliding window releases the blocks that fell out of it: attention
+over it equals attention over a cache that keeps every block, its sequences hold a bounded
+number of blocks, and the released table entries are never read."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from nanoserve import PagedKVCache
+from nanoserve.cache.block_table import DROPPED
+from nanoserve.kernels import paged_decode_attention, paged_extend_attention
+
+HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 4
+BACKENDS = pytest.mark.parametrize(
+    "backend",
+    [
+        "torch",
+        pytest.param(
+            "triton",
+            marks=pytest.mark.skipif(
+                os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
+            ),
+        ),
+    ],
+)
+
+
+def poison_free_blocks(cache: PagedKVCache) -> None:
+    """NaN into every block no sequence holds, so a read of one shows in the result."""
+    free = [b for b in range(cache.allocator.num_blocks) if cache.allocator.refcount(b) == 0]
+    for pool in (*cache.key_pools, *cache.value_pools):
+        pool[free] = float("nan")
+
+
+def masks(lengths: list[int], chunk: int, decode_steps: int):
+    """A left-padded prompt in chunks of ``chunk`` columns, then one-token decode steps."""
+    width = max(lengths)
+    prompt = torch.zeros(len(lengths), width, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        prompt[row, width - n :] = True
+    yield from prompt.split(chunk, dim=1)
+    for _ in range(decode_steps):
+        yield torch.ones(len(lengths), 1, dtype=torch.bool)
+
+
+def attend(cache: PagedKVCache, query: torch.Tensor, mask: torch.Tensor, window, backend):
+    """This step's attention output for the real tokens [T, HEADS, DIM]."""
+    meta = cache.step
+    packed = query.flatten(0, 1)[meta.token_index]
+    pools = cache.key_pools[0], cache.value_pools[0]
+    opts = dict(sliding_window=window, backend=backend)
+    if mask.shape[1] == 1 and bool(mask.all()):
+        return paged_decode_attention(packed, *pools, meta.block_tables, meta.seq_lens, **opts)
+    return paged_extend_attention(
+        packed, *pools, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, **opts
+    )
+
+
+@BACKENDS
+@pytest.mark.parametrize("window, chunk", [(5, 3), (8, 16), (4, 1)])
+def test_windowed_cache_attends_as_a_full_cache(window, chunk, backend):
+    """Prompts of 13, 3 and 9 tokens (in chunks, padding first), then 30 decode steps: every
+    step's attention output equals the full cache's. Block 0 holds NaN and is never a
+    sequence's (released entries read as block 0), and every free block is NaN before each
+    step: a kernel reading a released block or entry would give NaN. Each sequence holds at
+    most ceil((window - 1 + new) / block_size) + 1 blocks. Planted: begin_step releasing from
+    num_tokens - window + 2 (one position too many): failed every case."""
+    gen = torch.Generator().manual_seed(window * 100 + chunk)
+    full = PagedKVCache(1, num_blocks=64, block_size=BLOCK)
+    windowed = PagedKVCache(1, num_blocks=16, block_size=BLOCK, sliding_window=window)
+    assert windowed.allocator.allocate(1) == [0]  # kept NaN: what released entries point at
+    lengths = [13, 3, 9]
+    for mask in masks(lengths, chunk, decode_steps=30):
+        rows, q = mask.shape
+        kv = torch.randn(2, rows * q, KV_HEADS, DIM, generator=gen)
+        query = torch.randn(rows, q, HEADS, DIM, generator=gen)
+        outs = []
+        for cache in (full, windowed):
+            cache.begin_step(mask, "cpu")
+            cache.write(0, kv[0], kv[1])
+            if cache is windowed:
+                cache.key_pools[0][0] = cache.value_pools[0][0] = float("nan")
+            outs.append(attend(cache, query, mask, window, backend))
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+        for table, new in zip(windowed.tables, mask.sum(dim=1).tolist(), strict=True):
+            held = table.num_blocks - table.dropped
+            assert held <= -(-(window - 1 + new) // BLOCK) + 1, (held, table.num_tokens)
+        poison_free_blocks(windowed)
+    assert windowed.seq_lens() == full.seq_lens() == [n + 30 for n in lengths]
+    # the last step released every block before position (its tokens before) - window + 1
+    released = [(n + 29 - window + 1) // BLOCK for n in lengths]
+    assert [t.dropped for t in windowed.tables] == released
+    stats = windowed.stats()
+    assert stats["blocks_dropped_by_window"] == sum(released)
+    assert stats["blocks_used"] == full.stats()["blocks_used"] - sum(released) + 1  # + block 0
+
+
+def run_steps(cache: PagedKVCache, lengths: list[int], decode_steps: int) -> None:
+    for mask in masks(lengths, max(lengths), decode_steps):
+        cache.begin_step(mask, "cpu")
+        kv = torch.randn(2, mask.numel(), KV_HEADS, DIM)
+        cache.write(0, kv[0], kv[1])
+
+
+def test_dropping_into_released_blocks_is_refused():
+    """Assisted decoding's crop (the rejected tokens of the latest step) is fine; drop_last
+    that would leave a sequence whose next query sees released positions is a ValueError
+    naming n, and changes nothing."""
+    cache = PagedKVCache(1, num_blocks=32, block_size=BLOCK, sliding_window=6)
+    run_steps(cache, [10, 4], decode_steps=19)  # 29 and 23 tokens
+    cache.begin_step(torch.ones(2, 4, dtype=torch.bool), "cpu")  # 4 candidate tokens
+    kv = torch.randn(2, 8, KV_HEADS, DIM)
+    cache.write(0, kv[0], kv[1])
+    # released before 29 - 6 + 1 = 24 and 23 - 6 + 1 = 18: blocks 0-5 and 0-3
+    assert [t.dropped for t in cache.tables] == [6, 4]
+    cache.drop_last(3)  # back to 30 and 24 tokens: the next queries see from 25 and 19
+    before = [(t.block_ids, t.num_tokens) for t in cache.tables]
+    with pytest.raises(ValueError, match=r"^n: dropping 2 tokens .* window \(6\)"):
+        cache.drop_last(2)  # row 0's next query would see position 23, released
+    assert [(t.block_ids, t.num_tokens) for t in cache.tables] == before
+    cache.drop_last(1)
+    assert cache.seq_lens() == [29, 23]
+
+
+def test_forks_publish_and_reset_release_every_block():
+    """Beam-style reorders share the held blocks (released entries stay released in every
+    fork); publish skips released entries; a reset leaves no block in use."""
+    cache = PagedKVCache(1, num_blocks=32, block_size=BLOCK, sliding_window=5)
+    run_steps(cache, [9, 6], decode_steps=12)
+    cache.reorder([0, 0, 1])
+    assert cache.tables[0].block_ids == cache.tables[1].block_ids
+    assert cache.tables[0].block_ids[0] == DROPPED
+    run_steps_decode = torch.ones(3, 1, dtype=torch.bool)
+    for _ in range(6):
+        cache.begin_step(run_steps_decode, "cpu")
+        kv = torch.randn(2, 3, KV_HEADS, DIM)
+        cache.write(0, kv[0], kv[1])
+    table = cache.tables[2]
+    full = table.num_tokens // BLOCK
+    cache.publish(2, [bytes([i]) * 16 for i in range(full)])
+    published = full - table.dropped
+    assert table.dropped > 0 and cache.allocator.num_cached == published
+    cache.reset()
+    assert cache.allocator.num_used == 0
+    assert cache.allocator.num_cached == cache.allocator.num_evictable == published
+
+
+def test_sliding_window_must_be_a_positive_int():
+    with pytest.raises(ValueError, match="sliding_window"):
+        PagedKVCache(1, num_blocks=4, block_size=BLOCK, sliding_window=0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        PagedKVCache(1, num_blocks=4, block_size=BLOCK, sliding_window=True)
