@@ -3,22 +3,23 @@ imported (before anything of transformers' that may be missing in another releas
 
 from __future__ import annotations
 
-from importlib.metadata import version as installed_version
-
+import transformers  # the package's top level only: every release has __version__
 from packaging.specifiers import SpecifierSet
 
 # transformers releases the adapters were written and tested against: [lowest, first unsupported)
 SUPPORTED_TRANSFORMERS = ("5.17", "6")
 
 
-class UnsupportedTransformers(ImportError):
-    """The installed transformers is outside ``SUPPORTED_TRANSFORMERS``."""
+class UnsupportedTransformers(ImportError, NotImplementedError):
+    """The installed transformers is outside ``SUPPORTED_TRANSFORMERS`` (an ImportError when
+    the adapters are imported; a NotImplementedError, as for an unsupported model, from
+    ``patch_model``)."""
 
 
 def check_transformers_version(version: str | None = None) -> None:
     """UnsupportedTransformers naming the supported range when ``version`` (default: the
-    installed transformers) is outside it."""
-    version = version or installed_version("transformers")
+    imported transformers') is outside it."""
+    version = version or transformers.__version__
     low, high = SUPPORTED_TRANSFORMERS
     # as pip reads ">=low,<high": a pre-release of ``high`` is outside, one of 5.x inside
     if not SpecifierSet(f">={low},<{high}").contains(version, prereleases=True):
