@@ -16,7 +16,8 @@ are cut from the returned sequences, scores and logits and cropped from the cach
 result is stock's. (Those steps still drew from the global RNG when sampling.)
 
 Finished rows leave the batch (``ActiveRows``) when the rest fits a smaller graph bucket and
-nothing of theirs past EOS is returned (no scores, logits or cache): their blocks are freed
+nothing of theirs past EOS is returned (no scores, logits, returned cache, nor a cache the
+caller passed in to continue): their blocks are freed
 and their sequences padded, as stock pads them. Sampling still draws over every row of the
 call (the rows that left get a stand-in distribution), so each row meets the random numbers
 it meets in stock's loop and seeded tokens stay stock's.
@@ -118,6 +119,8 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     scores = [] if keep and config.output_scores else None
     raw_logits = [] if keep and config.output_logits else None
     pad = config._pad_token_tensor.to(device) if rule.eos is not None else None
+    # a cache passed in to be continued stays the caller's, whole: its rows never leave
+    fresh_cache = find_cache(model_kwargs).paged.num_seqs == 0
 
     outputs = model._prefill(input_ids, config, model_kwargs, is_first_iteration=True)
     model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
@@ -135,7 +138,8 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     unfinished = torch.ones(rows, dtype=torch.long, device=device)
     # Finished rows leave the batch only where nothing of theirs past EOS is returned: no
     # scores, logits or cache (stock's hold the pad steps' values)
-    batch = ActiveRows(rows, device, pad, compact=pad is not None and not keep)
+    compact = pad is not None and not keep and fresh_cache
+    batch = ActiveRows(rows, device, pad, compact=compact)
     watch = ReadBack(device, rows, streamer, batch.pad_value, rule.eos is not None)
     length, stop_at = prompt_len, None
     while stop_at is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -171,6 +172,32 @@ def test_finished_rows_leave_the_batch(monkeypatch):
             ours = model.generate(**inputs, max_new_tokens=30)
     assert torch.equal(stock, ours)
     assert compactions == [(3, 2), (2, 1)]
+
+
+def test_a_continued_cache_keeps_every_row(monkeypatch):
+    """A cache the caller passes back to continue stays whole (stock's keeps every row):
+    rows finishing during the continuation do not leave it. Planted: compaction allowed
+    for a passed-in cache failed (the cache lost rows)."""
+    from test_misuse import cache_name, continued
+
+    model = eos_early(tiny_model("llama", seed=10), 3.0)
+    inputs = padded_batch([13, 6, 2], 13)
+    first_opts = dict(max_new_tokens=2, eos_token_id=None, return_dict_in_generate=True)
+    compactions = count_compactions(monkeypatch)
+    outs = []
+    for patch in (None, {}):
+        with torch.no_grad(), patched(model, **patch) if patch is not None else nullcontext():
+            first = model.generate(**inputs, **first_opts)
+            cache = find_cache(dict(first.items()))
+            more = dict(**continued(inputs, first.sequences), max_new_tokens=30)
+            outs.append((model.generate(**more, **{cache_name(model): cache}), cache))
+            if patch is not None:
+                assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
+    (stock, stock_cache), (ours, our_cache) = outs
+    assert torch.equal(stock, ours) and not compactions
+    assert (
+        our_cache.paged.num_seqs == 3 and our_cache.get_seq_length() == stock_cache.get_seq_length()
+    )
 
 
 def test_compacted_sampling_draws_as_stock(monkeypatch):
