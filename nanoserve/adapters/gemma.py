@@ -1,4 +1,5 @@
-"""The Gemma family: Gemma 2 and Gemma 3's text models (``Gemma3ForCausalLM``).
+"""The Gemma family: Gemma 2 and Gemma 3's text models (``Gemma3ForCausalLM``), and Gemma
+(1), whose attention is Llama's (head_dim 256, no softcap, no window).
 
 What their attention modules hand the attention function, beyond Llama's contract: the
 scale ``query_pre_attn_scalar ** -0.5`` (not ``head_dim ** -0.5``), Gemma 2's logit softcap
@@ -29,7 +30,7 @@ def check(config) -> None:
 
 GEMMA = Family(
     name="gemma",
-    model_types=("gemma2", "gemma3_text"),
+    model_types=("gemma", "gemma2", "gemma3_text"),
     kv_layout=kv_layout,
     decoder_layers=lambda model: model.base_model.layers,
     check=check,

@@ -1,4 +1,4 @@
-"""Gemma 2, Gemma 3 (text) and Phi-3 on the paged cache: tiny random-weight models in float32
+"""Gemma 2, Gemma 3 (text), Gemma and Phi-3 on the paged cache: tiny random-weight models in float32
 on the CPU, every generate mode token-exact with stock, windows shorter than the prompts
 (8 tokens, blocks of 4) and generation running past them."""
 
@@ -50,6 +50,7 @@ CONFIGS = {
         dict(num_hidden_layers=6, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=20),
     ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_hidden_layers=2, sliding_window=WINDOW)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_hidden_layers=2, head_dim=32)),
 }  # fmt: skip
 GREEDY = dict(do_sample=False, eos_token_id=None)
 LOGITS = dict(output_logits=True, return_dict_in_generate=True, **GREEDY)
@@ -77,14 +78,14 @@ def assert_logits_equal(stock, paged):
 
 
 def test_registry_names_the_new_families():
-    for model_type in ("gemma2", "gemma3_text", "phi3"):
+    for model_type in ("gemma", "gemma2", "gemma3_text", "phi3"):
         assert model_type in supported_model_types()
     # Gemma 3's multimodal model (bidirectional attention over image tokens) is not served
     with pytest.raises(NotImplementedError, match="'gemma3'.*gemma3_text"):
         family_for(transformers.Gemma3Config())
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
 def test_bidirectional_gemma_is_refused(name):
     model = tiny_model(name, use_bidirectional_attention=True)
     with pytest.raises(NotImplementedError, match="use_bidirectional_attention"):
@@ -369,12 +370,15 @@ def forced_logits(model, inputs, target=None):
 @pytest.mark.parametrize("shape", list(GPU_SHAPES))
 def test_gpu_float32_logits_match_stock(shape, device="cuda"):
     """64 steps of per-step logits within 1e-5 (of the largest logit) of stock's, through the
-    Triton kernels and the decode graphs."""
+    Triton kernels and the decode graphs. Phi-3 slides every layer: its blocks out of the
+    window are released on the way."""
     model = gpu_model(shape, torch.float32, device)
     inputs = gpu_batch(model.config.vocab_size, device)
     stock, tokens = forced_logits(model, inputs)
     with patched(model):
         paged, paged_tokens = forced_logits(model, inputs, target=tokens)
+        released = nanoserve.cache_stats(model)["blocks_dropped_by_window"]
+    assert (released > 0) == (GPU_SHAPES[shape][0] == "phi3")
     assert torch.equal(paged_tokens, tokens)
     assert stock.shape[0] == GPU_NEW_TOKENS
     scale = stock.abs().max().item()
