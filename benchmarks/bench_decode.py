@@ -93,11 +93,11 @@ def flashinfer_or_reason():
         return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:80]
 
 
-def flashinfer_provider(s: dict, flashinfer, workspace: torch.Tensor):
-    """FlashInfer's paged decode with tensor cores over the same pools (NHD = our layout).
-    The input sets of one shape share ``workspace``: their plans are the same."""
+def flashinfer_provider(s: dict, flashinfer):
+    """FlashInfer's paged decode with tensor cores over the same pools (NHD = our layout)."""
     batch, pages = s["bt"].shape
     dim = s["dim"]
+    workspace = torch.zeros(128 * MIB, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
     indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages
     indices = s["bt"].flatten().contiguous()
@@ -110,7 +110,7 @@ def flashinfer_provider(s: dict, flashinfer, workspace: torch.Tensor):
     return lambda: wrapper.run(s["q"], (s["kc"], s["vc"]))
 
 
-def providers(s: dict, flashinfer, workspace=None) -> dict:
+def providers(s: dict, flashinfer) -> dict:
     batch, ctx, dim = s["bt"].shape[0], s["bt"].shape[1] * BS, s["dim"]
     q4 = s["q"].view(batch, HQ, 1, dim)
 
@@ -129,9 +129,7 @@ def providers(s: dict, flashinfer, workspace=None) -> dict:
 
     out = {"nanoserve": nanoserve, "sdpa_contiguous": sdpa, "gather_sdpa": gather_sdpa}
     if flashinfer is not None:
-        if workspace is None:
-            workspace = torch.zeros(128 * MIB, dtype=torch.uint8, device="cuda")
-        out["flashinfer"] = flashinfer_provider(s, flashinfer, workspace)
+        out["flashinfer"] = flashinfer_provider(s, flashinfer)
     return out
 
 
@@ -162,8 +160,7 @@ class Shapes:
             torch.cuda.empty_cache()
             nbytes = kv_bytes(batch, ctx, dim)
             sets = [make_set(batch, ctx, dim) for _ in range(num_input_sets(nbytes, MAX_SETS))]
-            workspace = torch.zeros(128 * MIB, dtype=torch.uint8, device="cuda")
-            per_set = [providers(s, self.flashinfer, workspace) for s in sets]
+            per_set = [providers(s, self.flashinfer) for s in sets]
             self.current = dict(sets=sets, per_set=per_set, ref=reference_rows(sets[0]))
             self.key = (batch, ctx, dim)
         return self.current
