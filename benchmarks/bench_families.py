@@ -3,7 +3,9 @@
 Random-weight models in bf16 with the real widths and fewer layers: Gemma-2-9B-shaped
 (hidden 3584, 16 query / 8 KV heads, head_dim 256, softcap 50, window 4096, 8 of its 42
 layers) and Gemma-3-12B-shaped (hidden 3840, 16 / 8 heads, head_dim 256, window 1024, five
-local layers to one global, 12 of its 48 layers). Greedy, EOS off.
+local layers to one global, 12 of its 48 layers). Greedy, EOS off. ``--only phi3`` adds a
+Phi-3-mini-4k-shaped model (every layer slides within 2047: nanoserve releases the blocks
+that fall out of the window, ``blocks_dropped``), 8 of its 32 layers.
 
 Speed (tokens/s): batch 1 with a 512-token prompt, and a ragged batch of 8 prompts spread over
 128..2048 tokens (left padded), 128 new tokens each. Providers: stock default (HF's dynamic
@@ -38,7 +40,7 @@ from harness import print_table, write_csv  # noqa: E402
 
 import nanoserve  # noqa: E402
 
-GIB = 2**30
+GIB, MIB = 2**30, 2**20
 SHAPES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=8,
@@ -50,6 +52,11 @@ SHAPES = {
         vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=12,
         num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
         sliding_window=1024,
+    )),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=8,
+        num_attention_heads=32, num_key_value_heads=32, sliding_window=2047,
+        original_max_position_embeddings=40000,  # else prompts past 4096 run without a cache
     )),
 }  # fmt: skip
 TINY = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
@@ -188,13 +195,14 @@ def memory_rows(model, family: str, device: str, tiny: bool) -> list[dict]:
                 out, secs = run_generate(model, ids, mask, 8, device, **opts)
                 if name == "nanoserve":
                     stats = nanoserve.cache_stats(model)
-                    row["kv_held_GiB"] = round(stats["bytes_reserved"] / GIB, 3)
-                    row["kv_holding_tokens_GiB"] = round(stats["bytes_holding_tokens"] / GIB, 3)
+                    row["kv_held_MiB"] = round(stats["bytes_reserved"] / MIB, 1)
+                    row["kv_holding_tokens_MiB"] = round(stats["bytes_holding_tokens"] / MIB, 1)
                     row["blocks_used"] = stats["blocks_used"]
                     row["num_blocks"] = stats["num_blocks"]
+                    row["blocks_dropped"] = stats.get("blocks_dropped_by_window", "")
                 else:
                     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-                    row["kv_held_GiB"] = round(hf_cache_bytes(cache) / GIB, 3)
+                    row["kv_held_MiB"] = round(hf_cache_bytes(cache) / MIB, 1)
                 del out
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
@@ -241,8 +249,9 @@ def main() -> None:
     write_csv(speed, "families_speed.csv")
     print_table(speed, columns)
     if memory:
-        columns = ["model", "prompt_tokens", "provider", "kv_held_GiB", "kv_holding_tokens_GiB",
-                   "blocks_used", "num_blocks", "seconds", "peak_GiB", "error"]  # fmt: skip
+        columns = ["model", "prompt_tokens", "provider", "kv_held_MiB", "kv_holding_tokens_MiB",
+                   "blocks_used", "num_blocks", "blocks_dropped", "seconds", "peak_GiB",
+                   "error"]  # fmt: skip
         memory = [{c: r.get(c, "") for c in columns} for r in memory]
         write_csv(memory, "families_memory.csv")
         print_table(memory, columns)
