@@ -57,6 +57,23 @@ def test_greedy_equals_one_process(run):
     assert ranks[0]["block_ids"] == ranks[1]["block_ids"]  # same decisions, no communication
 
 
+def test_decode_loop_with_rows_ending_apart_equals_one_process(run):
+    model, ranks = run
+    ids, mask = padded_batch(CONFIG["vocab_size"])
+    assert ranks[0]["eos"] == ranks[1]["eos"]
+    with torch.no_grad():
+        opts = dict(GREEDY, eos_token_id=ranks[0]["eos"])
+        one_process = model.generate(input_ids=ids, attention_mask=mask, **opts).tolist()
+    new_tokens = [row[ids.shape[1] :] for row in one_process]
+    ends = {row.index(opts["eos_token_id"]) if opts["eos_token_id"] in row else None
+            for row in new_tokens}  # fmt: skip
+    assert len(ends) > 1 and ends != {None}  # rows finish at different steps (or not at all)
+    for rank in ranks:
+        assert rank["eos_loop"] == "nanoserve"
+        assert rank["sampled_loop"] == "nanoserve"
+        assert rank["eos_paged"] == one_process
+
+
 def test_capture_agreement_is_all_or_none(run):
     _, ranks = run
     for rank in ranks:

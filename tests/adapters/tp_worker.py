@@ -3,7 +3,8 @@
 Loads the saved model with transformers' tensor parallelism (gloo on CPU), generates on the
 stock model and the patched one, and writes what each rank saw to ``OUT/rank<r>.json``:
 greedy tokens on a left-padded batch (eager steps, and the CUDA-graph runner's static-buffer
-path with the ranks' capture agreement), the agreement itself, seeded sampling with
+path with the ranks' capture agreement; rows ending at different steps in nanoserve's decode
+loop), the agreement itself, seeded sampling with
 ``num_return_sequences`` (copies of a prompt prefilled once), and two calls whose prompts
 share leading blocks (the second one's prefix found in the first one's pool).
 Usage: torchrun --nproc_per_node N tp_worker.py MODEL_FOLDER OUT_FOLDER
@@ -73,8 +74,17 @@ def main(folder: str, out: str) -> None:
         seen["graph_runner"] = model.generate(input_ids=ids, attention_mask=mask, **greedy).tolist()
         seen["graph_replays"] = state_of(model).graphs.replays
 
+        # EOS: the token row 0 chose at its 4th step, so rows finish at different steps and
+        # nanoserve's decode loop drops finished rows from the batch on every rank alike
+        eos = seen["paged"][0][ids.shape[1] + 3]
+        with_eos = dict(greedy, eos_token_id=eos)
+        seen["eos"] = eos
+        seen["eos_paged"] = model.generate(input_ids=ids, attention_mask=mask, **with_eos).tolist()
+        seen["eos_loop"] = nanoserve.decode_graph_stats(model)["decode_loop"]
+
         torch.manual_seed(11)
         seen["paged_sampled"] = model.generate(input_ids=ids[:1], **sampled).tolist()
+        seen["sampled_loop"] = nanoserve.decode_graph_stats(model)["decode_loop"]
         seen["sampled_rows_shared"] = nanoserve.cache_stats(model)["rows_shared"]
 
         first, second = shared_prefix_prompts(vocab)
