@@ -1,7 +1,7 @@
 """Shared benchmark helpers, on ``triton.testing``: the CUDA check every script makes first,
 timing (``do_bench`` eager, ``do_bench_cudagraph`` under CUDA-graph replay) rotating over
-input sets, the pure-read ceiling, error against a reference, and the results table (a pandas
-DataFrame printed as markdown and saved as CSV under $OUT).
+input sets, the pure-read ceiling, error against a reference, and the results table (printed
+as markdown with tabulate, saved as CSV under $OUT).
 
 The kernel benchmarks (decode, extend, scatter) draw their per-provider plots and CSVs with
 ``triton.testing.perf_report``; ``print_table`` / ``write_csv`` remain for bench_generate and
@@ -11,6 +11,7 @@ bench_families.
 from __future__ import annotations
 
 import csv
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -89,18 +90,20 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def show_table(rows: list[dict], name: str, columns: list[str] | None = None):
-    """``rows`` as a DataFrame: printed as a markdown table (``columns`` only, in order,
-    when given) and written whole to $OUT/name when OUT is set. Returns the DataFrame."""
-    import pandas as pd
+def show_table(rows: list[dict], name: str, columns: list[str] | None = None) -> None:
+    """Print ``rows`` as a markdown table (``columns`` only, in order, when given; a missing
+    or NaN value prints empty) and write them whole to $OUT/name when OUT is set."""
+    from tabulate import tabulate
 
-    frame = pd.DataFrame(rows)
-    shown = frame if columns is None else frame[[c for c in columns if c in frame.columns]]
-    print(shown.fillna("").to_markdown(index=False, disable_numparse=True))
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        frame.to_csv(os.path.join(out_dir, name), index=False)
-    return frame
+    columns = columns or list(dict.fromkeys(k for row in rows for k in row))
+
+    def cell(value) -> str:
+        missing = value is None or (isinstance(value, float) and math.isnan(value))
+        return "" if missing else str(value)
+
+    table = [[cell(row.get(c)) for c in columns] for row in rows]
+    print(tabulate(table, headers=columns, tablefmt="pipe", disable_numparse=True))
+    write_csv(rows, name)
 
 
 def out_dir() -> str:
