@@ -403,10 +403,12 @@ def _paged_generate(self, *args, **kwargs):
         return stock(*args, **kwargs)  # stock's cache and attention, which return the weights
     implementation = option("cache_implementation")
     if implementation not in (None, "hybrid"):  # stock drops "hybrid", Gemma's hub default
+        paged = implementation == "paged"
+        batch = "; model.generate_batch(...) runs on its pool too" if paged else ""
         raise ValueError(
             f"cache_implementation: {implementation!r} asks for a transformers cache, but this "
             "model is patched by nanoserve and generates on its paged cache; leave "
-            "cache_implementation unset, or call nanoserve.unpatch_model(model) first"
+            f"cache_implementation unset, or call nanoserve.unpatch_model(model) first{batch}"
         )
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:

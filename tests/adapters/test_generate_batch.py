@@ -101,3 +101,11 @@ def test_equals_transformers_own_generate_batch():
         assert ours[key].generated_tokens == result.generated_tokens
         assert ours[key].prompt_ids == result.prompt_ids
         assert ours[key].logprobs == pytest.approx(result.logprobs, abs=1e-5)
+
+
+def test_cache_implementation_paged_names_generate_batch():
+    model = tiny_model("llama")
+    with patched(model), pytest.raises(ValueError) as error:
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, cache_implementation="paged")
+    assert str(error.value).startswith("cache_implementation: 'paged'")
+    assert "nanoserve" in str(error.value) and "model.generate_batch(...)" in str(error.value)
