@@ -162,11 +162,14 @@ def pool_size(
             size,
         )
         return PoolSize(num_blocks, table_width)
-    new, spare = shape.new_tokens, shape.spare
+    new, spare, window = shape.new_tokens, shape.spare, options.layout.sliding_window
     blocks = 0
     for first, rows in shape.groups:
         n, rows = shape.prompt_lens[first], rows * shape.copies
-        alone = rows * (math.ceil((n + new) / bs) + spare)
+        held = math.ceil((n + new) / bs)
+        if window is not None:  # past its prompt a row holds its window's blocks at most
+            held = min(held, max(math.ceil(n / bs), math.ceil(window / bs) + 1))
+        alone = rows * (held + spare)
         shared = math.ceil(n / bs) + rows * (math.ceil((n + new) / bs) - n // bs + spare)
         blocks += min(alone, shared) if share_rows else alone
     _log.info(

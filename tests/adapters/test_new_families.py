@@ -274,6 +274,24 @@ def test_all_sliding_generation_far_past_the_window(backend, monkeypatch):
     assert released == full - held
 
 
+def test_default_pool_of_all_sliding_rows_is_window_sized():
+    """Ten rows of 2..11 prompt tokens and 40 new ones under a window of 8 (blocks of 4): the
+    pool generate sizes holds each row's window (3 blocks a row past its prompt), not its
+    whole length, and the call gives stock's tokens. Planted: sizing a row's window at
+    ceil(window / block_size) blocks without the partly filled one: OutOfBlocks."""
+    model = tiny_model("phi3")
+    lengths = list(range(2, 12))
+    inputs = padded_batch(lengths, 11)
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=40, **GREEDY)
+        with patched(model, block_size=4):
+            paged = model.generate(**inputs, max_new_tokens=40, **GREEDY)
+            stats = nanoserve.cache_stats(model)
+    assert torch.equal(stock, paged)
+    assert stats["num_blocks"] == 30  # ten rows of 3 blocks (a coarse size already)
+    assert sum(-(-(n + 39) // 4) for n in lengths) == 118  # without the window
+
+
 def test_mixed_layers_keep_every_block():
     """Gemma (sliding and global layers): the global layers read the whole history, so no
     block is released."""
