@@ -1,10 +1,10 @@
 """Run the benchmarks one after another, each in its own Python process.
 
-bench_decode, bench_extend and bench_scatter always (or those named with --only);
-bench_generate too with --generate. Each script's output streams through as it runs; every
-script writes its tables as CSV under $OUT (or --out; a temporary folder when neither is
-given), and at the end each script's exit status, time and main table (read back from its CSV,
-never from its printed output) are printed again, in order. Usage:
+bench_decode, bench_extend and bench_scatter always (or those named with --only, such as
+generate_batch); bench_generate too with --generate. Each script's output streams through as
+it runs; every script writes its tables as CSV under $OUT (or --out; a temporary folder when
+neither is given), and at the end each script's exit status, time and main table (read back
+from its CSV, never from its printed output) are printed again, in order. Usage:
     python3 benchmarks/run_all.py [--generate] [--only decode,extend] [--out DIR] [-- ARGS]
 Arguments after ``--`` go to every script.
 """
@@ -28,6 +28,7 @@ MAIN_TABLE = {
     "extend": "extend.csv",
     "scatter": "scatter.csv",
     "generate": "generate.csv",
+    "generate_batch": "generate_batch.csv",
 }
 
 

@@ -13,6 +13,7 @@ processed scores.
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -85,9 +86,10 @@ def paged_generate_batch(
             "record_timestamps: nanoserve's generate_batch runs one generate call and has no "
             "per-token timestamps (nanoserve.unpatch_model(model) for transformers' own)"
         )
-    config = generation_config if generation_config is not None else model.generation_config
+    config = copy.deepcopy(generation_config or model.generation_config)
     logprobs = bool(getattr(continuous_batching_config, "return_logprobs", False))
     eos = _eos_ids(config)
+    config.eos_token_id = sorted(eos) or None  # transformers' -1 ("disabled") means none
     pad = config.pad_token_id if config.pad_token_id is not None else min(eos, default=0)
     ids, mask = _left_padded(inputs, pad, model.device)
     copies = config.num_return_sequences or 1

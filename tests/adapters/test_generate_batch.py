@@ -4,6 +4,8 @@ and including EOS, and log-probabilities when asked."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from helpers import patched
@@ -109,3 +111,24 @@ def test_cache_implementation_paged_names_generate_batch():
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, cache_implementation="paged")
     assert str(error.value).startswith("cache_implementation: 'paged'")
     assert "nanoserve" in str(error.value) and "model.generate_batch(...)" in str(error.value)
+
+
+def test_eos_minus_one_means_none_and_the_config_is_left_alone():
+    """transformers' continuous batching writes eos_token_id=-1 for "no EOS" into the config
+    it is given; here that reads as no EOS (generate is not handed the -1, which it warns
+    about), and the caller's config is not changed. (Handing the -1 on failed this test.)"""
+    model = tiny_model("llama")
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    library = logging.getLogger("transformers")  # its records do not reach the root logger
+    library.addHandler(handler)
+    try:
+        with patched(model):
+            results = model.generate_batch(random_prompts(2, 3), config)
+    finally:
+        library.removeHandler(handler)
+    assert not [r.getMessage() for r in records if "eos_token_id" in r.getMessage()]
+    assert all(len(r.generated_tokens) == 6 for r in results.values())
+    assert config.eos_token_id == -1

@@ -1,0 +1,91 @@
+"""``model.generate_batch``: transformers' continuous batching against nanoserve's (the same
+call on a patched model runs one left-padded generate on the paged pool), on the GPU.
+
+bench_generate's model (random-weight Llama-3.2-1B shape, bf16) and workloads (batch 1 with a
+512-token prompt; 32 prompts of 128..2048 tokens), greedy, EOS off, 256 new tokens, the
+prompts given unpadded as transformers' API takes them. transformers' call is timed once (it
+builds its manager and captures its graphs inside the call, as a user meets it); nanoserve's as
+the median of three calls after a warm-up. Columns: tokens/s, seconds, speed-up over
+transformers, and how many generated tokens equal transformers' (bf16: the two compute
+attention differently, so near-ties may differ). Usage:
+    python3 benchmarks/bench_generate_batch.py [--new-tokens 256] [--tiny]
+(``--tiny``: a 2-layer model on any device, a smoke test, not a benchmark.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import require_cuda  # noqa: E402
+
+if "--tiny" not in sys.argv:
+    require_cuda("bench_generate_batch")
+
+from bench_generate import build_model, make_batches, sync  # noqa: E402
+from harness import show_table  # noqa: E402
+
+import nanoserve  # noqa: E402
+
+COLUMNS = ["workload", "provider", "tok/s", "seconds", "x_transformers", "tokens_equal"]
+
+
+def timed_batch(model, prompts: list[list[int]], config, device: str):
+    """({request id: generated tokens}, seconds) of one generate_batch call."""
+    sync(device)
+    start = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=config)
+    sync(device)
+    return {k: list(r.generated_tokens) for k, r in results.items()}, time.perf_counter() - start
+
+
+def main() -> None:
+    from transformers import GenerationConfig
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens per request")
+    parser.add_argument("--tiny", action="store_true", help="smoke test on any device")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(args.tiny, device)
+    new = 8 if args.tiny else args.new_tokens
+    config = GenerationConfig(
+        max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    rows = []
+    for name, (ids, _, lens) in make_batches(args.tiny, device, model.config.vocab_size).items():
+        prompts = [row[-n:].tolist() for row, n in zip(ids, lens, strict=True)]
+        theirs, hf_seconds = timed_batch(model, prompts, config, device)
+        total = sum(len(t) for t in theirs.values())
+        rows.append(dict(workload=name, provider="transformers generate_batch",
+                         **{"tok/s": round(total / hf_seconds, 1)},
+                         seconds=round(hf_seconds, 3), x_transformers=1.0,
+                         tokens_equal=f"{total}/{total}"))  # fmt: skip
+        nanoserve.patch_model(model)
+        try:
+            timed_batch(model, prompts, config, device)  # compiles, captures, sizes the pool
+            calls = [timed_batch(model, prompts, config, device) for _ in range(3)]
+        finally:
+            nanoserve.unpatch_model(model)
+        ours = calls[0][0]
+        seconds = statistics.median(s for _, s in calls)
+        same = sum(
+            sum(a == b for a, b in zip(ours[k], theirs[k], strict=False)) for k in theirs
+        )  # fmt: skip
+        rows.append(dict(workload=name, provider="nanoserve generate_batch",
+                         **{"tok/s": round(sum(len(t) for t in ours.values()) / seconds, 1)},
+                         seconds=round(seconds, 3), x_transformers=round(hf_seconds / seconds, 2),
+                         tokens_equal=f"{same}/{total}"))  # fmt: skip
+    show_table(rows, "generate_batch.csv", COLUMNS)
+
+
+if __name__ == "__main__":
+    main()
