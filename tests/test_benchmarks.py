@@ -15,7 +15,9 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
-@pytest.mark.parametrize("name", ["bench_decode", "bench_extend", "bench_scatter"])
+@pytest.mark.parametrize(
+    "name", ["bench_decode", "bench_extend", "bench_scatter", "bench_generate_batch"]
+)
 def test_without_cuda_one_clear_line(name):
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / f"{name}.py")],
