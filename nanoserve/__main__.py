@@ -242,46 +242,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen = commands.add_parser(
         "generate",
-        help="stream a chat answer on the paged cache and compare it with stock transformers",
+        help="stream a chat answer on the paged cache and compare it with stock transformers, "
+        "or answer a file of prompts (--prompts)",
         description="Patch a model with nanoserve, stream a greedy answer to PROMPT on the paged "
         "KV cache, print the pool's figures, then (unless --no-compare) generate again with "
-        "stock transformers and say whether the tokens are the same.",
+        "stock transformers and say whether the tokens are the same. With --prompts FILE.jsonl "
+        "--out OUT.jsonl: answer every prompt of the file in batches, with a progress bar and a "
+        "summary (tokens/s, the pool at its fullest).",
     )
     gen.add_argument(
         "prompt",
         nargs="?",
         metavar="PROMPT",
         help=f"the user message ({DEFAULT_PROMPT!r}; not with --prompts)",
-    )
-    gen.add_argument(
-        "--prompts",
-        metavar="FILE.jsonl",
-        help='a file of prompts, one JSON object a line with "prompt", "messages" or '
-        '"input_ids" (and an optional "id"); answers go to --out, in batches, without the '
-        "comparison with stock",
-    )
-    gen.add_argument("--out", metavar="OUT.jsonl", help="where --prompts' answers go")
-    gen.add_argument(
-        "--batch-size",
-        type=_positive_int,
-        default=16,
-        metavar="N",
-        help="prompts per generate call with --prompts (default: 16)",
-    )
-    gen.add_argument(
-        "--do-sample", action="store_true", help="sample instead of greedy (with --prompts)"
-    )
-    gen.add_argument(
-        "--temperature", type=_positive_float, default=1.0, help="sampling temperature (1.0)"
-    )
-    gen.add_argument("--top-p", type=_positive_float, default=1.0, help="nucleus sampling (1.0)")
-    gen.add_argument("--top-k", type=_positive_int, default=50, help="top-k sampling (50)")
-    gen.add_argument("--seed", type=int, help="torch.manual_seed before generating")
-    gen.add_argument(
-        "--no-chat-template",
-        dest="chat_template",
-        action="store_false",
-        help='--prompts: tokenize "prompt" as it is, without the tokenizer\'s chat template',
     )
     gen.add_argument(
         "--model",
@@ -318,6 +291,44 @@ def _parser() -> argparse.ArgumentParser:
         dest="compare",
         action="store_false",
         help="skip the second, stock transformers generate and its comparison",
+    )
+    gen.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help='a file of prompts, one JSON object a line with "prompt", "messages" or '
+        '"input_ids" (and an optional "id"); answers go to --out, in batches, without the '
+        "comparison with stock",
+    )
+    gen.add_argument("--out", metavar="OUT.jsonl", help="where --prompts' answers go")
+    gen.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=16,
+        metavar="N",
+        help="prompts per generate call with --prompts (default: 16)",
+    )
+    gen.add_argument(
+        "--do-sample", action="store_true", help="sample instead of greedy (with --prompts)"
+    )
+    gen.add_argument(
+        "--temperature",
+        type=_positive_float,
+        default=1.0,
+        metavar="T",
+        help="sampling temperature (1.0)",
+    )
+    gen.add_argument(
+        "--top-p", type=_positive_float, default=1.0, metavar="P", help="nucleus sampling (1.0)"
+    )
+    gen.add_argument(
+        "--top-k", type=_positive_int, default=50, metavar="K", help="top-k sampling (50)"
+    )
+    gen.add_argument("--seed", type=int, metavar="N", help="torch.manual_seed before generating")
+    gen.add_argument(
+        "--no-chat-template",
+        dest="chat_template",
+        action="store_false",
+        help='--prompts: tokenize "prompt" as it is, without the tokenizer\'s chat template',
     )
     gen.set_defaults(run=generate)
     commands.add_parser(
