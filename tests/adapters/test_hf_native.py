@@ -106,3 +106,19 @@ def test_paged_config_needs_the_door(folder):
         AutoModelForCausalLM.from_pretrained(
             folder, attn_implementation="nanoserve", paged_config={"num_blocks": 4}
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_door_on_the_gpu(folder):
+    """Loaded straight onto the GPU through the door: stock's float32 tokens, decode steps
+    replayed from captured CUDA graphs."""
+    stock = AutoModelForCausalLM.from_pretrained(folder, device_map="cuda").eval()
+    door = AutoModelForCausalLM.from_pretrained(
+        folder, device_map="cuda", attn_implementation="nanoserve"
+    ).eval()
+    batch = {k: v.cuda() for k, v in padded_batch([3, 7, 5], 7, seed=11).items()}
+    with torch.no_grad():
+        expected = stock.generate(**batch, max_new_tokens=9, **GREEDY)
+        assert torch.equal(door.generate(**batch, max_new_tokens=9, **GREEDY), expected)
+    assert nanoserve.decode_graph_stats(door)["replays"] > 0
