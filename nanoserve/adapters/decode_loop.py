@@ -135,7 +135,7 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
 
     sequences = input_ids.new_empty(rows, max(rule.max_length, prompt_len + 1))
     sequences[:, :prompt_len] = input_ids
-    unfinished = torch.ones(rows, dtype=torch.long, device=device)
+    unfinished = torch.ones(rows, dtype=torch.bool, device=device)
     # Finished rows leave the batch only where nothing of theirs past EOS is returned: no
     # scores, logits or cache (stock's hold the pad steps' values)
     compact = pad is not None and not keep and fresh_cache
@@ -153,13 +153,13 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
         else:
             tokens = torch.argmax(processed, dim=-1)
         if pad is not None:  # finished rows get the pad token, as in stock
-            tokens = tokens * unfinished + pad * (1 - unfinished)
+            tokens = torch.where(unfinished, tokens, pad)
         batch.write(sequences, length, tokens)
         length += 1
         for step in steps:
             step.observe(tokens)
         if rule.eos is not None:
-            unfinished = unfinished & ~rule.finished(tokens)
+            unfinished = unfinished & rule.not_eos(tokens)
         watch.push(length, unfinished, tokens, batch.rows)
         stop_at = watch.poll(drain=length >= rule.max_length)
         if stop_at is None and length >= rule.max_length:

@@ -189,6 +189,6 @@ class StopRule:
         ids = [torch.as_tensor(e).reshape(-1) for e in eos]
         self.eos = torch.cat(ids).to(device) if ids else None
 
-    def finished(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """bool [B]: rows whose new token ``tokens`` [B] is an EOS (None without EOS)."""
-        return torch.isin(tokens, self.eos) if self.eos is not None else None
+    def not_eos(self, tokens: torch.Tensor) -> torch.Tensor:
+        """bool [B]: rows whose new token ``tokens`` [B] is no EOS (EOS ids needed)."""
+        return torch.isin(tokens, self.eos, invert=True)

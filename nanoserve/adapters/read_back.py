@@ -26,7 +26,7 @@ class ReadBack:
         self.streamer, self.pad_value, self.has_eos = streamer, pad_value, has_eos
         self.cuda = device.type == "cuda"
         slots = READ_BACK_LAG + 2
-        self.unfinished = torch.zeros(slots, rows, dtype=torch.long, pin_memory=self.cuda)
+        self.unfinished = torch.zeros(slots, rows, dtype=torch.bool, pin_memory=self.cuda)
         self.tokens = torch.zeros(slots, rows, dtype=torch.long, pin_memory=self.cuda)
         self.events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]
         self.pending: deque[tuple[int, int, list[int]]] = deque()  # (length, slot, batch rows)

@@ -86,6 +86,19 @@ def test_eos_at_different_steps():
     assert_same(stock, hf_loop, ours)
 
 
+def test_chunked_prefill_then_the_loop():
+    """``prefill_chunk_size``: HF's ``_prefill`` feeds the prompt in chunks, the loop
+    decodes after it (and compacts) with stock's sequences."""
+    model = eos_early(tiny_model("llama", seed=10), 3.0)
+    inputs = padded_batch([13, 6, 2], 13)
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=30, prefill_chunk_size=4)
+        with patched(model):
+            ours = model.generate(**inputs, max_new_tokens=30, prefill_chunk_size=4)
+            assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
+    assert torch.equal(stock, ours)
+
+
 @pytest.mark.parametrize("prefix_sharing", [True, False])
 def test_sampling_processors_and_copies(prefix_sharing):
     """Seeded sampling with every processor the loop implements, num_return_sequences and
