@@ -30,6 +30,10 @@ scaling its output-embedding row, calibrated once so the median row ends near 12
 tokens; the same model for every provider): nanoserve with its own decode loop, with HF's
 loop (``decode_loop=False``), and the static cache + compile. Useful tokens/s counts each
 row's tokens up to its EOS.
+`--step-profile` profiles batch 1 (prompt 512, 256 greedy tokens) under torch.profiler for
+nanoserve's own loop and HF's loop: per decode step, the GPU kernel time, the host time
+spent waiting on the device (event / stream synchronizes) and the host's busy time (wall
+less the waits), and the kernels launched per step.
 `--tiny` runs a 2-layer model on whatever device there is (a smoke test, not a benchmark).
 """
 
@@ -453,6 +457,43 @@ def eos_spread(model, device: str, tiny: bool) -> list[dict]:
     return results
 
 
+def step_profile(model, device: str, tiny: bool) -> list[dict]:
+    """Rows: per-step GPU time, host busy and waiting time, launches, for both loops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids, mask, _ = make_batches(tiny, device, model.config.vocab_size)[
+        "batch1_prompt32" if tiny else "batch1_prompt512"
+    ]
+    new = 32 if tiny else 256
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    rows = []
+    for name, loop in (("nanoserve, own decode loop", True), ("nanoserve, HF's loop", False)):
+        nanoserve.patch_model(model, decode_loop=loop)
+        try:
+            run_generate(model, ids, mask, new, device)  # compiles, captures
+            with profile(activities=activities) as prof:
+                out, secs = run_generate(model, ids, mask, new, device)
+            check_loop(nanoserve.decode_graph_stats(model), loop)
+        finally:
+            nanoserve.release_memory(model)
+            nanoserve.unpatch_model(model)
+        steps = out.shape[1]
+        events = prof.key_averages()
+        waits = sum(e.self_cpu_time_total for e in events if "Synchronize" in e.key) / 1e6
+        gpu = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel",
+                       "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"))  # fmt: skip
+        row = {"loop": name, "tok/s": round(steps / secs, 1),
+               "ms/step": round(secs / steps * 1e3, 3),
+               "gpu_ms/step": round(gpu / steps * 1e3, 3),
+               "host_busy_ms/step": round((secs - waits) / steps * 1e3, 3),
+               "host_wait_ms/step": round(waits / steps * 1e3, 3),
+               "launches/step": round(launches / steps, 1)}  # fmt: skip
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def report(rows: list[dict], columns: list[str], name: str) -> None:
     """Write ``rows`` to ``name``.csv and print them as a table (missing cells empty)."""
     rows = [{c: r.get(c, "") for c in columns} for r in rows]
@@ -478,6 +519,8 @@ def main() -> None:
                         help="only 32 calls sharing a 2,048-token system prompt")  # fmt: skip
     parser.add_argument("--group", action="store_true",
                         help="only the group rollout (16 prompts x 8 rows, sampled)")  # fmt: skip
+    parser.add_argument("--step-profile", action="store_true",
+                        help="only batch 1 under the profiler, both loops")  # fmt: skip
     parser.add_argument("--eos-spread", action="store_true",
                         help="only 64 sampled rows ending over 32..512 tokens")  # fmt: skip
     args = parser.parse_args()
@@ -492,6 +535,11 @@ def main() -> None:
         columns = ["provider", "tok/s", "seconds", "first_token_s", "peak_GiB",
                    "kv_reserved/unique", "rows_shared"]  # fmt: skip
         report(group_rollout(model, device, args.tiny), columns, "generate_group")
+        return
+    if args.step_profile:
+        columns = ["loop", "tok/s", "ms/step", "gpu_ms/step", "host_busy_ms/step",
+                   "host_wait_ms/step", "launches/step"]  # fmt: skip
+        report(step_profile(model, device, args.tiny), columns, "generate_step_profile")
         return
     if args.eos_spread:
         columns = ["provider", "useful_tok/s", "seconds", "steps", "len_min", "len_median",
