@@ -16,11 +16,12 @@ are cut from the returned sequences, scores and logits and cropped from the cach
 result is stock's. (Those steps still drew from the global RNG when sampling.)
 
 Finished rows leave the batch (``ActiveRows``) when the rest fits a smaller graph bucket and
-nothing of theirs past EOS is returned (no scores, logits, returned cache, nor a cache the
-caller passed in to continue): their blocks are freed
-and their sequences padded, as stock pads them. Sampling still draws over every row of the
-call (the rows that left get a stand-in distribution), so each row meets the random numbers
-it meets in stock's loop and seeded tokens stay stock's.
+nothing of theirs past EOS is returned (no scores, logits or returned cache, and not a cache
+the caller passed in to continue): their blocks are freed and their sequences padded, as
+stock pads them. Sampling still draws over every row of the call (the rows that left get a
+stand-in distribution), so each row meets the random numbers it meets in stock's loop and
+seeded tokens stay stock's. (On a GPU the smaller batch runs matrix products of another
+shape, whose last bits may differ: in bf16, tokens can then differ where logits nearly tie.)
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from nanoserve.adapters.step import CACHE_KWARGS, find_cache, state_of
 # generate's model_kwargs the loop handles; any other (not None) runs HF's loop
 _KNOWN_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", *CACHE_KWARGS}
 _STOCK_SAMPLE = GenerationMixin._sample
-_CACHE_FIELD = (
-    "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else ("past_key_values")
-)
+# 5.24 names the output's cache field "cache", 5.17 "past_key_values"
+_FIELDS = GenerateDecoderOnlyOutput.__dataclass_fields__
+_CACHE_FIELD = "cache" if "cache" in _FIELDS else "past_key_values"
 
 
 def sample(
