@@ -168,7 +168,7 @@ def pool_size(
         n, rows = shape.prompt_lens[first], rows * shape.copies
         held = math.ceil((n + new) / bs)
         if window is not None:  # past its prompt a row holds its window's blocks at most
-            held = min(held, max(math.ceil(n / bs), math.ceil(window / bs) + 1))
+            held = min(held, max(math.ceil(n / bs), math.ceil(window / bs) + 2))
         alone = rows * (held + spare)
         shared = math.ceil(n / bs) + rows * (math.ceil((n + new) / bs) - n // bs + spare)
         blocks += min(alone, shared) if share_rows else alone

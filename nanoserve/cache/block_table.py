@@ -93,19 +93,14 @@ class BlockTable:
         return [self.slot(p) for p in range(start, start + n)]
 
     def truncate(self, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens; blocks past them are released. A table
-        that dropped leading blocks keeps at least one block past them (or none: 0)."""
+        """Keep the first ``num_tokens`` tokens; blocks past them are released (and blocks
+        ``drop_before`` released stay so, even where they now end the table)."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
             raise ValueError(f"num_tokens: must be an int, got {num_tokens!r}")
         if not 0 <= num_tokens <= self._num_tokens:
             raise ValueError(f"num_tokens: {num_tokens} outside [0, {self._num_tokens}]")
         keep = -(-num_tokens // self.block_size)
-        if 0 < keep <= self._dropped:
-            raise ValueError(
-                f"num_tokens: {num_tokens} ends inside the {self._dropped} leading blocks "
-                "released by the sliding window"
-            )
-        if keep and num_tokens % self.block_size:
+        if keep > self._dropped and num_tokens % self.block_size:
             # The new last block is partial and its tail will be written (in place, or into
             # a copy while shared): it must no longer be found by the tokens it held in full.
             last = self._block_ids[keep - 1]

@@ -12,9 +12,12 @@ beside them.
 
 When every layer attends only to the last ``sliding_window`` positions, ``begin_step`` first
 releases each sequence's leading blocks that no query of this step or a later one can see
-(all of their positions before ``num_tokens - sliding_window + 1``): a long sequence then
-holds about ``sliding_window / block_size + 1`` blocks. The kernels never read those
-entries of the block table (their window starts past them; the entries read as block 0).
+(all of their positions before ``num_tokens - sliding_window + 1``), less one block of
+slack: a later ``drop_last`` of up to ``block_size`` tokens (a speculative step's rejected
+tokens, a decode loop's steps issued past a stop) leaves sequences that can continue. A
+long sequence then holds at most ``ceil(sliding_window / block_size) + 2`` blocks. The
+kernels never read the released entries of the block table (their window starts past them;
+the entries read as block 0).
 """
 
 from __future__ import annotations
@@ -124,7 +127,8 @@ class PagedKVCache:
 
         ``sliding_window``: every layer's attention sees only the last this many positions
         (a query at position p sees p - sliding_window < q <= p); blocks wholly before that
-        are released at the next ``begin_step``. None (the default) keeps every block."""
+        are released at a later ``begin_step`` (see the module's docstring). None (the
+        default) keeps every block."""
         check_backend(backend)
         if sliding_window is not None:
             sliding_window = as_index(sliding_window, "sliding_window", minimum=1)
@@ -185,18 +189,11 @@ class PagedKVCache:
 
     def drop_last(self, n: int) -> None:
         """Forget the last ``n`` tokens of every sequence (assisted decoding's rejected
-        candidates); a sequence with fewer keeps none."""
+        candidates); a sequence with fewer keeps none. Under a sliding window, a sequence cut
+        back past what its window kept (its next query would see released positions) can
+        no longer take tokens: ``begin_step`` refuses it."""
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"n: must be an int >= 0, got {n!r}")
-        if self.sliding_window is not None:
-            for table in self.tables:
-                keep = max(0, table.num_tokens - n)
-                if keep and table.dropped * self.block_size > keep - self.sliding_window + 1:
-                    raise ValueError(
-                        f"n: dropping {n} tokens would leave a sequence whose next query sees "
-                        f"positions the sliding window ({self.sliding_window}) already "
-                        f"released (before {table.dropped * self.block_size})"
-                    )
         for table in self.tables:
             table.truncate(max(0, table.num_tokens - n))
 
@@ -277,10 +274,12 @@ class PagedKVCache:
         counts_np = mask_np.sum(axis=1, dtype=np.int32)
         counts = counts_np.tolist()
         if self.sliding_window is not None:
+            self._check_window_kept(tables, counts)
             # no query of this step or later sits before num_tokens, so none sees a position
             # before num_tokens - window + 1 (released even if OutOfBlocks follows: unneeded)
             for table in tables:
-                self.blocks_dropped += table.drop_before(table.num_tokens - self.sliding_window + 1)
+                first_seen = table.num_tokens - self.sliding_window + 1
+                self.blocks_dropped += table.drop_before(first_seen - self.block_size)
         self._reserve(tables, counts)
         self.tables = tables
         slot_lists = [table.append(n) for table, n in zip(tables, counts, strict=True)]
@@ -308,6 +307,18 @@ class PagedKVCache:
         )
         self.step = host.to(device) if torch.device(device).type != "cpu" else host
         return self.step
+
+    def _check_window_kept(self, tables: list[BlockTable], counts: list[int]) -> None:
+        """ValueError when a sequence taking new tokens lacks positions its first new query
+        sees (``drop_last`` cut it back past what the sliding window kept)."""
+        for i, (table, n) in enumerate(zip(tables, counts, strict=True)):
+            first_seen = table.num_tokens - self.sliding_window + 1
+            if n and table.dropped and table.dropped * self.block_size > first_seen:
+                raise ValueError(
+                    f"new_token_mask: sequence {i} was cut back to {table.num_tokens} tokens "
+                    f"after the sliding window ({self.sliding_window}) released its positions "
+                    f"before {table.dropped * self.block_size}; it cannot take new tokens"
+                )
 
     def _block_table_rows(self) -> torch.Tensor:
         """Every table's block ids as int32 [S, width], zero padded.

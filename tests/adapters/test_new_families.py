@@ -4,6 +4,9 @@ on the CPU, every generate mode token-exact with stock, windows shorter than the
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import replace
+
 import pytest
 import torch
 import transformers
@@ -18,7 +21,7 @@ from helpers import (
 from test_families import padded_batch
 
 import nanoserve
-from nanoserve.adapters import family_for, supported_model_types
+from nanoserve.adapters import Family, family_for, supported_model_types
 
 WINDOW = 8
 SMALL = dict(
@@ -251,9 +254,9 @@ def test_phi3_long_rope_switch_matches_stock(decode_loop):
 @BACKENDS
 def test_all_sliding_generation_far_past_the_window(backend, monkeypatch):
     """Phi-3 with a window of 8 on every layer, 60 greedy steps after prompts of 19 and 4
-    tokens: per-step logits equal stock's while each row holds at most 3 blocks of 4 (the
-    tokens stored need 36), in a pool fixed at 12 blocks. Planted: begin_step releasing one
-    position too early (num_tokens - window + 2): failed."""
+    tokens: per-step logits equal stock's while each row holds at most 4 blocks of 4 (the
+    window's 3 and one of slack; the tokens stored need 36), in a pool fixed at 12 blocks.
+    Planted: begin_step releasing without the slack and one position too early: failed."""
     model = tiny_model("phi3")
     assert nanoserve.adapters.family_for(model.config).layout(model.config).sliding_window == 8
     inputs = padded_batch([19, 4], 19)
@@ -270,15 +273,55 @@ def test_all_sliding_generation_far_past_the_window(backend, monkeypatch):
     full = sum(-(-n // 4) for n in stored)
     held, released = stats["blocks_used"], stats["blocks_dropped_by_window"]
     print(f"phi3, window 8: blocks held {held} of {full} (released {released})")
-    assert full == 36 and held <= 2 * 3
+    assert full == 36 and held <= 2 * 4
     assert released == full - held
+
+
+def test_eos_under_the_decode_loop_then_continue(monkeypatch):
+    """One Phi-3 row (window 8, blocks of 4) that meets EOS after 21..28 tokens: nanoserve's
+    decode loop learns of the stop a few steps late and crops those steps from the cache;
+    the returned cache then continues for 8 more tokens, with the per-step logits of the
+    same calls on a cache that releases nothing. The stop falls at every offset in a block.
+    Planted: releasing without the block of slack: the continuation was refused
+    (ValueError) at some stops."""
+    model = tiny_model("phi3")
+    inputs = padded_batch([19], 19)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        ahead = model.generate(**inputs, max_new_tokens=40, **GREEDY)[0, 19:].tolist()
+    keep_all = Family.layout
+
+    def two_calls(release: bool, eos: int):
+        if not release:  # the same model on a cache that keeps every block
+            monkeypatch.setattr(
+                Family, "layout", lambda f, c: replace(keep_all(f, c), sliding_window=None)
+            )
+        opts = dict(max_new_tokens=40, do_sample=False, eos_token_id=eos, pad_token_id=0)
+        with patched(model, block_size=4), torch.no_grad():
+            first = model.generate(**inputs, **opts, return_dict_in_generate=True)
+            assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
+            released = first.past_key_values.stats()["blocks_dropped_by_window"]
+            more = dict(max_new_tokens=8, **LOGITS, **{name: first.past_key_values})
+            out = model.generate(input_ids=first.sequences, **more)
+        monkeypatch.undo()
+        return first.sequences, out, released
+
+    stops = set()
+    for k in range(20, 28):
+        first, out, released = two_calls(True, ahead[k])
+        first_kept, out_kept, none = two_calls(False, ahead[k])
+        assert released > 0 and none == 0
+        assert torch.equal(first, first_kept)
+        assert_logits_equal(out_kept, out)
+        stops.add(first.shape[1] % 4)
+    assert len(stops) == 4
 
 
 def test_default_pool_of_all_sliding_rows_is_window_sized():
     """Ten rows of 2..11 prompt tokens and 40 new ones under a window of 8 (blocks of 4): the
-    pool generate sizes holds each row's window (3 blocks a row past its prompt), not its
-    whole length, and the call gives stock's tokens. Planted: sizing a row's window at
-    ceil(window / block_size) blocks without the partly filled one: OutOfBlocks."""
+    pool generate sizes holds each row's window (4 blocks a row past its prompt, one of
+    them slack), not its whole length, and the call gives stock's tokens. Planted: sizing a
+    row's window without the slack block: OutOfBlocks."""
     model = tiny_model("phi3")
     lengths = list(range(2, 12))
     inputs = padded_batch(lengths, 11)
@@ -288,7 +331,7 @@ def test_default_pool_of_all_sliding_rows_is_window_sized():
             paged = model.generate(**inputs, max_new_tokens=40, **GREEDY)
             stats = nanoserve.cache_stats(model)
     assert torch.equal(stock, paged)
-    assert stats["num_blocks"] == 30  # ten rows of 3 blocks (a coarse size already)
+    assert stats["num_blocks"] == 40  # ten rows of 4 blocks (a coarse size already)
     assert sum(-(-(n + 39) // 4) for n in lengths) == 118  # without the window
 
 

@@ -66,8 +66,9 @@ def test_windowed_cache_attends_as_a_full_cache(window, chunk, backend):
     step's attention output equals the full cache's. Block 0 holds NaN and is never a
     sequence's (released entries read as block 0), and every free block is NaN before each
     step: a kernel reading a released block or entry would give NaN. Each sequence holds at
-    most ceil((window - 1 + new) / block_size) + 1 blocks. Planted: begin_step releasing from
-    num_tokens - window + 2 (one position too many): failed every case."""
+    most ceil((window - 1 + new) / block_size) + 2 blocks (one of slack). Planted: begin_step
+    releasing without the slack and from num_tokens - window + 2 (one position too many):
+    failed every case."""
     gen = torch.Generator().manual_seed(window * 100 + chunk)
     full = PagedKVCache(1, num_blocks=64, block_size=BLOCK)
     windowed = PagedKVCache(1, num_blocks=16, block_size=BLOCK, sliding_window=window)
@@ -87,11 +88,11 @@ def test_windowed_cache_attends_as_a_full_cache(window, chunk, backend):
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
         for table, new in zip(windowed.tables, mask.sum(dim=1).tolist(), strict=True):
             held = table.num_blocks - table.dropped
-            assert held <= -(-(window - 1 + new) // BLOCK) + 1, (held, table.num_tokens)
+            assert held <= -(-(window - 1 + new) // BLOCK) + 2, (held, table.num_tokens)
         poison_free_blocks(windowed)
     assert windowed.seq_lens() == full.seq_lens() == [n + 30 for n in lengths]
-    # the last step released every block before position (its tokens before) - window + 1
-    released = [(n + 29 - window + 1) // BLOCK for n in lengths]
+    # the last step released every block a block before (its tokens before) - window + 1
+    released = [(n + 29 - window + 1 - BLOCK) // BLOCK for n in lengths]
     assert [t.dropped for t in windowed.tables] == released
     stats = windowed.stats()
     assert stats["blocks_dropped_by_window"] == sum(released)
@@ -105,24 +106,30 @@ def run_steps(cache: PagedKVCache, lengths: list[int], decode_steps: int) -> Non
         cache.write(0, kv[0], kv[1])
 
 
-def test_dropping_into_released_blocks_is_refused():
-    """Assisted decoding's crop (the rejected tokens of the latest step) is fine; drop_last
-    that would leave a sequence whose next query sees released positions is a ValueError
-    naming n, and changes nothing."""
+def test_a_sequence_cut_back_past_its_window_takes_no_new_tokens():
+    """A crop within the block of slack (a speculative step's rejected tokens, a decode
+    loop's steps past a stop) leaves sequences that continue; a deeper drop_last is allowed,
+    but a sequence whose next query would see released positions then refuses new tokens
+    with a ValueError, and nothing changes."""
     cache = PagedKVCache(1, num_blocks=32, block_size=BLOCK, sliding_window=6)
     run_steps(cache, [10, 4], decode_steps=19)  # 29 and 23 tokens
     cache.begin_step(torch.ones(2, 4, dtype=torch.bool), "cpu")  # 4 candidate tokens
     kv = torch.randn(2, 8, KV_HEADS, DIM)
     cache.write(0, kv[0], kv[1])
-    # released before 29 - 6 + 1 = 24 and 23 - 6 + 1 = 18: blocks 0-5 and 0-3
-    assert [t.dropped for t in cache.tables] == [6, 4]
-    cache.drop_last(3)  # back to 30 and 24 tokens: the next queries see from 25 and 19
+    # released a block before 29 - 6 + 1 = 24 and 23 - 6 + 1 = 18: blocks 0-4 and 0-2
+    assert [t.dropped for t in cache.tables] == [5, 3]
+    cache.drop_last(4)  # back to 29 and 23 tokens: the next queries see from 24 and 18
+    run_steps(cache, [1, 1], decode_steps=0)  # 30 and 24
+    cache.drop_last(7)  # 23 and 17: row 0's next query would see position 18, released
     before = [(t.block_ids, t.num_tokens) for t in cache.tables]
-    with pytest.raises(ValueError, match=r"^n: dropping 2 tokens .* window \(6\)"):
-        cache.drop_last(2)  # row 0's next query would see position 23, released
+    with pytest.raises(ValueError, match=r"^new_token_mask: sequence 0 was cut back to 23"):
+        cache.begin_step(torch.tensor([[True], [False]]), "cpu")
     assert [(t.block_ids, t.num_tokens) for t in cache.tables] == before
-    cache.drop_last(1)
-    assert cache.seq_lens() == [29, 23]
+    cache.begin_step(torch.tensor([[False], [True]]), "cpu")  # row 1 (sees from 13) can
+    cache.drop_last(20)  # row 0 now ends inside its released blocks, row 1 is empty
+    assert cache.seq_lens() == [3, 0] and cache.allocator.num_used == 0
+    cache.reset()
+    assert cache.allocator.num_used == 0
 
 
 def test_forks_publish_and_reset_release_every_block():
