@@ -302,7 +302,8 @@ def test_eos_under_the_decode_loop_then_continue(monkeypatch):
             assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
             released = first.past_key_values.stats()["blocks_dropped_by_window"]
             more = dict(max_new_tokens=8, **LOGITS, **{name: first.past_key_values})
-            out = model.generate(input_ids=first.sequences, **more)
+            mask = torch.ones_like(first.sequences)  # a generated pad id is a token here
+            out = model.generate(input_ids=first.sequences, attention_mask=mask, **more)
         monkeypatch.undo()
         return first.sequences, out, released
 
