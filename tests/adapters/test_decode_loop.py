@@ -218,12 +218,12 @@ def test_compacted_sampling_draws_as_stock(monkeypatch):
     penalty: rows leave the batch as they finish, and the tokens still equal stock's, since
     every draw is made over all 6 rows. Planted: drawing over the kept rows only, and the
     penalty's mask not following the compaction, each failed."""
-    model = eos_early(tiny_model("llama", seed=3), 2.5)
+    model = eos_early(tiny_model("llama", seed=3), 5.0)
     inputs = padded_batch([9, 5], 9, seed=4)
     opts = dict(do_sample=True, top_k=30, repetition_penalty=1.2, num_return_sequences=3,
                 max_new_tokens=40)  # fmt: skip
     compactions = count_compactions(monkeypatch)
-    for _ in range(3):  # fresh seeds until a call compacts
+    for _ in range(10):  # fresh seeds until a call compacts (about half of them do)
         seed = int.from_bytes(os.urandom(4), "little")
         torch.manual_seed(seed)
         with torch.no_grad():
