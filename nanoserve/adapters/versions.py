@@ -3,7 +3,8 @@ imported (before anything of transformers' that may be missing in another releas
 
 from __future__ import annotations
 
-import transformers  # the package's top level only: every release has __version__
+import importlib
+
 from packaging.specifiers import SpecifierSet
 
 # transformers releases the adapters were written and tested against: [lowest, first unsupported)
@@ -19,7 +20,9 @@ class UnsupportedTransformers(ImportError, NotImplementedError):
 def check_transformers_version(version: str | None = None) -> None:
     """UnsupportedTransformers naming the supported range when ``version`` (default: the
     imported transformers') is outside it."""
-    version = version or transformers.__version__
+    # looked up at each call: transformers replaces its module object in sys.modules as it
+    # loads model classes lazily (every release has __version__ at its top level)
+    version = version or importlib.import_module("transformers").__version__
     low, high = SUPPORTED_TRANSFORMERS
     # as pip reads ">=low,<high": a pre-release of ``high`` is outside, one of 5.x inside
     if not SpecifierSet(f">={low},<{high}").contains(version, prereleases=True):
