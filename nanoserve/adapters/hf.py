@@ -38,6 +38,7 @@ from nanoserve.adapters.step import (
     KeptPools,
     PatchState,
     check_left_padded,
+    check_whole_mask,
     find_cache,
     forget_original_attn,
     new_token_mask,
@@ -273,6 +274,9 @@ def _paged_forward(self, *args, **kwargs):
             "without a PagedCache (a patched model's generate does that for this option)"
         )
     with state.lock:
+        if not cache.mask_checked:
+            check_whole_mask(kwargs)
+            cache.mask_checked = True
         if state.prefix_sharing:
             output = first_forward(stock, state.backend, cache, kwargs)
             if output is not None:
@@ -393,6 +397,7 @@ def _paged_generate(self, *args, **kwargs):
     if isinstance(passed, PagedCache):
         with state.lock:
             _room_to_continue(state, passed, self, args, kwargs)
+            passed.mask_checked = False
             return stock(*args, **kwargs)
     if passed is not None or option("use_cache") is False:
         why = "the caller's own cache" if passed is not None else "use_cache=False"

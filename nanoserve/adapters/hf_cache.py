@@ -50,6 +50,8 @@ class PagedCache(Cache):
         # blocks this call needs unless its first forward shares copies (hf.py grows the
         # pool to it if that forward does not share); None when the pool needs no growth
         self.unshared_blocks: int | None = None
+        # False until the first forward of a generate call has checked its whole mask
+        self.mask_checked = False
 
     # -- the step boundary (once per forward) -----------------------------------------------
 

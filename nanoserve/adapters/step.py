@@ -228,6 +228,17 @@ def new_token_mask(kwargs: dict, cached_lens: Callable[[], list[int]]) -> torch.
     return new
 
 
+def check_whole_mask(kwargs: dict) -> None:
+    """``check_left_padded`` over every column of a forward's 2-D ``attention_mask``, the
+    cached ones too: run on the first forward of each generate call. (Given no mask,
+    generate infers one from pad ids; a generated token equal to ``pad_token_id`` then reads
+    as padding inside the sequence when its cache is continued. Stock masks that key; the
+    paged cache holds it and would attend it.)"""
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        check_left_padded(mask)
+
+
 def check_left_padded(mask: torch.Tensor, cached_lens: list[int] | None = None) -> None:
     """ValueError naming ``attention_mask`` when a row of ``mask`` [B, n] has padding after a
     real token, or any padding after tokens it already cached (``cached_lens``)."""
@@ -237,6 +248,7 @@ def check_left_padded(mask: torch.Tensor, cached_lens: list[int] | None = None) 
         holes |= torch.tensor([n > 0 for n in cached_lens]) & ~mask.all(dim=1)
     if bool(holes.any()):
         raise ValueError(
-            "attention_mask: padding after a real token (right padding) is not supported by "
-            'nanoserve\'s paged cache; tokenize with padding_side="left"'
+            "attention_mask: padding after a real token (right padding, or a token equal to "
+            "pad_token_id inside a sequence whose mask generate inferred) is not supported by "
+            'nanoserve\'s paged cache; tokenize with padding_side="left" and pass the mask'
         )

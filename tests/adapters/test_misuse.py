@@ -177,6 +177,34 @@ def test_right_padding_is_refused_before_anything_changes():
     assert torch.equal(out, stock_generate(model, **left, **opts))
 
 
+def test_a_generated_pad_id_in_a_continued_cache_is_refused():
+    """Continuing a returned cache with no attention_mask: generate infers the mask from pad
+    ids, and a generated token equal to pad_token_id becomes a hole among cached columns.
+    Stock masks that key; the paged cache holds it, so the call must refuse, naming
+    attention_mask (planted: without the whole-mask check on a continued cache's first
+    forward the call ran on). With the mask passed, stock's tokens."""
+    model = tiny_model("llama")
+    prompt = padded_batch([6], 6)["input_ids"]
+    opts = dict(max_new_tokens=6, return_dict_in_generate=True, **GREEDY)
+    with patched(model, block_size=4), torch.no_grad():
+        first = model.generate(input_ids=prompt, **opts)
+        pad = int(first.sequences[0, prompt.shape[1] + 1])  # a token the model generated
+        assert pad not in first.sequences[0, -1:].tolist()  # the hole is among cached columns
+        more = dict(input_ids=first.sequences, max_new_tokens=4, pad_token_id=pad,
+                    **{cache_name(model): first.past_key_values}, **GREEDY)  # fmt: skip
+        with pytest.raises(ValueError, match="attention_mask: padding after a real token"):
+            model.generate(**more)
+        ones = torch.ones_like(first.sequences)
+    stock_first = stock_generate(model, input_ids=prompt, **opts)
+    stock_more = stock_generate(model, **{**more, cache_name(model): stock_first.past_key_values},
+                                attention_mask=ones)  # fmt: skip
+    with patched(model, block_size=4), torch.no_grad():
+        first = model.generate(input_ids=prompt, **opts)
+        paged_more = model.generate(**{**more, cache_name(model): first.past_key_values},
+                                    attention_mask=ones)  # fmt: skip
+    assert torch.equal(paged_more, stock_more)
+
+
 def test_output_attentions_returns_stocks_weights():
     model = tiny_model("llama")
     model.set_attn_implementation("eager")
