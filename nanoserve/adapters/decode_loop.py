@@ -39,6 +39,9 @@ from nanoserve.adapters.step import CACHE_KWARGS, find_cache, state_of
 # generate's model_kwargs the loop handles; any other (not None) runs HF's loop
 _KNOWN_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", *CACHE_KWARGS}
 _STOCK_SAMPLE = GenerationMixin._sample
+# what HF's loop calls every step and the loop does not: a model class that overrides one
+# of them (to re-run its prompt, move positions, ...) runs HF's loop
+_STEP_METHODS = ("prepare_inputs_for_generation", "_update_model_kwargs_for_generation")
 # 5.24 names the output's cache field "cache", 5.17 "past_key_values"
 _FIELDS = GenerateDecoderOnlyOutput.__dataclass_fields__
 _CACHE_FIELD = "cache" if "cache" in _FIELDS else "past_key_values"
@@ -83,6 +86,9 @@ def stock_reason(
         return "decode_loop=False"
     if original is not _STOCK_SAMPLE:
         return f"{type(model).__name__} has its own _sample"
+    for name in _STEP_METHODS:  # the loop's decode steps skip them (Phi-3's long-rope switch)
+        if getattr(type(model), name) is not getattr(GenerationMixin, name):
+            return f"{type(model).__name__} has its own {name}"
     if synced_gpus:
         return "synced_gpus"
     if getattr(generation_config, "is_assistant", False):

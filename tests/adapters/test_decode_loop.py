@@ -309,6 +309,30 @@ def test_fallbacks_run_hf_loop(opts, reason):
     assert torch.equal(stock, ours)
 
 
+def test_a_model_with_its_own_step_preparation_runs_hf_loop():
+    """A model class whose ``prepare_inputs_for_generation`` is its own (Phi-3 re-runs the
+    prompt when long-rope switches) runs HF's loop, which calls it every step. Planted:
+    without the check the subclass ran nanoserve's loop."""
+    from transformers import LlamaForCausalLM
+
+    class OwnInputs(LlamaForCausalLM):
+        def prepare_inputs_for_generation(self, *args, **kwargs):
+            return super().prepare_inputs_for_generation(*args, **kwargs)
+
+    base = tiny_model("llama")
+    model = OwnInputs(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    inputs = padded_batch([6, 3], 6)
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=6)
+        with patched(model):
+            ours = model.generate(**inputs, max_new_tokens=6)
+            ran = nanoserve.decode_graph_stats(model)["decode_loop"]
+    assert ran == "stock: OwnInputs has its own prepare_inputs_for_generation"
+    assert torch.equal(stock, ours)
+    assert "_sample" not in OwnInputs.__dict__  # unhooked with the last patched model
+
+
 def test_beam_search_never_reaches_the_loop():
     """Beam search is not ``_sample``: the hook is not called, the last loop stays unset."""
     model = tiny_model("llama")

@@ -213,15 +213,9 @@ def test_hub_cache_implementation_hybrid_runs_paged(name):
     assert isinstance(paged.past_key_values, nanoserve.PagedCache)
 
 
-LOOP_SKIPS_PHI3_SWITCH = pytest.mark.xfail(
-    strict=True,
-    reason="decode_loop.py runs the decode steps without the model's own "
-    "prepare_inputs_for_generation, so Phi-3's long-rope re-run never happens: wrong tokens "
-    "(stock_reason should send such models to HF's loop)",
-)
-
-
-@pytest.mark.parametrize("decode_loop", [False, pytest.param(True, marks=LOOP_SKIPS_PHI3_SWITCH)])
+# with decode_loop=True, Phi-3's own prepare_inputs_for_generation sends the call to HF's
+# loop (decode_loop.stock_reason), which runs the switch
+@pytest.mark.parametrize("decode_loop", [False, True])
 def test_phi3_long_rope_switch_matches_stock(decode_loop):
     """Long-rope Phi-3 (original_max_position_embeddings 16): the call crosses 16 positions
     mid-generation, where Phi3's prepare_inputs_for_generation drops the cache and re-runs
