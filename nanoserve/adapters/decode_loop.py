@@ -34,6 +34,7 @@ from nanoserve.adapters.decode_graphs import bucket_for
 from nanoserve.adapters.device_sampling import StopRule, apply_steps, processor_steps, unsupported
 from nanoserve.adapters.hf_cache import PagedCache
 from nanoserve.adapters.read_back import ReadBack
+from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, find_cache, state_of
 
 # generate's model_kwargs the loop handles; any other (not None) runs HF's loop
@@ -86,9 +87,12 @@ def stock_reason(
         return "decode_loop=False"
     if original is not _STOCK_SAMPLE:
         return f"{type(model).__name__} has its own _sample"
-    for name in _STEP_METHODS:  # the loop's decode steps skip them (Phi-3's long-rope switch)
-        if getattr(type(model), name) is not getattr(GenerationMixin, name):
-            return f"{type(model).__name__} has its own {name}"
+    # the loop's decode steps skip these (Phi-3's long-rope switch drops the cache there)
+    own = [n for n in _STEP_METHODS if getattr(type(model), n) is not getattr(GenerationMixin, n)]
+    if own:
+        plain = family_for(model.config).plain_steps
+        if plain is None or not plain(model, generation_config.max_length):
+            return f"{type(model).__name__} has its own {own[0]}"
     if synced_gpus:
         return "synced_gpus"
     if getattr(generation_config, "is_assistant", False):

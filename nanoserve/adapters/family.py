@@ -41,6 +41,10 @@ class Family:
     handle (it may be None when every config of the family is fine). ``decoder_layers(model)``
     gives the model's decoder layers (what ``compile_decode`` compiles). ``cache_window``
     gives the window every layer attends within (``KVLayout.sliding_window``).
+    ``plain_steps(model, max_length)``: for a family whose model class overrides what HF's
+    loop calls every step (``prepare_inputs_for_generation``), True when that override does
+    nothing more than GenerationMixin's in a call that ends at ``max_length`` tokens, so
+    nanoserve's decode loop may skip it (None: never).
     """
 
     name: str
@@ -49,6 +53,7 @@ class Family:
     decoder_layers: Callable[[object], Sequence[object]]
     check: Callable[[object], None] | None = None
     cache_window: Callable[[object], int | None] = uniform_window
+    plain_steps: Callable[[object, int], bool] | None = None
 
     def layout(self, config) -> KVLayout:
         """``kv_layout(config)`` with its ``sliding_window`` from ``cache_window``."""
