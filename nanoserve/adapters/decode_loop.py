@@ -13,7 +13,7 @@ token on the device (``device_sampling.py``), and writes it into a preallocated
 ``sequences`` buffer. Which rows have finished is copied back without waiting
 (``read_back.py``): the host learns it a few steps late, so the steps issued past the stop
 are cut from the returned sequences, scores and logits and cropped from the cache, and the
-result is stock's. (Those steps still drew from the global RNG when sampling.)
+random numbers they drew are given back: the result, and the RNG state after it, are stock's.
 
 Finished rows leave the batch (``ActiveRows``) when the rest fits a smaller graph bucket and
 nothing of theirs past EOS is returned (no scores, logits or returned cache, and not a cache
@@ -33,7 +33,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from nanoserve.adapters.decode_graphs import bucket_for
 from nanoserve.adapters.device_sampling import StopRule, apply_steps, processor_steps, unsupported
 from nanoserve.adapters.hf_cache import PagedCache
-from nanoserve.adapters.read_back import ReadBack
+from nanoserve.adapters.read_back import READ_BACK_LAG, ReadBack
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, find_cache, state_of
 
@@ -153,6 +153,7 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     batch = ActiveRows(rows, device, pad, compact=compact)
     watch = ReadBack(device, rows, streamer, batch.pad_value, rule.eos is not None)
     length, stop_at = prompt_len, None
+    rng = _RandomStates(device) if config.do_sample else None
     while stop_at is None:
         processed = apply_steps(steps, logits, length)
         if scores is not None:
@@ -160,6 +161,7 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
         if raw_logits is not None:
             raw_logits.append(logits)
         if config.do_sample:
+            rng.save(length)
             tokens = batch.draw(torch.nn.functional.softmax(processed, dim=-1))
         else:
             tokens = torch.argmax(processed, dim=-1)
@@ -187,9 +189,12 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
             logits = step_out.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
             del step_out
 
-    # steps issued past the stop: their tokens were never seen, their K/V is dropped
+    # steps issued past the stop: their tokens were never seen, their K/V is dropped, and
+    # the random numbers they drew are given back (a later seeded call draws as after stock's)
     if length > stop_at:
         cache.crop(-(length - stop_at))
+        if rng is not None:
+            rng.restore(stop_at)
     generated = stop_at - prompt_len
     if streamer is not None:
         streamer.end()
@@ -204,6 +209,29 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
         hidden_states=None,
         **{_CACHE_FIELD: cache},
     )
+
+
+class _RandomStates:
+    """The global RNG state before each of the last few draws (the device's generator, which
+    ``torch.multinomial`` uses), so the draws of steps issued past the stop can be undone."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.states: dict[int, torch.Tensor] = {}
+
+    def save(self, column: int) -> None:
+        """Keep the state before the draw of ``column``'s token (the host's copy: no sync)."""
+        get = torch.cuda.get_rng_state if self.cuda else lambda _device: torch.get_rng_state()
+        self.states[column] = get(self.device)
+        self.states.pop(column - READ_BACK_LAG - 2, None)
+
+    def restore(self, column: int) -> None:
+        """Put back the state from before ``column``'s draw."""
+        if self.cuda:
+            torch.cuda.set_rng_state(self.states[column], self.device)
+        else:
+            torch.set_rng_state(self.states[column])
 
 
 class ActiveRows:

@@ -429,9 +429,28 @@ def test_processed_scores_equal_hf_processors():
             ids = torch.cat([ids, tokens[:, None]], dim=1)
 
 
-def test_read_back_lag_is_what_the_tests_exercise():
-    """The CPU tests rely on the flags being read back late (extra steps to cut)."""
-    assert read_back.READ_BACK_LAG >= 2
+def test_random_state_after_a_sampled_stop_is_stocks():
+    """Seeded once, two sampled calls that stop on EOS (the loop drew for the steps it issued
+    past each stop), then a draw: all equal stock's. Planted: without giving back the extra
+    steps' random numbers the second call and the draw differed."""
+    model = eos_early(tiny_model("llama", seed=10), 12.0)
+    inputs = padded_batch([13, 6, 2], 13)
+    opts = dict(do_sample=True, top_k=5, max_new_tokens=30, eos_token_id=EOS, pad_token_id=0)
+
+    def run():
+        torch.manual_seed(0)
+        with torch.no_grad():
+            first = model.generate(**inputs, **opts)
+            second = model.generate(**inputs, **opts)
+        return first, second, torch.rand(4)
+
+    stock = run()
+    with patched(model):
+        ours = run()
+        assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
+    assert stock[0].shape[1] < 13 + 30 - read_back.READ_BACK_LAG  # the loop ran past a stop
+    for expected, got in zip(stock, ours, strict=True):
+        assert torch.equal(expected, got)
 
 
 # -- the real model ---------------------------------------------------------------------
