@@ -119,8 +119,9 @@ class DecodeGraphs:
     ``capture=False`` every step runs ``run_forward`` eagerly on the same static, padded
     buffers (no graph): this checks the bucket padding and metadata path on any device.
     ``agree(ok) -> bool`` (tensor parallelism: True only when every rank's ``ok`` is True)
-    settles each capture across processes, so that either every rank replays the new graph
-    or every rank decodes eagerly from then on: their collectives must stay paired.
+    settles each capture, and whether a new cache keeps the graphs, across processes, so that
+    every rank replays the same graph or every rank runs eagerly: their collectives must stay
+    paired.
     """
 
     def __init__(self, capture: bool = True, agree: Callable[[bool], bool] | None = None):
@@ -158,7 +159,12 @@ class DecodeGraphs:
             return
         self.recheck = False
         signature = signature(cache) if signature is not None else None
-        if signature is None or signature != self.cache_signature:
+        keep = signature is not None and signature == self.cache_signature
+        if self.agree is not None:
+            # the addresses are each rank's own: one rank keeping its graphs while another
+            # captures anew would pair their collectives wrongly
+            keep = self.agree(keep)
+        if not keep:
             if self.graphs:
                 _log.info("decode graphs: %d dropped (new pools or weights)", len(self.graphs))
             self.reset()

@@ -77,7 +77,7 @@ class PatchState:
     decode_loop: bool = True  # greedy / sampling run nanoserve's loop (decode_loop.py)
     # which loop the latest _sample call ran: "nanoserve" or "stock: <why>" (None: none yet)
     last_loop: str | None = None
-    graphs: DecodeGraphs | None = None  # when cuda_graphs (and not tensor parallel)
+    graphs: DecodeGraphs | None = None  # when cuda_graphs
     compiled_layers: CompiledLayers | None = None  # compile_decode's, built on first use
     # the latest generate call's PagedCache: weakly, or strongly after a call that raised
     last_cache: Callable[[], object | None] = no_cache
@@ -103,7 +103,7 @@ class PatchState:
             decode_loop=self.decode_loop,
         )
         if self.graphs is not None:
-            fresh.graphs = type(self.graphs)(capture=self.graphs.capture)
+            fresh.graphs = type(self.graphs)(capture=self.graphs.capture, agree=self.graphs.agree)
         return fresh
 
 

@@ -209,6 +209,29 @@ def test_next_call_reuses_the_pools_of_a_dropped_cache_only():
     assert torch.equal(longer, stock_longer)
 
 
+@pytest.mark.parametrize("others_keep", [True, False])
+def test_a_new_cache_keeps_the_graphs_only_when_every_rank_does(others_keep):
+    """Tensor parallelism: whether a new cache keeps the graphs (its pools at the addresses
+    they were captured over) is each rank's own finding, settled across ranks. Planted:
+    ignoring the agreement kept this rank's graphs while another rank dropped its own."""
+    asked = []
+
+    def agree(keep):
+        asked.append(keep)
+        return keep and others_keep
+
+    class Cache:  # any object a weak reference can follow
+        pass
+
+    graphs = DecodeGraphs(capture=False, agree=agree)
+    first, second = Cache(), Cache()
+    graphs.follow(first, signature=lambda cache: "pools at A")
+    graphs.graphs[(1, 8)] = "a captured step"
+    graphs.follow(second, signature=lambda cache: "pools at A")  # this rank would keep them
+    assert asked == [False, True]
+    assert bool(graphs.graphs) == others_keep
+
+
 def test_cuda_graphs_argument_and_unpatch():
     model = tiny_model("llama")
     forward = model.forward
@@ -281,7 +304,7 @@ def test_a_capture_another_rank_refuses_decodes_eagerly(others_agree):
         graph, stats = generate_patched(
             model, inputs, {}, DecodeGraphs(agree=agree), max_new_tokens=12, **GREEDY
         )
-    assert asked == [True]  # one capture, one agreement
+    assert asked == [False, True]  # the new cache keeps no graphs; one capture
     assert stats["captures"] == (1 if others_agree else 0)
     assert (stats["disabled"] is None) == others_agree
     assert torch.equal(eager.sequences, graph.sequences)
