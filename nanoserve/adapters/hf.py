@@ -22,6 +22,7 @@ from nanoserve.adapters.attention import ATTN_NAME, register
 from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.graph_forward import graph_decode_step, graph_step_possible
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
+from nanoserve.adapters.read_back import READ_BACK_LAG
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.sample_hook import hook, unhook
 from nanoserve.adapters.shared_rows import first_forward
@@ -433,6 +434,7 @@ def _paged_generate(self, *args, **kwargs):
             backend=state.backend,
             allocator=allocator,
             sliding_window=state.pool.layout.sliding_window,
+            window_slack=READ_BACK_LAG,  # the decode loop crops the steps it ran past a stop
         )
         cache = PagedCache(paged)
         if state.prefix_sharing and not option("prefill_chunk_size"):  # else none looked up

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.adapters.family import KVLayout
+from nanoserve.adapters.read_back import READ_BACK_LAG
 from nanoserve.cache.allocator import as_index
 from nanoserve.log import get_logger
 
@@ -168,7 +169,8 @@ def pool_size(
         n, rows = shape.prompt_lens[first], rows * shape.copies
         held = math.ceil((n + new) / bs)
         if window is not None:  # past its prompt a row holds its window's blocks at most
-            held = min(held, max(math.ceil(n / bs), math.ceil(window / bs) + 2))
+            slack = max(bs, READ_BACK_LAG)  # as the cache keeps (hf.py's window_slack)
+            held = min(held, max(math.ceil(n / bs), math.ceil((window + slack) / bs) + 1))
         alone = rows * (held + spare)
         shared = math.ceil(n / bs) + rows * (math.ceil((n + new) / bs) - n // bs + spare)
         blocks += min(alone, shared) if share_rows else alone

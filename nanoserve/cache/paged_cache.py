@@ -12,10 +12,11 @@ beside them.
 
 When every layer attends only to the last ``sliding_window`` positions, ``begin_step`` first
 releases each sequence's leading blocks that no query of this step or a later one can see
-(all of their positions before ``num_tokens - sliding_window + 1``), less one block of
-slack: a later ``drop_last`` of up to ``block_size`` tokens (a speculative step's rejected
-tokens, a decode loop's steps issued past a stop) leaves sequences that can continue. A
-long sequence then holds at most ``ceil(sliding_window / block_size) + 2`` blocks. The
+(all of their positions before ``num_tokens - sliding_window + 1``), less a slack of
+``max(block_size, window_slack)`` tokens: a later ``drop_last`` of up to that many tokens (a
+speculative step's rejected tokens, a decode loop's steps issued past a stop) leaves
+sequences that can continue. A long sequence then holds at most
+``ceil((sliding_window + slack) / block_size) + 1`` blocks. The
 kernels never read the released entries of the block table (their window starts past them;
 the entries read as block 0).
 """
@@ -106,6 +107,7 @@ class PagedKVCache:
         backend: str = "auto",
         allocator: BlockAllocator | None = None,
         sliding_window: int | None = None,
+        window_slack: int = 0,
     ):
         """``table_width``: the least number of columns of every step's ``block_tables``.
         A fixed width keeps shapes (and so the kernels' launch choices) the same from step
@@ -128,7 +130,8 @@ class PagedKVCache:
         ``sliding_window``: every layer's attention sees only the last this many positions
         (a query at position p sees p - sliding_window < q <= p); blocks wholly before that
         are released at a later ``begin_step`` (see the module's docstring). None (the
-        default) keeps every block."""
+        default) keeps every block. ``window_slack``: tokens a later ``drop_last`` may cut
+        and still continue (at least ``block_size`` are kept)."""
         check_backend(backend)
         if sliding_window is not None:
             sliding_window = as_index(sliding_window, "sliding_window", minimum=1)
@@ -137,6 +140,7 @@ class PagedKVCache:
         num_layers = as_index(num_layers, "num_layers", minimum=1)
         table_width = as_index(table_width, "table_width", minimum=1)
         block_size = as_index(block_size, "block_size", minimum=1)
+        self.window_slack = max(as_index(window_slack, "window_slack"), block_size)
         self.num_layers = num_layers
         self.block_size = block_size
         self.table_width = table_width
@@ -279,7 +283,7 @@ class PagedKVCache:
             # before num_tokens - window + 1 (released even if OutOfBlocks follows: unneeded)
             for table in tables:
                 first_seen = table.num_tokens - self.sliding_window + 1
-                self.blocks_dropped += table.drop_before(first_seen - self.block_size)
+                self.blocks_dropped += table.drop_before(first_seen - self.window_slack)
         self._reserve(tables, counts)
         self.tables = tables
         slot_lists = [table.append(n) for table, n in zip(tables, counts, strict=True)]

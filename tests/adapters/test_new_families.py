@@ -271,13 +271,15 @@ def test_all_sliding_generation_far_past_the_window(backend, monkeypatch):
     assert released == full - held
 
 
-def test_eos_under_the_decode_loop_then_continue(monkeypatch):
-    """One Phi-3 row (window 8, blocks of 4) that meets EOS after 21..28 tokens: nanoserve's
+@pytest.mark.parametrize("block_size", [4, 1])
+def test_eos_under_the_decode_loop_then_continue(block_size, monkeypatch):
+    """One Phi-3 row (window 8, blocks of 4 or 1) that meets EOS after 21..28 tokens: nanoserve's
     decode loop learns of the stop a few steps late and crops those steps from the cache;
     the returned cache then continues for 8 more tokens, with the per-step logits of the
     same calls on a cache that releases nothing. The stop falls at every offset in a block.
     Planted: releasing without the block of slack: the continuation was refused
-    (ValueError) at some stops."""
+    (ValueError) at some stops; with blocks of 1, a slack of one block instead of the loop's
+    READ_BACK_LAG tokens: refused at every stop."""
     model = tiny_model("phi3")
     inputs = padded_batch([19], 19)
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -291,7 +293,7 @@ def test_eos_under_the_decode_loop_then_continue(monkeypatch):
                 Family, "layout", lambda f, c: replace(keep_all(f, c), sliding_window=None)
             )
         opts = dict(max_new_tokens=40, do_sample=False, eos_token_id=eos, pad_token_id=0)
-        with patched(model, block_size=4), torch.no_grad():
+        with patched(model, block_size=block_size), torch.no_grad():
             first = model.generate(**inputs, **opts, return_dict_in_generate=True)
             assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
             released = first.past_key_values.stats()["blocks_dropped_by_window"]
@@ -308,8 +310,8 @@ def test_eos_under_the_decode_loop_then_continue(monkeypatch):
         assert released > 0 and none == 0
         assert torch.equal(first, first_kept)
         assert_logits_equal(out_kept, out)
-        stops.add(first.shape[1] % 4)
-    assert len(stops) == 4
+        stops.add(first.shape[1] % block_size)
+    assert len(stops) == block_size  # the stop falls at every offset in a block
 
 
 def test_default_pool_of_all_sliding_rows_is_window_sized():
