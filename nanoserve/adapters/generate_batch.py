@@ -89,7 +89,11 @@ def paged_generate_batch(
     config = copy.deepcopy(generation_config or model.generation_config)
     logprobs = bool(getattr(continuous_batching_config, "return_logprobs", False))
     eos = _eos_ids(config)
-    config.eos_token_id = sorted(eos) or None  # transformers' -1 ("disabled") means none
+    # transformers' -1 ("disabled") and None mean no EOS; an empty list keeps generate from
+    # filling model.generation_config's EOS in (None would), so it stops where we cut
+    config.eos_token_id = sorted(eos)
+    config.return_dict_in_generate = True
+    config.output_scores = logprobs
     pad = config.pad_token_id if config.pad_token_id is not None else min(eos, default=0)
     ids, mask = _left_padded(inputs, pad, model.device)
     copies = config.num_return_sequences or 1
@@ -101,8 +105,6 @@ def paged_generate_batch(
             input_ids=ids,
             attention_mask=mask,
             generation_config=config,
-            return_dict_in_generate=True,
-            output_scores=logprobs,
             **kwargs,
         )
     end = time.perf_counter()

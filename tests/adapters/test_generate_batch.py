@@ -132,3 +132,24 @@ def test_eos_minus_one_means_none_and_the_config_is_left_alone():
     assert not [r.getMessage() for r in records if "eos_token_id" in r.getMessage()]
     assert all(len(r.generated_tokens) == 6 for r in results.values())
     assert config.eos_token_id == -1
+
+
+@pytest.mark.parametrize("eos_token_id", [None, -1])
+def test_a_config_without_eos_runs_to_max_new_tokens(eos_token_id):
+    """A config with no EOS (None, or transformers' -1) ends no request early, even where
+    the model's own generation_config has an EOS the model meets often (generate fills a
+    None from it: the requests were cut at that EOS and padded). Each equals stock generate
+    without EOS on its prompt alone."""
+    model = tiny_model("llama", seed=10)
+    eos = model.generation_config.eos_token_id
+    assert eos is not None
+    with torch.no_grad():
+        model.lm_head.weight[eos] *= 12.0  # the model's EOS comes early
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    config = GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=eos_token_id)
+    with patched(model):
+        results = model.generate_batch(prompts, config)
+    for i, prompt in enumerate(prompts):
+        alone, _ = stock_alone(model, prompt, max_new_tokens=20, do_sample=False, eos_token_id=[])
+        assert eos in alone  # stock would have stopped there with the model's EOS
+        assert results[f"req_{i}"].generated_tokens == alone
