@@ -74,26 +74,6 @@ def token_ids(tokenizer, record: dict, chat_template: bool) -> list[int]:
     return list(encoded["input_ids"])
 
 
-def left_padded(rows: list[list[int]], pad: int, device):
-    """(input_ids, attention_mask) int64 [len(rows), longest], padded on the left."""
-    import torch
-
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _eos_ids(model) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        return set()
-    return {int(t) for t in ([eos] if isinstance(eos, int) else eos)}
-
-
 def _summary(records: int, new_tokens: int, seconds: float, peak: dict) -> str:
     rate = new_tokens / seconds if seconds > 0 else float("inf")
     return (
@@ -111,6 +91,7 @@ def serve(args, model, tokenizer) -> int:
     from tqdm.auto import tqdm
 
     import nanoserve
+    from nanoserve.adapters.generate_batch import eos_ids, left_padded
 
     records = args.records
     options = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
@@ -118,7 +99,7 @@ def serve(args, model, tokenizer) -> int:
         options.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    eos = _eos_ids(model)
+    eos = eos_ids(model.generation_config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
     prompts = [token_ids(tokenizer, r, args.chat_template) for r in records]
     peak: dict = {}

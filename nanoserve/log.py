@@ -1,7 +1,8 @@
 """The ``nanoserve`` logger: what nanoserve decided (pool sizes and why, CUDA graphs captured
 per batch bucket, fallbacks taken, prefixes found in the cache).
 
-Quiet by default (INFO records are dropped, as for any library logger without a handler).
+Quiet by default (INFO records are dropped, as for any library logger without a handler,
+unless the application sets the root logger to INFO, e.g. ``logging.basicConfig``).
 ``NANOSERVE_LOG=info`` (or ``debug``, ``warning``) in the environment prints them on stderr
 from ``import nanoserve`` on; the logging module works as usual
 (``logging.getLogger("nanoserve").setLevel(logging.INFO)`` with a handler of your own).

@@ -32,7 +32,8 @@ def _check_inputs(inputs) -> None:
         raise ValueError("inputs: expected a list of non-empty lists of token ids (ints)")
 
 
-def _eos_ids(config) -> set[int]:
+def eos_ids(config) -> set[int]:
+    """The EOS token ids of a generation config (transformers' -1, "none", left out)."""
     eos = config.eos_token_id
     if eos is None:
         return set()
@@ -40,7 +41,7 @@ def _eos_ids(config) -> set[int]:
     return {int(t) for t in eos if int(t) >= 0}
 
 
-def _left_padded(inputs, pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(inputs, pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) int64 [B, longest prompt], padded on the left."""
     width = max(len(row) for row in inputs)
     ids = torch.full((len(inputs), width), pad, dtype=torch.long)
@@ -88,14 +89,14 @@ def paged_generate_batch(
         )
     config = copy.deepcopy(generation_config or model.generation_config)
     logprobs = bool(getattr(continuous_batching_config, "return_logprobs", False))
-    eos = _eos_ids(config)
+    eos = eos_ids(config)
     # transformers' -1 ("disabled") and None mean no EOS; an empty list keeps generate from
     # filling model.generation_config's EOS in (None would), so it stops where we cut
     config.eos_token_id = sorted(eos)
     config.return_dict_in_generate = True
     config.output_scores = logprobs
     pad = config.pad_token_id if config.pad_token_id is not None else min(eos, default=0)
-    ids, mask = _left_padded(inputs, pad, model.device)
+    ids, mask = left_padded(inputs, pad, model.device)
     copies = config.num_return_sequences or 1
     _log.info("generate_batch: %d requests as one generate call on the paged pool", len(inputs))
 
