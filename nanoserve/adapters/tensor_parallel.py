@@ -5,8 +5,9 @@ of the heads, so the K/V reaching ``cache.update`` hold ``num_kv_heads / tp_size
 each rank's pools (allocated from the first K/V) hold only that shard. Every rank sees the
 same inputs and makes the same allocation decisions, so the block tables agree with no
 communication; nothing in the cache or the kernels talks across ranks. Decode steps replay
-CUDA graphs that hold the step's all-reduces; the one decision that could differ between
-ranks, whether a capture worked, is settled across them (``capture_agreement``).
+CUDA graphs that hold the step's all-reduces; the decisions that could differ between ranks,
+whether a capture worked and whether a new cache keeps the graphs (their pools' addresses
+are each rank's own), are settled across them (``capture_agreement``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def process_group(model):
 
 def capture_agreement(model) -> Callable[[bool], bool] | None:
     """``agree(ok) -> bool``: True on every rank when every rank's ``ok`` is True (one small
-    all-reduce, at each graph capture only); None for a model on one device."""
+    all-reduce, at each graph capture and once a generate call, when its first decode step
+    decides whether the graphs fit its cache); None for a model on one device."""
     if tp_size(model) == 1:
         return None
     group = process_group(model)
