@@ -9,6 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+import transformers
 
 import nanoserve
 
@@ -33,6 +34,18 @@ def stock_and_paged(model, seed: int | None = None, patch_options=None, **kwargs
             torch.manual_seed(seed)
         paged = model.generate(**kwargs)
     return stock, paged
+
+
+class ForceTokens(transformers.LogitsProcessor):
+    """Make generate pick ``target[:, L]`` at input length L (the raw logits stay as they are)."""
+
+    def __init__(self, target: torch.Tensor):
+        self.target = target
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, float("-inf"))
+        token = self.target[:, input_ids.shape[1]]
+        return forced.scatter_(1, token[:, None], 0.0)
 
 
 def chat(tokenizer, questions, **kwargs):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from helpers import patched
-from transformers import LogitsProcessor, LogitsProcessorList
+from helpers import ForceTokens, patched
+from transformers import LogitsProcessorList
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,18 +40,6 @@ SHAPES = {
 }
 NEW_TOKENS = 64
 DEVICE = "cuda"
-
-
-class ForceTokens(LogitsProcessor):
-    """Make generate pick ``target[:, L]`` at input length L (the raw logits stay as they are)."""
-
-    def __init__(self, target: torch.Tensor):
-        self.target = target
-
-    def __call__(self, input_ids, scores):
-        forced = torch.full_like(scores, float("-inf"))
-        token = self.target[:, input_ids.shape[1]]
-        return forced.scatter_(1, token[:, None], 0.0)
 
 
 def make_model(shape: str, dtype: torch.dtype):

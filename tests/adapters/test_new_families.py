@@ -13,28 +13,18 @@ import transformers
 from helpers import (
     BACKENDS,
     NEEDS_INTERPRETER,
+    ForceTokens,
     check_launches,
     count_triton_launches,
     patched,
     stock_and_paged,
 )
-from test_families import padded_batch
+from test_families import SMALL, padded_batch
 
 import nanoserve
 from nanoserve.adapters import Family, family_for, supported_model_types
 
 WINDOW = 8
-SMALL = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 CONFIGS = {
     # softcap 2.0 and scale 20 ** -0.5 (head_dim 32 would give 32 ** -0.5): both change stock's
     # logits here (test_config_features_change_stock). Eager: transformers 5.17 defaults
@@ -346,7 +336,7 @@ def test_a_layer_wider_than_the_cache_window_is_an_error():
     """A config whose sliding_window its attention ignores (a Llama config carrying one):
     the cache would release blocks a layer reads, so the paged forward raises naming the
     layer instead of computing on missing history."""
-    config = transformers.LlamaConfig(**SMALL, num_hidden_layers=2)
+    config = transformers.LlamaConfig(**SMALL)  # 2 layers
     config.sliding_window = 6
     model = transformers.LlamaForCausalLM(config).eval()
     refused = pytest.raises(RuntimeError, match="layer 0 of LlamaAttention attends to all")
@@ -384,18 +374,6 @@ GPU_SHAPES = {
 GPU_WINDOW = 32
 GPU_NEW_TOKENS = 64
 NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-class ForceTokens(transformers.LogitsProcessor):
-    """Make generate pick ``target[:, L]`` at input length L (the raw logits stay as they are)."""
-
-    def __init__(self, target: torch.Tensor):
-        self.target = target
-
-    def __call__(self, input_ids, scores):
-        forced = torch.full_like(scores, float("-inf"))
-        token = self.target[:, input_ids.shape[1]]
-        return forced.scatter_(1, token[:, None], 0.0)
 
 
 def gpu_model(shape: str, dtype: torch.dtype, device: str = "cuda", attn: str | None = None):
