@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_generate import left_padded  # noqa: E402
 from harness import print_table, write_csv  # noqa: E402
 
 import nanoserve  # noqa: E402
@@ -84,17 +85,6 @@ def build_model(family: str, tiny: bool, device: str, max_len: int):
     return model
 
 
-def left_padded(lens: list[int], vocab: int, gen: torch.Generator, device: str):
-    """(input_ids, attention_mask) [len(lens), max(lens)], each row left padded with id 0."""
-    width = max(lens)
-    ids = torch.zeros(len(lens), width, dtype=torch.long)
-    mask = torch.zeros(len(lens), width, dtype=torch.long)
-    for row, n in enumerate(lens):
-        ids[row, width - n :] = torch.randint(3, vocab, (n,), generator=gen)
-        mask[row, width - n :] = 1
-    return ids.to(device), mask.to(device)
-
-
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -129,7 +119,7 @@ def speed_rows(model, family: str, device: str, args, tiny: bool) -> list[dict]:
     }  # fmt: skip
     rows = []
     for batch, lens in batches.items():
-        ids, mask = left_padded(lens, vocab, gen, device)
+        ids, mask = left_padded(lens, vocab, gen, device, low=3)
         providers = {"stock_default": dict(calls=1)}
         if device == "cuda" and (batch.startswith("batch1") or args.static_ragged):
             providers["stock_static_compile"] = dict(calls=args.calls,
@@ -183,7 +173,7 @@ def memory_rows(model, family: str, device: str, tiny: bool) -> list[dict]:
     opts = dict(return_dict_in_generate=True, prefill_chunk_size=512 if tiny else PREFILL_CHUNK)
     rows = []
     for tokens in (1024, 4096) if tiny else (8192, 32768):
-        ids, mask = left_padded([tokens], model.config.vocab_size, gen, device)
+        ids, mask = left_padded([tokens], model.config.vocab_size, gen, device, low=3)
         for name in ("stock_default", "nanoserve"):
             if device == "cuda":
                 torch.cuda.empty_cache()

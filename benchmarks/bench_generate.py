@@ -95,14 +95,14 @@ def make_batches(tiny: bool, device: str, vocab: int) -> dict[str, tuple]:
     return batches
 
 
-def left_padded(lens: list[int], vocab: int, gen: torch.Generator, device: str):
+def left_padded(lens: list[int], vocab: int, gen: torch.Generator, device, low: int = 2):
     """(input_ids, attention_mask) [len(lens), max(lens)] int64 on ``device``: random token
-    ids in 2..vocab-1 drawn from ``gen`` row by row, each row left padded with id 0."""
+    ids in low..vocab-1 drawn from ``gen`` row by row, each row left padded with id 0."""
     width = max(lens)
     ids = torch.zeros(len(lens), width, dtype=torch.long)
     mask = torch.zeros(len(lens), width, dtype=torch.long)
     for row, n in enumerate(lens):
-        ids[row, width - n :] = torch.randint(2, vocab, (n,), generator=gen)
+        ids[row, width - n :] = torch.randint(low, vocab, (n,), generator=gen)
         mask[row, width - n :] = 1
     return ids.to(device), mask.to(device)
 

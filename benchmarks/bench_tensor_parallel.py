@@ -36,6 +36,8 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_generate import left_padded  # noqa: E402
+
 import nanoserve  # noqa: E402
 
 SHAPES = {
@@ -90,22 +92,11 @@ def load(folder: str, dtype, device, sharded: bool):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
 
 
-def left_padded(lens: list[int], vocab: int, device):
-    gen = torch.Generator().manual_seed(7)
-    width = max(lens)
-    ids = torch.zeros(len(lens), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lens):
-        ids[row, width - n :] = torch.randint(2, vocab, (n,), generator=gen)
-        mask[row, width - n :] = 1
-    return ids.to(device), mask.to(device)
-
-
 def batches(vocab: int, device, tiny: bool) -> dict[str, tuple]:
     ragged = [int(n) for n in torch.linspace(8 if tiny else 128, 64 if tiny else 1024, 32)]
     return {
-        "batch 1": left_padded([32 if tiny else 512], vocab, device),
-        "ragged 32": left_padded(ragged, vocab, device),
+        name: left_padded(lens, vocab, torch.Generator().manual_seed(7), device)
+        for name, lens in (("batch 1", [32 if tiny else 512]), ("ragged 32", ragged))
     }
 
 
