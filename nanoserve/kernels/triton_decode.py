@@ -1,17 +1,27 @@
 """Triton paged decode attention: one query token per sequence, split-KV (flash-decoding).
 
-Grid (num_seqs * num_kv_heads, num_splits), KV head fastest. One program holds every query
-head of one KV head as the rows of one tile (padded to >= 16 rows for tl.dot), so each K/V
-row is read once. It walks its share of the sequence BLOCK_N tokens at a time straight
-through the block table (several pages per step when pages are small), with an online
-softmax in float32. With more than one split, partial results and their log-sum-exp go to a
-float32 scratch and a second kernel merges them. On NVIDIA Hopper and later the merge kernel
-is launched with programmatic dependent launch: its launch overlaps the split kernel's run
-and it waits on the device (griddepcontrol) for that kernel's results, which hides part of the
-launch cost of small shapes (see benchmarks/RESULTS.md).
+One program holds every query head of one KV head as the rows of one tile (padded to >= 16
+rows for tl.dot), so each K/V row is read once. It walks a run of one sequence BLOCK_N tokens at
+a time straight through the block table (several pages per step when pages are small), with an
+online softmax in float32. Two launches cut the work into runs:
+
+- balanced (the default with few (row, KV head) pairs per SM): every program reads all of
+  seq_lens and computes the same plan, so a row of any length gets about its share of the
+  total, in work items of whole tiles (FlashInfer builds such a plan on the host; here it needs
+  no host copy of the lengths, no sync and no buffer to refresh between CUDA-graph replays).
+  Ragged batches no longer wait on their longest row.
+- fixed splits: each row in the same number of equal splits, from shapes only.
+
+A row in one run writes its output directly. Otherwise partial results and their log-sum-exp go
+to a float32 scratch and a second kernel merges them. On NVIDIA Hopper and later the merge
+kernel is launched with programmatic dependent launch: its launch overlaps the split kernel's
+run and it waits on the device (griddepcontrol) for that kernel's results, which hides part of
+the launch cost of small shapes (see benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -21,33 +31,81 @@ from nanoserve.kernels.dispatch import next_pow2, sm_count, supports_pdl, unit_s
 from nanoserve.kernels.triton_common import mma, scores_to_log2
 
 MAX_SPLITS = 64
+# Balanced launch below this many (row, KV head) programs per SM (see benchmarks/RESULTS.md).
+BALANCE_BELOW = 6
+# Balanced launch: target programs per SM over all KV heads, for fewer than MANY_ROWS rows
+# and for at least that many (see benchmarks/RESULTS.md).
+WORK_ITEMS_PER_SM = 4
+WORK_ITEMS_PER_SM_MANY_ROWS = 8
+MANY_ROWS = 16
+# Partial results the merge kernel reads per step.
+MERGE_ITEMS_STEP = 16
+
+
+@triton.jit
+def _row_items(seq_lens, num_seqs, window, target_items,
+               S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):  # fmt: skip
+    """The balanced plan, computed alike by every program from seq_lens [S_PAD]: each row's
+    length, its number of work items (about its share of total / target_items tokens, at
+    least one) and the running total of items up to and including it."""
+    rows = tl.arange(0, S_PAD)
+    lens = tl.load(seq_lens + rows, mask=rows < num_seqs, other=0)
+    base = tl.zeros_like(lens)
+    if HAS_WINDOW:
+        base = (tl.maximum(lens - window, 0) // BLOCK_N) * BLOCK_N
+    total = tl.sum(lens - base, 0)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(total, target_items), BLOCK_N), 1) * BLOCK_N
+    items = tl.where(rows < num_seqs, tl.maximum(tl.cdiv(lens - base, chunk), 1), 0)
+    return rows, lens, items, tl.cumsum(items, 0)
 
 
 @triton.jit
 def _decode_kernel(
     query, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
-    scale, softcap, window, num_kv_heads,
+    scale, softcap, window, num_kv_heads, num_seqs, target_items,
     stride_qs, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_os, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BALANCED: tl.constexpr, S_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         # lets the merge kernel's launch start now; it still waits for this grid to finish
         tl.extra.cuda.gdc_launch_dependents()
-    # one grid axis for (sequence, KV head): axis 1 of a CUDA grid stops at 65,535
+    # one grid axis for (work, KV head): axis 1 of a CUDA grid stops at 65,535
     kv_head = tl.program_id(0) % num_kv_heads
-    seq = tl.program_id(0) // num_kv_heads
-    split = tl.program_id(1)
-    seq_len = tl.load(seq_lens + seq)
-    kv_start = 0
-    if HAS_WINDOW:
-        kv_start = tl.maximum(seq_len - window, 0)
-    # Splits cut [first tile of the window, seq_len) into equal runs of whole tiles.
-    base = (kv_start // BLOCK_N) * BLOCK_N
-    per_split = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = base + split * per_split
-    hi = tl.minimum(lo + per_split, seq_len)
+    if BALANCED:
+        # Work item -> (row, token range): rows hold consecutive items of `chunk` tokens.
+        item = tl.program_id(0) // num_kv_heads
+        row_ids, lens, items, ends = _row_items(
+            seq_lens, num_seqs, window, target_items, S_PAD, BLOCK_N, HAS_WINDOW
+        )
+        seq = tl.sum((ends <= item).to(tl.int32), 0)
+        in_use = seq < num_seqs  # the grid has room for the most items any lengths need
+        seq = tl.minimum(seq, num_seqs - 1)
+        row_items = tl.sum(tl.where(row_ids == seq, items, 0), 0)
+        first = tl.sum(tl.where(row_ids == seq, ends, 0), 0) - row_items
+        seq_len = tl.sum(tl.where(row_ids == seq, lens, 0), 0)
+        kv_start = 0
+        if HAS_WINDOW:
+            kv_start = tl.maximum(seq_len - window, 0)
+        # The row's items split [first tile of the window, seq_len) evenly in whole tiles.
+        base = (kv_start // BLOCK_N) * BLOCK_N
+        per_item = tl.cdiv(tl.cdiv(seq_len - base, row_items), BLOCK_N) * BLOCK_N
+        lo = base + (item - first) * per_item
+        hi = tl.where(in_use, tl.minimum(lo + per_item, seq_len), lo)
+    else:
+        seq = tl.program_id(0) // num_kv_heads
+        split = tl.program_id(1)
+        seq_len = tl.load(seq_lens + seq)
+        kv_start = 0
+        if HAS_WINDOW:
+            kv_start = tl.maximum(seq_len - window, 0)
+        # Splits cut [first tile of the window, seq_len) into equal runs of whole tiles.
+        base = (kv_start // BLOCK_N) * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = base + split * per_split
+        hi = tl.minimum(lo + per_split, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
@@ -82,12 +140,27 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
+    num_q_heads = GROUP * num_kv_heads
+    if BALANCED:
+        # A row of one item is finished here; a row of several leaves partials to merge.
+        row_items = tl.where(in_use, row_items, 0)  # past the last item: store nothing
+        head_items = tl.zeros([GROUP_PAD], tl.int32) + row_items
+        alone = row_mask & (head_items == 1)[:, None]
+        dst = out + seq * stride_os + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out.dtype.element_ty), mask=alone)
+        # Scratch: mid_o [items, Hq, D_PAD], mid_lse [items, Hq], contiguous.
+        row = item.to(tl.int64) * num_q_heads + heads
+        split = (g < GROUP) & (head_items > 1)
+        tl.store(
+            mid_o + row[:, None] * D_PAD + d[None, :], o, mask=split[:, None] & d_mask[None, :]
+        )
+        tl.store(mid_lse + row, m_i + tl.log2(l_safe), mask=split)
+    elif NUM_SPLITS == 1:
         dst = out + seq * stride_os + heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out.dtype.element_ty), mask=row_mask)
     else:
         # Scratch: mid_o [S, Hq, NUM_SPLITS, D_PAD], mid_lse [S, Hq, NUM_SPLITS], contiguous.
-        row = (seq * (GROUP * num_kv_heads) + heads).to(tl.int64) * NUM_SPLITS + split
+        row = (seq * num_q_heads + heads).to(tl.int64) * NUM_SPLITS + split
         tl.store(mid_o + row[:, None] * D_PAD + d[None, :], o, mask=row_mask)
         tl.store(mid_lse + row, m_i + tl.log2(l_safe), mask=g < GROUP)
 
@@ -114,6 +187,49 @@ def _reduce_kernel(
     res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     dst = out + seq * stride_os + head * stride_oh + d
     tl.store(dst, res.to(out.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _merge_items_kernel(
+    mid_o, mid_lse, out, seq_lens, num_seqs, window, target_items, stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, ITEMS_STEP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Merge the partial results of each row split into several work items (balanced plan)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    num_q_heads = tl.num_programs(1)
+    rows, _, items, ends = _row_items(
+        seq_lens, num_seqs, window, target_items, S_PAD, BLOCK_N, HAS_WINDOW
+    )
+    row_items = tl.sum(tl.where(rows == seq, items, 0), 0)
+    first = tl.sum(tl.where(rows == seq, ends, 0), 0) - row_items
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the split kernel has finished and its stores are visible
+    j = tl.arange(0, ITEMS_STEP)
+    d = tl.arange(0, D_PAD)
+    m = tl.full([1], float("-inf"), tl.float32)
+    total_w = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D_PAD], tl.float32)
+    # A row of one item was written by the split kernel: nothing to merge (zero iterations).
+    to_merge = tl.where(row_items > 1, row_items, 0)
+    for j0 in range(0, to_merge, ITEMS_STEP):
+        in_row = j0 + j < to_merge
+        row = (first + j0 + j).to(tl.int64) * num_q_heads + head
+        # Empty items carry lse = -1e30 and weigh 0 beside an item that saw keys.
+        lse = tl.load(mid_lse + row, mask=in_row, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        mask = in_row[:, None] & (d < HEAD_DIM)[None, :]
+        o = tl.load(mid_o + row[:, None] * D_PAD + d[None, :], mask=mask, other=0.0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        total_w = total_w * alpha + tl.sum(w, 0)
+        m = m_new
+    dst = out + seq * stride_os + head * stride_oh + d
+    merged = (tl.zeros([D_PAD], tl.int32) + to_merge) > 1
+    total_w = tl.where(total_w > 0.0, total_w, 1.0)  # nothing merged: nothing stored
+    tl.store(dst, (acc / total_w).to(out.dtype.element_ty), mask=(d < HEAD_DIM) & merged)
 
 
 def decode_config(head_dim: int, block_size: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -147,7 +263,7 @@ def many_long_narrow(programs: int, capacity: int, head_dim: int, query: torch.T
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, capacity: int, block_n: int, device: torch.device
 ) -> int:
-    """Splits per (sequence, KV head) from shapes only (no read of seq_lens: no sync).
+    """Splits per (sequence, KV head) from shapes only, for the fixed-split launch.
 
     With fewer programs than SMs, about four programs per SM keep enough loads in flight;
     once one wave is full, two programs per SM are enough and more only adds merge traffic
@@ -161,18 +277,50 @@ def choose_num_splits(
     return 1 << (max(splits, 1).bit_length() - 1)
 
 
+def balances(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
+    """Whether the balanced launch pays: up to BALANCE_BELOW programs per SM without splits.
+    With more, the SMs' own scheduling already evens out rows of different lengths and the
+    fixed-split launch (no plan, usually no merge) is faster (see benchmarks/RESULTS.md)."""
+    return num_seqs * num_kv_heads < BALANCE_BELOW * sm_count(device)
+
+
+def choose_work_items(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Target work items per KV head for the balanced launch: programs per SM over all KV
+    heads, more where many rows can differ in length than where a few long rows are split
+    (the launch then holds at most this many items plus one per row)."""
+    per_sm = WORK_ITEMS_PER_SM_MANY_ROWS if num_seqs >= MANY_ROWS else WORK_ITEMS_PER_SM
+    return max(1, triton.cdiv(per_sm * sm_count(device), num_kv_heads))
+
+
+class DecodePlan(NamedTuple):
+    """How one decode launch runs: tile, warps, stages, and either ``num_splits`` fixed splits
+    per row (``work_items`` 0) or the balanced plan (``num_splits`` 0): rows cut into items of
+    about total_tokens / ``work_items`` tokens, at least one item per row."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+    work_items: int
+
+
 def decode_plan(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     block_tables: torch.Tensor,
     config: tuple[int, int, int] | None = None,
     num_splits: int | None = None,
-) -> tuple[int, int, int, int]:
-    """(BLOCK_N, num_warps, num_stages, num_splits) of a launch, from shapes only; a given
-    ``config`` or ``num_splits`` is kept as given."""
+    work_items: int | None = None,
+) -> DecodePlan:
+    """The launch plan from shapes only (no read of seq_lens: no sync). A given ``num_splits``
+    asks for the fixed-split launch; otherwise the launch is balanced over ``work_items``
+    (chosen from the SM count when None). A given ``config`` is kept as given."""
     num_seqs, _, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     capacity = block_tables.shape[1] * block_size
+    balanced = num_splits is None and (
+        work_items is not None or balances(num_seqs, num_kv_heads, query.device)
+    )
     many_long = (
         config is None
         and num_splits is None
@@ -181,15 +329,19 @@ def decode_plan(
     if many_long:
         config = (max(64, next_pow2(block_size)), 4, 2)
     block_n, num_warps, num_stages = config or decode_config(head_dim, block_size, query.dtype)
-    if num_splits is None:
+    items = 0
+    if balanced:
+        items = work_items or choose_work_items(num_seqs, num_kv_heads, query.device)
+        num_splits = 0
+    elif num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, block_n, query.device)
         if many_long:
             num_splits = max(num_splits, 2)
-    if config is None and num_splits > 1:
+    if config is None and (balanced or num_splits > 1):
         # A split launch pipelines two stages deep: a third stage costs this grid's split
         # kernel registers, hence occupancy, and ran slower (see RESULTS.md).
         num_stages = min(num_stages, 2)
-    return block_n, num_warps, num_stages, num_splits
+    return DecodePlan(block_n, num_warps, num_stages, num_splits, items)
 
 
 def paged_decode_attention_triton(
@@ -204,11 +356,13 @@ def paged_decode_attention_triton(
     softcap: float | None,
     num_splits: int | None = None,
     config: tuple[int, int, int] | None = None,
+    work_items: int | None = None,
 ) -> torch.Tensor:
     """Launch decode attention (arguments already validated); returns [S, Hq, D] like query.
 
-    ``num_splits`` and ``config`` (BLOCK_N, num_warps, num_stages) override the shape-derived
-    choices (tests and benchmark sweeps).
+    By default the work is balanced over rows of any lengths (see ``DecodePlan``).
+    ``num_splits`` (fixed splits per row), ``work_items`` (the balanced target) and ``config``
+    (BLOCK_N, num_warps, num_stages) override the shape-derived choices (tests and sweeps).
     """
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -220,36 +374,49 @@ def paged_decode_attention_triton(
     block_tables, seq_lens = unit_stride(block_tables), unit_stride(seq_lens)
     group = num_q_heads // num_kv_heads
     d_pad = next_pow2(head_dim)
-    block_n, num_warps, num_stages, num_splits = decode_plan(
-        query, key_cache, block_tables, config, num_splits
-    )
-    if num_splits > 1:
-        mid_o = torch.empty(
-            (num_seqs, num_q_heads, num_splits, d_pad), dtype=torch.float32, device=query.device
-        )
-        mid_lse = torch.empty(
-            (num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=query.device
-        )
+    plan = decode_plan(query, key_cache, block_tables, config, num_splits, work_items)
+    balanced = plan.work_items > 0
+    # The most items any lengths can need: sum of ceil(len / chunk) <= work_items + rows, and
+    # no row has more items than tiles in the table.
+    tiles = triton.cdiv(block_tables.shape[1] * block_size, plan.block_n)
+    most_items = min(plan.work_items + num_seqs, num_seqs * max(tiles, 1))
+    slots = most_items if balanced else num_seqs * plan.num_splits
+    if balanced or plan.num_splits > 1:
+        mid_o = torch.empty((slots, num_q_heads, d_pad), dtype=torch.float32, device=query.device)
+        mid_lse = torch.empty((slots, num_q_heads), dtype=torch.float32, device=query.device)
     else:
         mid_o = mid_lse = out  # unused
-    pdl = num_splits > 1 and supports_pdl(query.device)
-    _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
+    pdl = (balanced or plan.num_splits > 1) and supports_pdl(query.device)
+    window = int(sliding_window or 0)
+    s_pad = next_pow2(num_seqs) if balanced else 1
+    grid = (slots * num_kv_heads, 1) if balanced else (num_seqs * num_kv_heads, plan.num_splits)
+    _decode_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
-        float(scale), float(softcap or 1.0), int(sliding_window or 0), num_kv_heads,
+        float(scale), float(softcap or 1.0), window, num_kv_heads, num_seqs, plan.work_items,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_N=plan.block_n, NUM_SPLITS=max(plan.num_splits, 1),
+        BALANCED=balanced, S_PAD=s_pad,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32, PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
-    if num_splits > 1:
+    launch = {"launch_pdl": True} if pdl else {}
+    if balanced:
+        _merge_items_kernel[(num_seqs, num_q_heads)](
+            mid_o, mid_lse, out, seq_lens, num_seqs, window, plan.work_items,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=s_pad, BLOCK_N=plan.block_n,
+            HAS_WINDOW=sliding_window is not None, ITEMS_STEP=MERGE_ITEMS_STEP, PDL=pdl,
+            **launch,
+        )  # fmt: skip
+    elif plan.num_splits > 1:
         _reduce_kernel[(num_seqs, num_q_heads)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, D_PAD=d_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits), PDL=pdl,
-            **({"launch_pdl": True} if pdl else {}),
+            NUM_SPLITS=plan.num_splits, SPLITS_PAD=next_pow2(plan.num_splits), PDL=pdl,
+            **launch,
         )  # fmt: skip
     return out

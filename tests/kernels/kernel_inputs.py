@@ -107,17 +107,35 @@ def row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(out).all(dim=-1), err, float("inf"))
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def decode_split_bounds(seq_len: int, window: int | None, block_n: int, splits: int) -> list[int]:
-    """First position of every non-empty split after the first, as the decode kernel cuts
-    [first tile of the window, seq_len) (see ``_decode_kernel``)."""
-
-    def cdiv(a: int, b: int) -> int:
-        return -(-a // b)
-
+    """First position of every non-empty split after the first, as the fixed-split decode
+    launch cuts [first tile of the window, seq_len) (see ``_decode_kernel``)."""
     start = max(seq_len - window, 0) if window else 0
     base = start // block_n * block_n
     per_split = cdiv(cdiv(seq_len - base, splits), block_n) * block_n
     return [base + k * per_split for k in range(1, splits) if base + k * per_split < seq_len]
+
+
+def balanced_chunk(lens: list[int], window: int | None, block_n: int, work_items: int) -> int:
+    """Tokens per work item of the balanced decode launch for a batch of ``lens``, computed
+    as the kernel's ``_row_items`` does: whole tiles, about total / work_items."""
+    bases = [(max(n - window, 0) // block_n * block_n) if window else 0 for n in lens]
+    total = sum(n - b for n, b in zip(lens, bases, strict=True))
+    return max(cdiv(cdiv(total, work_items), block_n), 1) * block_n
+
+
+def balanced_bounds(seq_len: int, window: int | None, block_n: int, chunk: int) -> list[int]:
+    """First position of every work item of a row after its first (balanced launch): the
+    row's ceil(work / chunk) items split its work evenly in whole tiles."""
+    start = max(seq_len - window, 0) if window else 0
+    base = start // block_n * block_n
+    items = max(cdiv(seq_len - base, chunk), 1)
+    per_item = cdiv(cdiv(seq_len - base, items), block_n) * block_n
+    return [base + k * per_item for k in range(1, items) if base + k * per_item < seq_len]
 
 
 def check_decode_planted(
@@ -131,6 +149,7 @@ def check_decode_planted(
     device: str = "cpu",
     window: int | None = None,
     num_splits: int | None = None,
+    work_items: int | None = None,
     max_bounds: int | None = None,
     row_tol: float,
 ) -> None:
@@ -141,52 +160,61 @@ def check_decode_planted(
 
     For each length in ``lens`` the planted positions are: the newest key, the oldest
     visible key (the oldest in the window with one), the key just before the window (which
-    must NOT dominate), and both sides of each split boundary (``max_bounds`` of them, spread
-    out, or all); the batch holds as many sequences of that length as these need, one
-    position per KV head. The query heads of a KV head share one vector, so the planted key
-    dominates for each of them.
+    must NOT dominate), and both sides of each boundary between the row's splits or work
+    items (``max_bounds`` of them, spread out, or all); the batch holds as many sequences of
+    that length as these need, one position per KV head. The query heads of a KV head share
+    one vector, so the planted key dominates for each of them.
     """
     from nanoserve.kernels import paged_decode_attention_ref
     from nanoserve.kernels.triton_decode import decode_plan, paged_decode_attention_triton
 
-    def plan(num_seqs: int) -> tuple[int, int]:
-        """(BLOCK_N, splits) the launcher picks for a batch of ``num_seqs`` (shapes only)."""
-        probe = torch.empty(num_seqs, num_kv_heads * group, head_dim, dtype=dtype, device=device)
+    def bounds_of(seq_list: list[int]) -> dict[int, list[int]]:
+        """Boundaries inside each length's rows for the launch the batch ``seq_list`` gets."""
+        probe = torch.empty(len(seq_list), num_kv_heads * group, head_dim, dtype=dtype,
+                            device=device)  # fmt: skip
         pool = torch.empty(1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         width = -(-max(lens) // block_size) + 1  # make_paged_kv adds one column
-        table = torch.empty(num_seqs, width, dtype=torch.int32, device=device)
-        block_n, _, _, splits = decode_plan(probe, pool, table, num_splits=num_splits)
-        return block_n, splits
+        table = torch.empty(len(seq_list), width, dtype=torch.int32, device=device)
+        plan = decode_plan(probe, pool, table, num_splits=num_splits, work_items=work_items)
+        if plan.work_items:
+            chunk = balanced_chunk(seq_list, window, plan.block_n, plan.work_items)
+            return {n: balanced_bounds(n, window, plan.block_n, chunk) for n in lens}
+        return {n: decode_split_bounds(n, window, plan.block_n, plan.num_splits) for n in lens}
 
-    def wishes_for(block_n: int, splits: int) -> list[tuple[int, int, bool]]:
-        """(seq_len, pos, must_dominate), one (sequence, KV head) each, by sequence."""
+    def wishes_for(
+        bounds_by_len: dict[int, list[int]], copies: dict[int, int]
+    ) -> list[tuple[int, int, bool]]:
+        """(seq_len, pos, must_dominate), one (sequence, KV head) each, by sequence; each
+        length fills at least ``copies[n]`` sequences (repeating its newest key)."""
         wishes = []
         for n in lens:
             oldest = max(n - window, 0) if window else 0
             mine = [(n, n - 1, True), (n, oldest, True)]
             if oldest > 0:
                 mine.append((n, oldest - 1, False))
-            bounds = decode_split_bounds(n, window, block_n, splits)
+            bounds = bounds_by_len[n]
             if max_bounds is not None and len(bounds) > max_bounds:
                 bounds = [bounds[round(i * (len(bounds) - 1) / (max_bounds - 1))]
                           for i in range(max_bounds)]  # fmt: skip
             for b in bounds:
                 mine += [(n, b - 1, b - 1 >= oldest), (n, b, True)]
-            mine += [mine[0]] * (-len(mine) % num_kv_heads)  # fill the last sequence
-            wishes += mine
+            size = max(cdiv(len(mine), num_kv_heads), copies.get(n, 0)) * num_kv_heads
+            wishes += mine + [mine[0]] * (size - len(mine))  # fill the last sequences
         return wishes
 
-    # The split count depends on the batch size, which depends on the split count: grow the
-    # batch until the wishes fit (more sequences never mean more splits), then pad it.
-    num_seqs = len(lens)
-    while True:
-        chosen_plan = plan(num_seqs)
-        wishes = wishes_for(*chosen_plan)
-        if len(wishes) <= num_seqs * num_kv_heads:
-            wishes += [wishes[0]] * (num_seqs * num_kv_heads - len(wishes))
+    # The boundaries depend on the batch (its size; for the balanced launch its lengths), and
+    # the batch on the boundaries: grow the batch (never shrink it, so this settles) until it
+    # gives the boundaries it was built for.
+    seq_list, copies = list(lens), {}
+    for _ in range(20):
+        chosen = bounds_of(seq_list)
+        wishes = wishes_for(chosen, copies)
+        seq_list = [wishes[i][0] for i in range(0, len(wishes), num_kv_heads)]
+        copies = {n: seq_list.count(n) for n in lens}
+        if bounds_of(seq_list) == chosen:
             break
-        num_seqs = len(wishes) // num_kv_heads
-    seq_list = [wishes[i][0] for i in range(0, len(wishes), num_kv_heads)]
+    else:
+        raise AssertionError("the planted batch did not settle")
     planted = [(i // num_kv_heads, i % num_kv_heads, pos, dom)
                for i, (_, pos, dom) in enumerate(wishes)]  # fmt: skip
 
@@ -194,7 +222,6 @@ def check_decode_planted(
         seq_list, num_kv_heads, head_dim, block_size, dtype, device=device
     )
     num_seqs = len(seq_list)
-    assert plan(num_seqs) == chosen_plan
     shared = torch.randn(num_seqs, num_kv_heads, 1, head_dim, device=device)
     query = shared.expand(-1, -1, group, -1).reshape(num_seqs, num_kv_heads * group, head_dim)
     query = query.to(dtype).contiguous()
@@ -208,7 +235,7 @@ def check_decode_planted(
     )  # fmt: skip
     out = paged_decode_attention_triton(
         query, key_cache, value_cache, tables, seq_lens, scale=head_dim**-0.5,
-        sliding_window=window, softcap=None, num_splits=num_splits,
+        sliding_window=window, softcap=None, num_splits=num_splits, work_items=work_items,
     )  # fmt: skip
     err = row_errors(out, ref)  # [S, Hq]
     seq, head = divmod(int(err.argmax()), err.shape[1])

@@ -10,6 +10,7 @@ from kernel_inputs import (
     make_paged_kv,
     needs_interpreter,
     rel_err,
+    row_errors,
 )
 
 from nanoserve.kernels import paged_decode_attention, paged_decode_attention_ref
@@ -83,26 +84,51 @@ def test_decode_empty_rows_are_zero(splits, window, poison_outputs):
 
 
 @pytest.mark.parametrize(
-    ("window", "splits"),
-    [(None, 1), (None, 3), (None, 4), (None, None), (90, 3), (150, 4)],
-    ids=["nowin-1split", "nowin-3splits", "nowin-4splits", "nowin-auto", "win90-3splits",
-         "win150-4splits"],
+    ("window", "splits", "items"),
+    [(None, 1, None), (None, 3, None), (None, 4, None), (90, 3, None), (150, 4, None),
+     (None, None, None), (None, None, 10**6), (None, None, 3), (90, None, 10**6),
+     (150, None, 5)],
+    ids=["nowin-1split", "nowin-3splits", "nowin-4splits", "win90-3splits", "win150-4splits",
+         "balanced-auto", "balanced-every-tile", "balanced-3items", "win90-balanced-every-tile",
+         "win150-balanced-5items"],
 )  # fmt: skip
-def test_decode_planted_key_dominates(window, splits, poison_outputs):
+def test_decode_planted_key_dominates(window, splits, items, poison_outputs):
     """One key per (sequence, KV head) scores ~40 nats above the rest, at the newest
     position, the oldest (in-window) one, just before the window, and on both sides of
-    every split boundary: each row must come out as that key's value row, compared per
-    (sequence, head), not in a norm over the batch.
+    every boundary between splits (fixed-split launch) or work items (balanced launch: a
+    huge target makes every tile an item): each row must come out as that key's value row,
+    compared per (sequence, head), not in a norm over the batch.
 
     Planted bugs, each reverted: ``hi = tl.minimum(lo + per_split, seq_len - 1)`` (the
     newest key dropped) failed every case here with relative error ~1 in the planted rows
     (on the GPU at 32k the same bug gave 4.9e-3 over all rows against a 1e-2 tolerance);
     ``hi = tl.minimum(lo + per_split - 1, seq_len)`` (each split's last key dropped) failed
-    every split case here."""
+    every split case here; in the balanced launch ``hi = ...(lo + per_item - 1, seq_len)``
+    failed every balanced case but "balanced-3items" (one item per row there, whose end lies
+    past seq_len), and ``first = ... - row_items + 1`` (items shifted by one) failed every
+    balanced case; both also failed test_decode_balanced_ragged_rows."""
     check_decode_planted(
         [200, 77, 130], 2, 2, 64, 16, torch.float32,
-        window=window, num_splits=splits, row_tol=1e-4,
+        window=window, num_splits=splits, work_items=items, row_tol=1e-4,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("items", [1, 2, 7, 64, None])
+def test_decode_balanced_ragged_rows(items, poison_outputs):
+    """Rows of very different lengths (0, 1, block edges, long) in one balanced launch, with
+    the work cut into 1 .. 64 target items: every (row, head) matches the reference alone."""
+    lens = [0, 1, 15, 16, 17, 700, 3, 260]
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(lens, 2, 64, 16, torch.float32)
+    query = torch.randn(len(lens), 8, 64)
+    ref = paged_decode_attention_ref(query.double(), key_cache.double(), value_cache.double(),
+                                     tables, seq_lens)  # fmt: skip
+    out = paged_decode_attention_triton(
+        query, key_cache, value_cache, tables, seq_lens, scale=64**-0.5,
+        sliding_window=None, softcap=None, work_items=items,
+    )  # fmt: skip
+    assert torch.equal(out[0], torch.zeros(8, 64))
+    errors = row_errors(out[1:], ref[1:])
+    assert errors.max() < 1e-5, errors
 
 
 def test_decode_custom_scale_and_strided_query(poison_outputs):
@@ -144,7 +170,7 @@ def test_decode_auto_on_cpu_is_the_reference(forbid_triton):
 
 def test_decode_many_long_narrow_path(poison_outputs):
     """Head dim 64, fp16, >= 4 programs per (nominal) SM and an 8k-token table: the launcher
-    takes 64-token steps in at least two splits; the result still matches the reference."""
+    takes 64-token steps (balanced over work items); the result still matches the reference."""
     from nanoserve.kernels.triton_decode import decode_plan
 
     lens = [1, 15, 16, 17, 300]
@@ -152,11 +178,11 @@ def test_decode_many_long_narrow_path(poison_outputs):
         lens, 4, 64, 16, torch.float16, extra_columns=512
     )
     query = torch.randn(len(lens), 4 * 4, 64).to(torch.float16)
-    block_n, warps, stages, splits = decode_plan(query, key_cache, tables)
-    assert (block_n, warps, stages) == (64, 4, 2) and splits >= 2
+    plan = decode_plan(query, key_cache, tables)
+    assert plan[:3] == (64, 4, 2) and plan.work_items > 0
     # a short table, or a split count given by the caller, keeps the usual choice
-    assert decode_plan(query, key_cache, tables[:, :40])[0] == 128
-    assert decode_plan(query, key_cache, tables, num_splits=1) == (128, 4, 2, 1)
+    assert decode_plan(query, key_cache, tables[:, :40]).block_n == 128
+    assert decode_plan(query, key_cache, tables, num_splits=1) == (128, 4, 2, 1, 0)
     ref = paged_decode_attention_ref(query.double(), key_cache.double(), value_cache.double(),
                                      tables, seq_lens)  # fmt: skip
     out = paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, backend="triton")
@@ -170,10 +196,12 @@ def test_decode_plan_split_launch_takes_two_stages():
 
     key_cache, _, tables, _ = make_paged_kv([100], 2, 128, 16, torch.float16, extra_columns=64)
     query = torch.randn(1, 8, 128).to(torch.float16)
-    assert decode_plan(query, key_cache, tables, num_splits=1) == (64, 4, 3, 1)
-    block_n, warps, stages, splits = decode_plan(query, key_cache, tables)
-    assert splits > 1 and (block_n, warps, stages) == (64, 4, 2)
-    assert decode_plan(query, key_cache, tables, config=(64, 4, 3), num_splits=4) == (64, 4, 3, 4)
+    assert decode_plan(query, key_cache, tables, num_splits=1) == (64, 4, 3, 1, 0)
+    assert decode_plan(query, key_cache, tables, num_splits=2) == (64, 4, 2, 2, 0)
+    plan = decode_plan(query, key_cache, tables)  # balanced: may split any row
+    assert plan.work_items > 0 and plan[:4] == (64, 4, 2, 0)
+    config = (64, 4, 3)
+    assert decode_plan(query, key_cache, tables, config=config, num_splits=4) == (64, 4, 3, 4, 0)
 
 
 def test_programmatic_dependent_launch_only_on_nvidia(monkeypatch):
@@ -190,7 +218,8 @@ def test_programmatic_dependent_launch_only_on_nvidia(monkeypatch):
 
 def test_split_decode_launches_its_merge_with_pdl_where_supported(monkeypatch):
     """With PDL supported, the split kernel signals its dependents and the merge launch
-    carries launch_pdl (the merge then waits on the device); without splits, no PDL."""
+    carries launch_pdl (the merge then waits on the device), for fixed splits and for the
+    balanced launch; without splits, no PDL."""
     import nanoserve.kernels.triton_decode as triton_decode
 
     launches = []
@@ -205,14 +234,17 @@ def test_split_decode_launches_its_merge_with_pdl_where_supported(monkeypatch):
     monkeypatch.setattr(triton_decode, "supports_pdl", lambda device: True)
     monkeypatch.setattr(triton_decode, "_decode_kernel", Recorder("split"))
     monkeypatch.setattr(triton_decode, "_reduce_kernel", Recorder("merge"))
+    monkeypatch.setattr(triton_decode, "_merge_items_kernel", Recorder("merge items"))
     key_cache, value_cache, tables, seq_lens = make_paged_kv([100, 7], 2, 64, 16, torch.float16)
     query = torch.randn(2, 8, 64).to(torch.float16)
-    for splits in (4, 1):
+    for splits in (4, 1, None):
         triton_decode.paged_decode_attention_triton(
             query, key_cache, value_cache, tables, seq_lens, scale=0.125,
             sliding_window=None, softcap=None, num_splits=splits,
         )  # fmt: skip
-    (split, split_kw), (merge, merge_kw), (alone, alone_kw) = launches
-    assert (split, merge, alone) == ("split", "merge", "split")
+    names = [name for name, _ in launches]
+    assert names == ["split", "merge", "split", "split", "merge items"]
+    (_, split_kw), (_, merge_kw), (_, alone_kw), (_, items_kw), (_, merge_items_kw) = launches
     assert split_kw["PDL"] and merge_kw["PDL"] and merge_kw["launch_pdl"] is True
     assert alone_kw["PDL"] is False
+    assert items_kw["PDL"] and items_kw["BALANCED"] and merge_items_kw["launch_pdl"] is True
