@@ -54,9 +54,10 @@ def paged_attention(
         return _original_attention(module)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    step = current.meta.to(query.device)
+    layer = getattr(module, "layer_idx", 0)
+    step = current.meta.for_layer(layer).to(query.device)
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    kept = current.cache.paged.sliding_window
+    kept = current.cache.paged.layer_window(layer)
     if kept is not None and (window is None or window > kept):
         raise RuntimeError(
             f"layer {getattr(module, 'layer_idx', '?')} of {type(module).__name__} attends "

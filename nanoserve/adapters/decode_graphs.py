@@ -5,7 +5,8 @@ batch bucket (1, 2, 4, ..., 128, then multiples of 128) and block-table width, c
 the first step that needs it and replayed after, all graphs drawing on one memory pool.
 What changes from step to step lives in fixed device buffers updated in place before the
 replay: token ids, positions, slot mapping, block tables and lengths (one int32 buffer,
-filled by one host-to-device copy). New blocks are allocated on the host by ``begin_step``
+filled by one host-to-device copy; a slot mapping and block tables per layer group for a
+``GroupedKVCache``). New blocks are allocated on the host by ``begin_step``
 before the replay, never inside it. Rows past the batch pad the bucket: slot -1 (nothing is
 stored), length 1, and their logits are dropped. Prefill and other multi-token steps stay
 eager.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.cache import StepMetadata
+from nanoserve.cache.paged_cache import grouped_metadata
 from nanoserve.log import get_logger
 
 _log = get_logger(__name__)
@@ -54,22 +56,34 @@ class StaticStep:
     meta: StepMetadata
 
     @classmethod
-    def allocate(cls, rows: int, width: int, device: torch.device) -> StaticStep:
-        # layout: ids | positions | slots | seq_lens | block_tables (rows x width)
-        size = rows * (4 + width)
+    def allocate(
+        cls, rows: int, width: int, device: torch.device, layer_groups: tuple[int, ...] = ()
+    ) -> StaticStep:
+        """Buffers for ``rows`` rows and ``width`` block-table columns; with
+        ``layer_groups`` (each layer's group, as ``StepMetadata`` has them) a slot mapping
+        and block tables for each group."""
+        groups = max(layer_groups, default=0) + 1
+        # layout: ids | positions | seq_lens | each group's slots | each group's block tables
+        size = rows * (3 + groups * (1 + width))
         buf = torch.zeros(size, dtype=torch.int32, device=device)
         on_cuda = device.type == "cuda"
         host = torch.zeros(size - 2 * rows, dtype=torch.int32, pin_memory=on_cuda)
-        ids, pos, slots, lens = (buf[i * rows : (i + 1) * rows] for i in range(4))
-        tables = buf[4 * rows :].view(rows, width)
-        meta = StepMetadata(
-            slot_mapping=slots,
-            token_index=torch.arange(rows, device=device),
-            block_tables=tables,
-            seq_lens=lens,
-            cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32, device=device),
-            all_single=True,
+        ids, pos, lens = (buf[i * rows : (i + 1) * rows] for i in range(3))
+        tables_at = (3 + groups) * rows
+        token_index = torch.arange(rows, device=device)
+        cu_seqlens = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        metas = tuple(
+            StepMetadata(
+                slot_mapping=buf[(3 + g) * rows : (4 + g) * rows],
+                token_index=token_index,
+                block_tables=buf[tables_at + g * rows * width :][: rows * width].view(rows, width),
+                seq_lens=lens,
+                cu_seqlens_q=cu_seqlens,
+                all_single=True,
+            )
+            for g in range(groups)
         )
+        meta = grouped_metadata(metas, layer_groups) if layer_groups else metas[0]
         event = None
         if on_cuda:
             event = torch.cuda.Event()
@@ -78,20 +92,24 @@ class StaticStep:
 
     def load(self, host: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor):
         """Write one step's inputs; rows past the batch become padding."""
-        n, rows = input_ids.shape[0], self.rows
+        n, rows, width = input_ids.shape[0], self.rows, self.width
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the staging buffer
         staging = self.host_buffer.numpy()  # numpy: a tenth of torch's per-op host cost
-        slots, lens = staging[:rows], staging[rows : 2 * rows]
-        tables = staging[2 * rows :].reshape(rows, self.width)
-        slots[:n] = host.slot_mapping.numpy()
-        slots[n:] = -1
+        lens = staging[:rows]
         lens[:n] = host.seq_lens.numpy()
         lens[n:] = 1
-        used = host.block_tables.shape[1]
-        tables[:n, :used] = host.block_tables.numpy()
-        tables[:n, used:] = 0
-        tables[n:] = 0
+        metas = host.group_metas or (host,)
+        tables_at = (1 + len(metas)) * rows
+        for g, meta in enumerate(metas):
+            slots = staging[(1 + g) * rows : (2 + g) * rows]
+            slots[:n] = meta.slot_mapping.numpy()
+            slots[n:] = -1
+            tables = staging[tables_at + g * rows * width :][: rows * width].reshape(rows, width)
+            used = meta.block_tables.shape[1]
+            tables[:n, :used] = meta.block_tables.numpy()
+            tables[:n, used:] = 0
+            tables[n:] = 0
         self.device_buffer[2 * rows :].copy_(self.host_buffer, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
@@ -179,7 +197,7 @@ class DecodeGraphs:
         key = (bucket_for(batch), host.block_tables.shape[1])
         captured = self.graphs.get(key)
         if captured is None:
-            static = StaticStep.allocate(*key, input_ids.device)
+            static = StaticStep.allocate(*key, input_ids.device, host.layer_groups)
             static.load(host, input_ids, position_ids)
             if self.capture:
                 return self._capture(key, static, run_forward, cache, batch)

@@ -11,12 +11,16 @@ class KVLayout:
     """Shape of one token's K (or V) in one layer, and how many layers cache it.
 
     ``sliding_window``: the window every layer's attention is given (the cache may then
-    release blocks that fell out of it); None when some layer sees the whole history."""
+    release blocks that fell out of it); None when some layer sees the whole history.
+    ``layer_groups``: for a model that mixes sliding and global layers, ((layer indices),
+    window or None) per group of layers that attend alike, each stored in a pool of its own
+    (``nanoserve.cache.GroupedKVCache``); None stores every layer in one pool."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None = None
+    layer_groups: tuple[tuple[tuple[int, ...], int | None], ...] | None = None
 
 
 def uniform_window(config) -> int | None:
@@ -33,6 +37,21 @@ def uniform_window(config) -> int | None:
     return int(window)
 
 
+def window_groups(config) -> tuple[tuple[tuple[int, ...], int | None], ...] | None:
+    """The layers of ``config``'s model grouped by what they attend to: (global layers,
+    None) and (sliding layers, window), from ``config.layer_types``; None unless both kinds
+    are there (one group: ``uniform_window`` covers it)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or not layer_types:
+        return None
+    sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    full = tuple(i for i, t in enumerate(layer_types) if t != "sliding_attention")
+    if not sliding or not full:
+        return None
+    return ((full, None), (sliding, int(window)))
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family: the ``config.model_type`` values it covers and its KV layout.
@@ -44,7 +63,9 @@ class Family:
     ``plain_steps(model, max_length)``: for a family whose model class overrides what HF's
     loop calls every step (``prepare_inputs_for_generation``), True when that override does
     nothing more than GenerationMixin's in a call that ends at ``max_length`` tokens, so
-    nanoserve's decode loop may skip it (None: never).
+    nanoserve's decode loop may skip it (None: never). ``cache_groups`` gives the layer
+    groups (``KVLayout.layer_groups``) of a model mixing sliding and global layers, or None
+    (the default: every layer in one pool).
     """
 
     name: str
@@ -54,7 +75,13 @@ class Family:
     check: Callable[[object], None] | None = None
     cache_window: Callable[[object], int | None] = uniform_window
     plain_steps: Callable[[object, int], bool] | None = None
+    cache_groups: Callable[[object], tuple | None] = lambda config: None
 
     def layout(self, config) -> KVLayout:
-        """``kv_layout(config)`` with its ``sliding_window`` from ``cache_window``."""
-        return replace(self.kv_layout(config), sliding_window=self.cache_window(config))
+        """``kv_layout(config)`` with its ``sliding_window`` from ``cache_window`` and its
+        ``layer_groups`` from ``cache_groups``."""
+        return replace(
+            self.kv_layout(config),
+            sliding_window=self.cache_window(config),
+            layer_groups=self.cache_groups(config),
+        )

@@ -7,14 +7,16 @@ scale ``query_pre_attn_scalar ** -0.5`` (not ``head_dim ** -0.5``), Gemma 2's lo
 ``config.layer_types`` marks "sliding_attention" (None on the global ones). ``paged_attention``
 takes all three from the call, so a layer is computed as stock computes it. Gemma 3's q/k
 norms and its separate rope base for local layers act on the query and key before
-``cache.update``: the cache stores the K it is given and needs nothing of them. HF's own
-cache keeps only the last window of a sliding layer; the paged pool keeps every token and
-the window is applied when attention reads it, which gives the same result.
+``cache.update``: the cache stores the K it is given and needs nothing of them. Like HF's
+own cache, which keeps only the last window of a sliding layer, the sliding layers are
+stored in a pool of their own whose blocks are released once they fall out of the window
+(``window_groups``: a global and a sliding layer group); the window is applied when
+attention reads the pool.
 """
 
 from __future__ import annotations
 
-from nanoserve.adapters.family import Family
+from nanoserve.adapters.family import Family, window_groups
 from nanoserve.adapters.llama import kv_layout
 
 KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -34,4 +36,5 @@ GEMMA = Family(
     kv_layout=kv_layout,
     decoder_layers=lambda model: model.base_model.layers,
     check=check,
+    cache_groups=window_groups,
 )

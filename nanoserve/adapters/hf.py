@@ -50,7 +50,7 @@ from nanoserve.adapters.step import (
 )
 from nanoserve.adapters.tensor_parallel import capture_agreement, local_layout
 from nanoserve.adapters.versions import check_transformers_version
-from nanoserve.cache import PagedKVCache
+from nanoserve.cache import GroupedKVCache, PagedKVCache
 from nanoserve.kernels.dispatch import check_backend
 from nanoserve.log import get_logger
 
@@ -190,7 +190,7 @@ def cache_stats(model) -> dict[str, float]:
     cache = state.last_cache()
     stats = cache.stats() if cache is not None else dict(state.last_stats)
     kept = state.kept_pools
-    stats["kept_pool_blocks"] = kept.num_blocks if kept is not None else 0
+    stats["kept_pool_blocks"] = 0 if kept is None else sum(kept.group_blocks) or kept.num_blocks
     stats["kept_pool_bytes"] = kept.nbytes() if kept is not None else 0
     stats["graphs_held"] = len(state.graphs.graphs) if state.graphs is not None else 0
     return stats
@@ -284,7 +284,11 @@ def _paged_forward(self, *args, **kwargs):
                 return output
         if cache.unshared_blocks is not None and not cache.paged.num_seqs:
             # the pool was sized for shared copies that this first forward does not share
-            cache.paged.grow(max(0, cache.unshared_blocks - cache.paged.allocator.num_blocks))
+            have = [group.allocator.num_blocks for group in cache.paged.groups]
+            _grow(
+                cache.paged,
+                [max(0, n - h) for n, h in zip(cache.unshared_blocks, have, strict=True)],
+            )
             cache.unshared_blocks = None
         new = new_token_mask(kwargs, cache.paged.seq_lens)
         if graph_step_possible(state, cache, kwargs, new):
@@ -300,6 +304,14 @@ def _paged_forward(self, *args, **kwargs):
             raise
         cache.end_step()
         return output
+
+
+def _grow(paged, more: list[int]) -> None:
+    """Give each layer group of ``paged`` ``more[g]`` more blocks."""
+    if len(paged.groups) == 1:
+        paged.grow(more[0])
+    else:
+        paged.grow(more)
 
 
 def _keywords(forward, args: tuple, kwargs: dict) -> dict:
@@ -321,31 +333,39 @@ def _keywords(forward, args: tuple, kwargs: dict) -> dict:
 
 
 def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype):
-    """(num_blocks, pool lists, allocator) of this call's cache: the kept ones (the
-    allocator carries the cached prefixes) or (size.num_blocks, None, None). The kept pool
-    of an earlier call serves when nothing can reach the store that used it (its
-    ``PagedCache``, or the ``PagedKVCache`` inside, both let go), its dtype matches and it
-    has at least the blocks this call needs (exactly as many when the size is fixed): the
-    same memory keeps the captured decode graphs valid. Otherwise the kept pool is let go before
-    a new one is made. (A pool tensor taken out of a cache by hand is the caller's to copy.)"""
+    """(num_blocks, pool lists, allocators) of this call's cache, one entry per layer group:
+    the kept ones (the allocators carry the cached prefixes) or (size's blocks, None, None).
+    The kept pool of an earlier call serves when nothing can reach the store that used it
+    (its ``PagedCache``, or the store inside, both let go), its dtype matches and it has at
+    least the blocks this call needs in every group (exactly as many when the size is
+    fixed): the same memory keeps the captured decode graphs valid. Otherwise the kept pool
+    is let go before a new one is made. (A pool tensor taken out of a cache by hand is the
+    caller's to copy.)"""
     kept, state.kept_pools = state.kept_pools, None
-    fresh = size.num_blocks, None, None
+    wanted = list(size.group_blocks) or [size.num_blocks]
+    fresh = wanted, [None] * len(wanted), [None] * len(wanted)
     if kept is None or kept.owner() is not None or kept.dtype != dtype:
         if kept is not None:
             why = "a returned cache holds it" if kept.owner() is not None else f"{kept.dtype}"
             _log.info("pool: the kept pool is not reused (%s)", why)
         return fresh
-    if state.pool.fixed:
-        fits = kept.num_blocks == size.num_blocks
+    held = list(kept.group_blocks) or [kept.num_blocks]
+    if len(held) != len(wanted):
+        fits = False
+    elif state.pool.fixed:
+        fits = held == wanted
     else:
-        fits = kept.num_blocks >= size.num_blocks
+        fits = all(h >= w for h, w in zip(held, wanted, strict=True))
     _log.info(
-        "pool: the kept pool of %d blocks %s (%d asked for)",
-        kept.num_blocks,
+        "pool: the kept pool of %s blocks %s (%s asked for)",
+        "+".join(map(str, held)),
         "serves this call" if fits else "is let go",
-        size.num_blocks,
+        "+".join(map(str, wanted)),
     )
-    return (kept.num_blocks, kept.pools, kept.allocator) if fits else fresh
+    if not fits:
+        return fresh
+    each = (kept, *kept.others)
+    return held, [k.pools for k in each], [k.allocator for k in each]
 
 
 def _may_share(kwargs: dict, option) -> bool:
@@ -379,8 +399,37 @@ def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs)
         return
     paged = cache.paged
     need = blocks_to_continue(paged, cache.get_seq_length(), model, args, kwargs)
-    if need > paged.allocator.num_free:
-        paged.grow(need - paged.allocator.num_free)
+    free = [group.allocator.num_free for group in paged.groups]
+    if any(n > f for n, f in zip(need, free, strict=True)):
+        _grow(paged, [max(0, n - f) for n, f in zip(need, free, strict=True)])
+
+
+def _new_store(state: PatchState, size: PoolSize, num_blocks, pools, allocators):
+    """This call's store: a ``PagedKVCache``, or a ``GroupedKVCache`` for a layout of layer
+    groups; ``num_blocks``, ``pools`` and ``allocators`` give one entry per group."""
+    layout = state.pool.layout
+    if layout.layer_groups is not None:
+        return GroupedKVCache(
+            layout.layer_groups,
+            num_blocks,
+            state.pool.block_size,
+            size.table_width,
+            pools=pools,
+            backend=state.backend,
+            allocators=allocators,
+            window_slack=READ_BACK_LAG,
+        )
+    return PagedKVCache(
+        layout.num_layers,
+        num_blocks[0],
+        state.pool.block_size,
+        size.table_width,
+        pools=pools[0],
+        backend=state.backend,
+        allocator=allocators[0],
+        sliding_window=layout.sliding_window,
+        window_slack=READ_BACK_LAG,  # the decode loop crops the steps it ran past a stop
+    )
 
 
 def _paged_generate(self, *args, **kwargs):
@@ -424,32 +473,24 @@ def _paged_generate(self, *args, **kwargs):
             kwargs.pop(name, None)
         share = state.prefix_sharing and _may_share(kwargs, option)
         size = pool_size(state.pool, self, args, kwargs, share)
-        num_blocks, pools, allocator = _pools_for(state, size, self.dtype)
-        paged = PagedKVCache(
-            state.pool.layout.num_layers,
-            num_blocks,
-            state.pool.block_size,
-            size.table_width,
-            pools=pools,
-            backend=state.backend,
-            allocator=allocator,
-            sliding_window=state.pool.layout.sliding_window,
-            window_slack=READ_BACK_LAG,  # the decode loop crops the steps it ran past a stop
-        )
+        num_blocks, pools, allocators = _pools_for(state, size, self.dtype)
+        paged = _new_store(state, size, num_blocks, pools, allocators)
         cache = PagedCache(paged)
         if state.prefix_sharing and not option("prefill_chunk_size"):  # else none looked up
             cache.prefix_salt = _prefix_salt(self, user_salt)
         if share and not state.pool.fixed:
-            unshared = pool_size(state.pool, self, args, kwargs).num_blocks
-            cache.unshared_blocks = unshared if unshared > num_blocks else None
+            unshared = pool_size(state.pool, self, args, kwargs)
+            unshared = list(unshared.group_blocks) or [unshared.num_blocks]
+            grows = any(u > n for u, n in zip(unshared, num_blocks, strict=True))
+            cache.unshared_blocks = unshared if grows else None
         # weakly: a cache the caller drops is gone, and its memory can serve the next call
         state.last_cache = weakref.ref(cache)
-        state.kept_pools = KeptPools(
-            self.dtype,
-            (paged.key_pools, paged.value_pools),
-            weakref.ref(paged),
-            paged.allocator,
-        )
+        kept = [
+            KeptPools(self.dtype, (g.key_pools, g.value_pools), weakref.ref(paged), g.allocator)
+            for g in paged.groups
+        ]
+        kept[0].others = tuple(kept[1:])
+        state.kept_pools = kept[0]
         kwargs[cache_kwarg(type(self))] = cache
         try:
             return stock(*args, **kwargs)

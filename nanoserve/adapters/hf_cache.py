@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from nanoserve.adapters.step import current_step
-from nanoserve.cache import PagedKVCache, StepMetadata
+from nanoserve.cache import GroupedKVCache, PagedKVCache, StepMetadata
 
 
 def cache_kwarg(model_class) -> str:
@@ -33,7 +33,7 @@ class PagedCache(Cache):
     is_croppable = True
 
     def __init__(self, paged: PagedKVCache):
-        if not isinstance(paged, PagedKVCache):
+        if not isinstance(paged, (PagedKVCache, GroupedKVCache)):
             raise ValueError(f"paged: expected a PagedKVCache, got {type(paged).__name__}")
         super().__init__(layers=[])
         self.paged = paged
@@ -49,7 +49,7 @@ class PagedCache(Cache):
         self.prefix_salt: bytes | None = None
         # blocks this call needs unless its first forward shares copies (hf.py grows the
         # pool to it if that forward does not share); None when the pool needs no growth
-        self.unshared_blocks: int | None = None
+        self.unshared_blocks: list[int] | None = None  # one entry per layer group
         # False until the first forward of a generate call has checked its whole mask
         self.mask_checked = False
 
@@ -87,8 +87,7 @@ class PagedCache(Cache):
         if not before:  # the forward that started the sequences
             self.paged.reset()
             return
-        for table, length in zip(self.paged.tables, before, strict=True):
-            table.truncate(length)
+        self.paged.truncate_rows(before)
         self.paged.step = None
 
     @property
@@ -208,14 +207,16 @@ class PagedCache(Cache):
         stats["rows_shared"] = self.rows_shared
         stats["prefix_hits"] = self.prefix_hits
         stats["tokens_not_recomputed"] = self.tokens_not_recomputed
-        stats["cached_blocks"] = self.paged.allocator.num_cached
-        stats["evictable_blocks"] = self.paged.allocator.num_evictable
+        groups = self.paged.groups
+        stats["cached_blocks"] = sum(g.allocator.num_cached for g in groups)
+        stats["evictable_blocks"] = sum(g.allocator.num_evictable for g in groups)
         return stats
 
     def __repr__(self) -> str:
         return (
             f"PagedCache(layers={self.num_layers}, sequences={self.paged.num_seqs}, "
-            f"columns={self.columns}, blocks_used={self.paged.allocator.num_used})"
+            f"columns={self.columns}, "
+            f"blocks_used={sum(g.allocator.num_used for g in self.paged.groups)})"
         )
 
 

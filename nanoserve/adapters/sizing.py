@@ -40,10 +40,21 @@ class PoolOptions:
             object.__setattr__(self, "max_memory", as_index(self.max_memory, "max_memory", 1))
 
 
-def block_bytes(layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over all layers, K and V."""
-    per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim
+def block_bytes(
+    layout: KVLayout, block_size: int, dtype: torch.dtype, layers: int | None = None
+) -> int:
+    """Bytes one block takes over all layers (or ``layers`` of them), K and V."""
+    layers = layout.num_layers if layers is None else layers
+    per_token = 2 * layers * layout.num_kv_heads * layout.head_dim
     return per_token * block_size * dtype.itemsize
+
+
+def group_windows(layout: KVLayout) -> list[tuple[int, int | None]]:
+    """(layers, window) of each pool a cache of ``layout`` has: one per layer group, or one
+    for every layer."""
+    if layout.layer_groups is None:
+        return [(layout.num_layers, layout.sliding_window)]
+    return [(len(layers), window) for layers, window in layout.layer_groups]
 
 
 def coarse_blocks(n: int) -> int:
@@ -65,10 +76,12 @@ def coarse_width(n: int) -> int:
 @dataclass(frozen=True)
 class PoolSize:
     """A generate call's pool: ``num_blocks``, and ``table_width`` (block-table columns
-    enough for the longest row, so every step's metadata has one shape)."""
+    enough for the longest row, so every step's metadata has one shape). A layout of layer
+    groups gives each group's blocks in ``group_blocks`` (``num_blocks`` is their sum)."""
 
     num_blocks: int
     table_width: int
+    group_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -145,25 +158,59 @@ def pool_size(
     shape = call_shape(model, args, kwargs)
     bs = options.block_size
     table_width = coarse_width(math.ceil((shape.width + shape.new_tokens) / bs) + 1)
+    groups = group_windows(options.layout)
+    grouped = options.layout.layer_groups is not None
     if options.num_blocks is not None:
         _log.info("pool: %d blocks of %d tokens (num_blocks)", options.num_blocks, bs)
-        return PoolSize(options.num_blocks, table_width)
+        each = (options.num_blocks,) * len(groups) if grouped else ()
+        return PoolSize(options.num_blocks * max(1, len(each)), table_width, each)
+    needed = [_blocks_held(shape, bs, window, share_rows) for _, window in groups]
     if options.max_memory is not None:
-        size = block_bytes(options.layout, bs, model.dtype)
-        if options.max_memory < size:
+        sizes = [block_bytes(options.layout, bs, model.dtype, layers) for layers, _ in groups]
+        if options.max_memory < sum(sizes):
             raise ValueError(
-                f"max_memory: {options.max_memory} bytes is less than one block ({size} bytes)"
+                f"max_memory: {options.max_memory} bytes is less than one block "
+                f"({sum(sizes)} bytes)"
             )
-        num_blocks = options.max_memory // size
+        # one block for each group, the rest split in proportion to what the call needs
+        spare = options.max_memory - sum(sizes)
+        wanted = [n * size for n, size in zip(needed, sizes, strict=True)]
+        blocks = [
+            1 + (spare * want // max(sum(wanted), 1)) // size
+            for want, size in zip(wanted, sizes, strict=True)
+        ]
+        if not grouped:
+            blocks = [options.max_memory // sizes[0]]
         _log.info(
-            "pool: %d blocks of %d tokens, what fits in max_memory=%d bytes (%d bytes a block)",
-            num_blocks,
+            "pool: %s blocks of %d tokens, what fits in max_memory=%d bytes (%s bytes a block)",
+            "+".join(map(str, blocks)),
             bs,
             options.max_memory,
-            size,
+            "+".join(map(str, sizes)),
         )
-        return PoolSize(num_blocks, table_width)
-    new, spare, window = shape.new_tokens, shape.spare, options.layout.sliding_window
+        return PoolSize(sum(blocks), table_width, tuple(blocks) if grouped else ())
+    new, spare = shape.new_tokens, shape.spare
+    blocks = [coarse_blocks(n) for n in needed]
+    _log.info(
+        "pool: %s blocks of %d tokens: %s needed (%d rows, %d prompt tokens, up to %d new "
+        "tokens a row%s%s%s), rounded up to a coarse size",
+        "+".join(map(str, blocks)),
+        bs,
+        "+".join(map(str, needed)),
+        len(shape.prompt_lens) * shape.copies,
+        sum(shape.prompt_lens),
+        new,
+        ", a spare block per beam" if spare else "",
+        ", copies of a prompt stored once" if share_rows else "",
+        f", {len(groups)} layer groups" if grouped else "",
+    )
+    return PoolSize(sum(blocks), table_width, tuple(blocks) if grouped else ())
+
+
+def _blocks_held(shape: CallShape, bs: int, window: int | None, share_rows: bool) -> int:
+    """Blocks the call's rows hold at most in a pool whose layers attend within ``window``
+    (None: the whole history)."""
+    new, spare = shape.new_tokens, shape.spare
     blocks = 0
     for first, rows in shape.groups:
         n, rows = shape.prompt_lens[first], rows * shape.copies
@@ -174,29 +221,22 @@ def pool_size(
         alone = rows * (held + spare)
         shared = math.ceil(n / bs) + rows * (math.ceil((n + new) / bs) - n // bs + spare)
         blocks += min(alone, shared) if share_rows else alone
-    _log.info(
-        "pool: %d blocks of %d tokens: %d needed (%d rows, %d prompt tokens, up to %d new "
-        "tokens a row%s%s), rounded up to a coarse size",
-        coarse_blocks(blocks),
-        bs,
-        blocks,
-        len(shape.prompt_lens) * shape.copies,
-        sum(shape.prompt_lens),
-        new,
-        ", a spare block per beam" if spare else "",
-        ", copies of a prompt stored once" if share_rows else "",
-    )
-    return PoolSize(coarse_blocks(blocks), table_width)
+    return blocks
 
 
-def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) -> int:
+def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) -> list[int]:
     """Blocks a generate call that continues ``paged`` (a returned cache passed back, which
-    has seen ``columns`` columns) may need beyond those its rows hold: each row grows by at
-    most the columns not cached yet plus the new tokens, and may copy its last block."""
+    has seen ``columns`` columns) may need beyond those its rows hold, in each of its layer
+    groups (``paged.groups``): each row grows by at most the columns not cached yet plus the
+    new tokens, and may copy its last block."""
     shape = call_shape(model, args, kwargs)
     grow = max(shape.width - columns, 0) + shape.new_tokens
     bs = paged.block_size
-    need = sum(
-        math.ceil((t.num_tokens + grow) / bs) - t.num_blocks + 1 + shape.spare for t in paged.tables
-    )
-    return need * shape.copies
+    return [
+        shape.copies
+        * sum(
+            math.ceil((t.num_tokens + grow) / bs) - t.num_blocks + 1 + shape.spare
+            for t in group.tables
+        )
+        for group in paged.groups
+    ]

@@ -36,23 +36,33 @@ STATE_ATTR = "_nanoserve_state"
 @dataclass
 class KeptPools:
     """A finished call's pool lists and allocator (with its cached prefix blocks), kept for
-    the next calls that fit in them."""
+    the next calls that fit in them. A cache of layer groups keeps group 0's here and each
+    further group's in ``others``."""
 
     dtype: torch.dtype
     pools: tuple[list, list]  # (key_pools, value_pools)
     owner: Callable[[], object | None]  # weak reference to the PagedKVCache storing in them
     allocator: BlockAllocator
+    others: tuple[KeptPools, ...] = ()
 
     @property
     def num_blocks(self) -> int:
         """The pool's blocks now (a continued cache may have grown it)."""
         return self.allocator.num_blocks
 
+    @property
+    def group_blocks(self) -> tuple[int, ...]:
+        """Each group's blocks (empty when the cache had one group)."""
+        if not self.others:
+            return ()
+        return (self.num_blocks, *(kept.num_blocks for kept in self.others))
+
     def nbytes(self) -> int:
-        """Bytes of the pool tensors (K and V, every layer allocated so far)."""
-        return sum(
+        """Bytes of the pool tensors (K and V, every layer allocated so far, every group)."""
+        own = sum(
             p.numel() * p.element_size() for pools in self.pools for p in pools if p is not None
         )
+        return own + sum(kept.nbytes() for kept in self.others)
 
 
 def no_cache() -> None:

@@ -43,6 +43,11 @@ class StepMetadata:
     ``token_index`` int64 [T] flat indices of the real tokens in the padded [S * q] layout,
     ``block_tables`` int32 [S, max_blocks], ``seq_lens`` int32 [S], ``cu_seqlens_q`` int32
     [S + 1] over the real tokens. ``all_single`` is a host value.
+
+    A cache of several layer groups (``GroupedKVCache``) gives each group its own
+    ``slot_mapping`` and ``block_tables``: ``group_metas`` holds one metadata per group (the
+    other fields are the same in all) and ``layer_groups`` the group of each layer; this
+    object's own fields are group 0's. Both are empty for a cache of one group.
     """
 
     slot_mapping: torch.Tensor
@@ -52,6 +57,14 @@ class StepMetadata:
     cu_seqlens_q: torch.Tensor
     all_single: bool
     _mirrors: dict[torch.device, StepMetadata] = field(default_factory=dict, repr=False)
+    group_metas: tuple[StepMetadata, ...] = ()
+    layer_groups: tuple[int, ...] = ()
+
+    def for_layer(self, layer_idx: int) -> StepMetadata:
+        """The metadata layer ``layer_idx`` reads (its group's; this one with one group)."""
+        if not self.group_metas:
+            return self
+        return self.group_metas[self.layer_groups[layer_idx]]
 
     def to(self, device: torch.device) -> StepMetadata:
         """The same metadata on ``device`` (copied once per device per step)."""
@@ -59,10 +72,14 @@ class StepMetadata:
         if self.slot_mapping.device == device:
             return self
         if device not in self._mirrors:
-            self._mirrors[device] = StepMetadata(
-                *(t.to(device, non_blocking=True) for t in self._tensors()),
-                all_single=self.all_single,
-            )
+            groups = tuple(meta.to(device) for meta in self.group_metas)
+            if groups:
+                self._mirrors[device] = grouped_metadata(groups, self.layer_groups)
+            else:
+                self._mirrors[device] = StepMetadata(
+                    *(t.to(device, non_blocking=True) for t in self._tensors()),
+                    all_single=self.all_single,
+                )
         return self._mirrors[device]
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
@@ -73,6 +90,20 @@ class StepMetadata:
             self.seq_lens,
             self.cu_seqlens_q,
         )
+
+
+def grouped_metadata(
+    group_metas: tuple[StepMetadata, ...], layer_groups: tuple[int, ...]
+) -> StepMetadata:
+    """One step's metadata over several layer groups (``StepMetadata``): group 0's fields,
+    with every group's metadata and each layer's group."""
+    first = group_metas[0]
+    return StepMetadata(
+        *first._tensors(),
+        all_single=first.all_single,
+        group_metas=group_metas,
+        layer_groups=layer_groups,
+    )
 
 
 def _misfit(layer_idx: int, pool: torch.Tensor, like: torch.Tensor, num_blocks: int) -> str:
@@ -171,6 +202,15 @@ class PagedKVCache:
     def num_seqs(self) -> int:
         return len(self.tables)
 
+    @property
+    def groups(self) -> tuple[PagedKVCache, ...]:
+        """The stores of this cache's layer groups: itself alone (see ``GroupedKVCache``)."""
+        return (self,)
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The window past which this cache releases layer ``layer_idx``'s blocks."""
+        return self.sliding_window
+
     def add_sequences(self, n: int) -> None:
         """Start ``n`` empty sequences after the existing ones."""
         self.tables.extend(BlockTable(self.allocator, self.block_size) for _ in range(n))
@@ -200,6 +240,11 @@ class PagedKVCache:
             raise ValueError(f"n: must be an int >= 0, got {n!r}")
         for table in self.tables:
             table.truncate(max(0, table.num_tokens - n))
+
+    def truncate_rows(self, lengths: list[int]) -> None:
+        """Cut sequence i back to ``lengths[i]`` tokens (a failed forward's tokens)."""
+        for table, length in zip(self.tables, lengths, strict=True):
+            table.truncate(length)
 
     def reset(self) -> None:
         """Free every sequence; the pools stay allocated for reuse."""
@@ -262,6 +307,14 @@ class PagedKVCache:
         store (padding is False and never stored). All tables grow or none do: on
         ``OutOfBlocks`` the tables and the pools are left as they were.
         """
+        tables, counts_np, mask_np = self._prepare_step(new_token_mask)
+        self.step = self._commit_step(tables, counts_np, mask_np, device)
+        return self.step
+
+    def _prepare_step(self, new_token_mask: torch.Tensor):
+        """Check ``new_token_mask``, release what the window no longer needs and check that
+        every table can grow; changes no table's tokens. Returns (tables, counts, mask) for
+        ``_commit_step``."""
         mask = new_token_mask.to("cpu", torch.bool)
         if mask.dim() != 2:
             raise ValueError(f"new_token_mask: expected [num_seqs, q], got {tuple(mask.shape)}")
@@ -285,6 +338,11 @@ class PagedKVCache:
                 first_seen = table.num_tokens - self.sliding_window + 1
                 self.blocks_dropped += table.drop_before(first_seen - self.window_slack)
         self._reserve(tables, counts)
+        return tables, counts_np, mask_np
+
+    def _commit_step(self, tables, counts_np, mask_np, device) -> StepMetadata:
+        """Grow ``tables`` (checked by ``_prepare_step``) and build the step's metadata."""
+        counts = counts_np.tolist()
         self.tables = tables
         slot_lists = [table.append(n) for table, n in zip(tables, counts, strict=True)]
         self._apply_pending_copies()
@@ -309,8 +367,7 @@ class PagedKVCache:
             cu_seqlens_q=torch.from_numpy(cu),
             all_single=all(n == 1 for n in counts),
         )
-        self.step = host.to(device) if torch.device(device).type != "cpu" else host
-        return self.step
+        return host.to(device) if torch.device(device).type != "cpu" else host
 
     def _check_window_kept(self, tables: list[BlockTable], counts: list[int]) -> None:
         """ValueError when a sequence taking new tokens lacks positions its first new query

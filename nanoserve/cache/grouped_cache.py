@@ -1,0 +1,269 @@
+"""GroupedKVCache: one ``PagedKVCache`` per layer group, for models that mix sliding and
+global layers.
+
+A layer that attends only within a window never reads the blocks before it, but a layer
+that attends to the whole history needs every one. Layers are therefore split into groups
+by window (a list of (layer indices, window or None)); each group has its own allocator,
+block tables and pools, so a sliding group releases the blocks that fell out of its window
+(``PagedKVCache``'s ``sliding_window``) while a global group keeps them all. Every group
+stores the same tokens of the same rows: rows' lengths are shared, block tables differ.
+
+Every operation on rows (a step, a beam reorder, a crop, a cached prefix) is applied to
+every group; a step grows all groups or none (``OutOfBlocks`` leaves all as they were).
+The step's metadata holds each group's slot mapping and block tables; each layer reads its
+group's (``StepMetadata.for_layer``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from nanoserve.cache.allocator import BlockAllocator, as_index
+from nanoserve.cache.paged_cache import PagedKVCache, StepMetadata, grouped_metadata
+
+
+def check_layer_groups(
+    layer_groups, num_layers: int | None = None
+) -> list[tuple[list[int], int | None]]:
+    """``layer_groups`` as a list of (sorted layer indices, window or None); ValueError
+    naming ``layer_groups`` unless every layer in ``[0, num_layers)`` is in exactly one
+    group (``num_layers``: one past the highest layer when None)."""
+    try:
+        groups = [
+            (sorted(as_index(i, "layer_groups") for i in layers), window)
+            for layers, window in layer_groups
+        ]
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"layer_groups: expected (layer indices, window) pairs ({error})"
+        ) from None
+    if not groups or any(not layers for layers, _ in groups):
+        raise ValueError("layer_groups: every group needs at least one layer")
+    every = sorted(i for layers, _ in groups for i in layers)
+    if num_layers is None:
+        num_layers = every[-1] + 1
+    if every != list(range(num_layers)):
+        raise ValueError(
+            f"layer_groups: every layer of [0, {num_layers}) must be in exactly one group, "
+            f"got {[layers for layers, _ in groups]}"
+        )
+    for _, window in groups:
+        if window is not None:
+            as_index(window, "layer_groups (window)", minimum=1)
+    return groups
+
+
+class GroupedKVCache:
+    """K/V of layer groups, each in its own ``PagedKVCache``; the same interface."""
+
+    def __init__(
+        self,
+        layer_groups: Sequence[tuple[Sequence[int], int | None]],
+        num_blocks: Sequence[int],
+        block_size: int = 16,
+        table_width: int = 1,
+        pools: Sequence[tuple[list, list] | None] | None = None,
+        backend: str = "auto",
+        allocators: Sequence[BlockAllocator | None] | None = None,
+        window_slack: int = 0,
+    ):
+        """``layer_groups``: (layer indices, window or None) per group, every layer in one.
+        ``num_blocks``, ``pools`` and ``allocators``: one entry per group, as
+        ``PagedKVCache`` takes them (``pools[g]`` indexed by the group's own layer order,
+        its layers sorted). The other arguments are every group's."""
+        groups = check_layer_groups(layer_groups)
+        count = len(groups)
+        num_blocks = list(num_blocks)
+        pools = list(pools) if pools is not None else [None] * count
+        allocators = list(allocators) if allocators is not None else [None] * count
+        for name, values in (
+            ("num_blocks", num_blocks),
+            ("pools", pools),
+            ("allocators", allocators),
+        ):
+            if len(values) != count:
+                raise ValueError(f"{name}: {len(values)} entries for {count} layer groups")
+        self.layer_groups = groups
+        self._groups = tuple(
+            PagedKVCache(
+                len(layers),
+                blocks,
+                block_size,
+                table_width,
+                pools=group_pools,
+                backend=backend,
+                allocator=allocator,
+                sliding_window=window,
+                window_slack=window_slack,
+            )
+            for (layers, window), blocks, group_pools, allocator in zip(
+                groups, num_blocks, pools, allocators, strict=True
+            )
+        )
+        self.num_layers = sum(len(layers) for layers, _ in groups)
+        self._where = [(0, 0)] * self.num_layers  # layer -> (group, index in the group)
+        for g, (layers, _) in enumerate(groups):
+            for local, layer in enumerate(layers):
+                self._where[layer] = (g, local)
+        self._layer_group = tuple(g for g, _ in self._where)
+        self.block_size = self._groups[0].block_size
+        self.table_width = self._groups[0].table_width
+        self.backend = backend
+        self.sliding_window = None  # per group: see layer_window
+        self._step: StepMetadata | None = None
+
+    @property
+    def groups(self) -> tuple[PagedKVCache, ...]:
+        return self._groups
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        return self._groups[self._where[layer_idx][0]].sliding_window
+
+    # -- rows: the same in every group -----------------------------------------------------
+
+    @property
+    def num_seqs(self) -> int:
+        return self._groups[0].num_seqs
+
+    def seq_lens(self) -> list[int]:
+        return self._groups[0].seq_lens()
+
+    def add_sequences(self, n: int) -> None:
+        for group in self._groups:
+            group.add_sequences(n)
+
+    def reorder(self, indices: list[int]) -> None:
+        for i in indices:  # checked before any group changes
+            if not 0 <= i < self.num_seqs:
+                raise ValueError(f"indices: {i} outside [0, {self.num_seqs})")
+        for group in self._groups:
+            group.reorder(indices)
+
+    def drop_last(self, n: int) -> None:
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n: must be an int >= 0, got {n!r}")
+        for group in self._groups:
+            group.drop_last(n)
+
+    def truncate_rows(self, lengths: list[int]) -> None:
+        """Cut row i back to ``lengths[i]`` tokens in every group."""
+        for group in self._groups:
+            group.truncate_rows(lengths)
+
+    def reset(self) -> None:
+        for group in self._groups:
+            group.reset()
+        self._step = None
+
+    def attach_prefix(self, seq: int, digests: list[bytes]) -> int:
+        """``PagedKVCache.attach_prefix`` in every group: the leading blocks found in all of
+        them (a group may have evicted some the others still hold)."""
+        for group in self._groups:  # checked before any reference is taken
+            if group.tables[seq].num_blocks:
+                raise ValueError("seq: only an empty sequence takes cached blocks")
+        found = []
+        for group in self._groups:
+            blocks = []
+            for digest in digests:
+                block = group.allocator.lookup(digest)
+                if block is None:
+                    break
+                blocks.append(block)
+            found.append(blocks)
+        n = min(len(blocks) for blocks in found)
+        for group, blocks in zip(self._groups, found, strict=True):
+            group.allocator.free(blocks[n:])
+            group.tables[seq].adopt(blocks[:n])
+            group._attached = group._attached or n > 0
+        return n * self.block_size
+
+    def publish(self, seq: int, digests: list[bytes]) -> None:
+        for group in self._groups:
+            group.publish(seq, digests)
+
+    def grow(self, n: Sequence[int]) -> None:
+        """Give group g ``n[g]`` more blocks (``PagedKVCache.grow``)."""
+        n = list(n)
+        if len(n) != len(self._groups):
+            raise ValueError(f"n: {len(n)} entries for {len(self._groups)} layer groups")
+        for group, more in zip(self._groups, n, strict=True):
+            group.grow(more)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def begin_step(self, new_token_mask: torch.Tensor, device: torch.device) -> StepMetadata:
+        """``PagedKVCache.begin_step`` for every group: all grow or none does."""
+        prepared = [group._prepare_step(new_token_mask) for group in self._groups]
+        metas = []
+        for group, (tables, counts, mask) in zip(self._groups, prepared, strict=True):
+            group.step = group._commit_step(tables, counts, mask, device)
+            metas.append(group.step)
+        self._step = grouped_metadata(tuple(metas), self._layer_group)
+        return self._step
+
+    @property
+    def step(self) -> StepMetadata | None:
+        return self._step
+
+    @step.setter
+    def step(self, meta: StepMetadata | None) -> None:
+        """Set the step every group's ``write`` uses (a grouped metadata, or None)."""
+        if meta is not None and len(meta.group_metas) != len(self._groups):
+            raise ValueError(
+                f"meta: metadata of {len(meta.group_metas)} groups for {len(self._groups)}"
+            )
+        self._step = meta
+        for g, group in enumerate(self._groups):
+            group.step = None if meta is None else meta.group_metas[g]
+
+    def write(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, *, check: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``PagedKVCache.write`` into layer ``layer_idx``'s group; returns its pools."""
+        if type(layer_idx) is not int or not 0 <= layer_idx < self.num_layers:
+            layer_idx = as_index(layer_idx, "layer_idx")
+            if not 0 <= layer_idx < self.num_layers:
+                raise ValueError(f"layer_idx: {layer_idx} outside [0, {self.num_layers})")
+        group, local = self._where[layer_idx]
+        return self._groups[group].write(local, key, value, check=check)
+
+    # -- pools and figures -------------------------------------------------------------------
+
+    @property
+    def key_pools(self) -> list[torch.Tensor | None]:
+        """Every layer's key pool, in layer order (a new list: assign through the groups)."""
+        return [self._groups[g].key_pools[i] for g, i in self._where]
+
+    @property
+    def value_pools(self) -> list[torch.Tensor | None]:
+        return [self._groups[g].value_pools[i] for g, i in self._where]
+
+    def stats(self) -> dict[str, float]:
+        """``PagedKVCache.stats`` summed over the groups (``block_size``, ``sequences``
+        and ``tokens`` are every group's), plus each group's figures as
+        ``group{g}_<name>`` with ``group{g}_layers`` and ``group{g}_window`` (0: global)."""
+        per_group = [group.stats() for group in self._groups]
+        total = dict(per_group[0])
+        for name in (
+            "num_blocks",
+            "blocks_used",
+            "slots_filled",
+            "bytes_reserved",
+            "bytes_holding_tokens",
+            "blocks_dropped_by_window",
+        ):
+            total[name] = sum(stats[name] for stats in per_group)
+        slots = sum(stats["num_blocks"] for stats in per_group) * self.block_size
+        total["unused_share"] = 1.0 - total["slots_filled"] / slots
+        for g, ((layers, window), stats) in enumerate(
+            zip(self.layer_groups, per_group, strict=True)
+        ):
+            total[f"group{g}_layers"] = len(layers)
+            total[f"group{g}_window"] = window or 0
+            for name, value in stats.items():
+                if name not in ("block_size", "sequences", "tokens"):
+                    total[f"group{g}_{name}"] = value
+        total["layer_groups"] = len(self._groups)
+        return total
