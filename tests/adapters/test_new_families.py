@@ -322,16 +322,6 @@ def test_default_pool_of_all_sliding_rows_is_window_sized():
     assert sum(-(-(n + 39) // 4) for n in lengths) == 118  # without the window
 
 
-def test_mixed_layers_keep_every_block():
-    """Gemma (sliding and global layers): the global layers read the whole history, so no
-    block is released."""
-    model = tiny_model("gemma3")
-    assert nanoserve.adapters.family_for(model.config).layout(model.config).sliding_window is None
-    with patched(model, block_size=4), torch.no_grad():
-        out = model.generate(**padded_batch([19], 19), max_new_tokens=20, **LOGITS)
-    assert out.past_key_values.stats()["blocks_dropped_by_window"] == 0
-
-
 def test_a_layer_wider_than_the_cache_window_is_an_error():
     """A config whose sliding_window its attention ignores (a Llama config carrying one):
     the cache would release blocks a layer reads, so the paged forward raises naming the

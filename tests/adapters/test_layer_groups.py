@@ -1,0 +1,117 @@
+"""Gemma 2 and Gemma 3 (sliding and global layers) on a cache of two layer groups: the
+sliding layers' pool releases the blocks that fell out of the window while the global
+layers' pool keeps every block, and generate stays token-exact with stock (the generate
+modes themselves: test_new_families.test_generate_modes_match_stock)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import patched
+from test_families import padded_batch
+from test_new_families import GREEDY, LOGITS, WINDOW, assert_logits_equal, tiny_model
+
+import nanoserve
+from nanoserve.adapters.decode_graphs import DecodeGraphs
+from nanoserve.adapters.read_back import READ_BACK_LAG
+from nanoserve.adapters.step import state_of
+
+BLOCK = 4
+# blocks a row holds at most in the sliding group (the cache's slack: hf.py's window_slack)
+SLIDING_BOUND = math.ceil((WINDOW + max(BLOCK, READ_BACK_LAG)) / BLOCK) + 1
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_sliding_group_holds_a_window_while_the_global_group_grows(name):
+    """Prompts of 19 and 7 tokens, 40 new ones: logits equal stock's at every step; the
+    sliding group holds at most SLIDING_BOUND blocks a row, the global group every block of
+    every row. Planted: the family giving no layer groups (one pool of every block): failed
+    on the sliding group's blocks."""
+    model = tiny_model(name)
+    layout = nanoserve.adapters.family_for(model.config).layout(model.config)
+    assert layout.sliding_window is None and len(layout.layer_groups) == 2
+    inputs = padded_batch([19, 7], 19)
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=40, **LOGITS)
+    with patched(model, block_size=BLOCK), torch.no_grad():
+        paged = model.generate(**inputs, max_new_tokens=40, **LOGITS)
+        stats = paged.past_key_values.stats()
+    assert_logits_equal(stock, paged)
+    lens = paged.past_key_values.paged.seq_lens()
+    assert stats["layer_groups"] == 2 and stats["group1_window"] == WINDOW
+    assert stats["group0_blocks_used"] == sum(-(-n // BLOCK) for n in lens)
+    assert stats["group1_blocks_used"] <= SLIDING_BOUND * len(lens)
+    assert stats["group1_blocks_dropped_by_window"] > 0
+    sliding_layers, global_layers = stats["group1_layers"], stats["group0_layers"]
+    assert (
+        stats["bytes_holding_tokens"]
+        < stats["group0_bytes_holding_tokens"] * (sliding_layers + global_layers) / global_layers
+    )  # less than one pool of every block for every layer
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_static_decode_buffers_carry_each_groups_tables(beams):
+    """The decode-graph runner's static buffers (run eagerly on the CPU) hold a slot mapping
+    and block tables per group: a padded batch of 3 (a bucket of 4) and beams give stock's
+    tokens. Planted: ``StaticStep.load`` writing group 0's tables into every group: failed."""
+    model = tiny_model("gemma3")
+    inputs = padded_batch([13, 6, 2], 13)
+    opts = dict(max_new_tokens=14, num_beams=beams, **GREEDY)
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+    with patched(model, block_size=BLOCK), torch.no_grad():
+        state_of(model).graphs = DecodeGraphs(capture=False)
+        paged = model.generate(**inputs, **opts)
+        stats = nanoserve.decode_graph_stats(model)
+    assert torch.equal(stock, paged)
+    assert stats["replays"] == 13
+
+
+def test_pools_kept_reused_and_a_returned_cache_continued():
+    """A second call reuses both groups' kept pools (the same tensors); a returned cache
+    passed back grows each group to fit and continues as stock does."""
+    model = tiny_model("gemma3")
+    inputs = padded_batch([11, 5], 11)
+    opts = dict(max_new_tokens=10, **GREEDY)
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=30, **GREEDY)
+    with patched(model, block_size=BLOCK), torch.no_grad():
+        state = state_of(model)
+        model.generate(**inputs, **opts)
+        pools = [kept.pools[0][0] for kept in (state.kept_pools, *state.kept_pools.others)]
+        assert len(pools) == 2
+        model.generate(**inputs, **opts)
+        again = [kept.pools[0][0] for kept in (state.kept_pools, *state.kept_pools.others)]
+        assert all(a is b for a, b in zip(pools, again, strict=True))
+        first = model.generate(**inputs, return_dict_in_generate=True, **opts)
+        mask = torch.cat([inputs["attention_mask"], torch.ones(2, 10, dtype=torch.long)], 1)
+        more = model.generate(
+            input_ids=first.sequences,
+            attention_mask=mask,
+            past_key_values=first.past_key_values,
+            max_new_tokens=20,
+            **GREEDY,
+        )
+    assert torch.equal(more, stock)
+
+
+@pytest.mark.parametrize("fixed", ["num_blocks", "max_memory"])
+def test_fixed_pool_sizes_cover_both_groups(fixed):
+    """``num_blocks``: each group's pool has that many blocks; ``max_memory``: both groups'
+    pools together take at most that many bytes. Either way generate matches stock."""
+    model = tiny_model("gemma3")
+    inputs = padded_batch([13, 6], 13)
+    limit = {"num_blocks": 24, "max_memory": 200_000}[fixed]
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=20, **GREEDY)
+    with patched(model, block_size=BLOCK, **{fixed: limit}), torch.no_grad():
+        paged = model.generate(**inputs, max_new_tokens=20, **GREEDY)
+        stats = nanoserve.cache_stats(model)
+    assert torch.equal(stock, paged)
+    if fixed == "num_blocks":
+        assert stats["group0_num_blocks"] == stats["group1_num_blocks"] == limit
+    else:
+        assert 0 < stats["bytes_reserved"] <= limit
+        assert stats["group0_num_blocks"] > 0 and stats["group1_num_blocks"] > 0

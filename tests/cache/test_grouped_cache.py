@@ -1,0 +1,149 @@
+"""A GroupedKVCache (global and sliding layer groups, each its own pools and tables) reads as
+a cache that keeps every block, holds a bounded number of blocks in its sliding group, and
+grows, reorders, crops and attaches prefixes in every group alike."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_window_release import masks
+
+from nanoserve import PagedKVCache
+from nanoserve.cache import GroupedKVCache, OutOfBlocks, block_digests
+from nanoserve.kernels import paged_decode_attention, paged_extend_attention
+
+HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 4
+NEEDS_INTERPRETER = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
+)
+GROUPS = [([0, 2], None), ([1, 3], 5)]  # layers 0 and 2 global, 1 and 3 within 5 positions
+
+
+def poison_free_blocks(store: PagedKVCache) -> None:
+    """NaN into every block of ``store`` no sequence holds (a read of one shows)."""
+    free = [b for b in range(store.allocator.num_blocks) if store.allocator.refcount(b) == 0]
+    for pool in (*store.key_pools, *store.value_pools):
+        if pool is not None:
+            pool[free] = float("nan")
+
+
+def attend(meta, pools, query, mask, window, backend):
+    packed = query.flatten(0, 1)[meta.token_index]
+    opts = dict(sliding_window=window, backend=backend)
+    if mask.shape[1] == 1 and bool(mask.all()):
+        return paged_decode_attention(packed, *pools, meta.block_tables, meta.seq_lens, **opts)
+    return paged_extend_attention(
+        packed, *pools, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, **opts
+    )
+
+
+@pytest.mark.parametrize(
+    "chunk, backend",
+    [(3, "torch"), (16, "torch"), pytest.param(3, "triton", marks=NEEDS_INTERPRETER)],
+)
+def test_grouped_cache_attends_as_a_full_cache(chunk, backend):
+    """Prompts of 13, 3 and 9 tokens (in chunks), 30 decode steps with a beam-style reorder
+    and a crop of 2 tokens half way: every layer's attention output equals a one-pool cache
+    that keeps every block; free blocks of both groups hold NaN before each step. The
+    sliding group holds at most ceil((window + slack) / block_size) + 1 blocks a row, the
+    global group every block. Planted: the sliding layers reading the global group's
+    tables (``for_layer`` returning group 0): failed; the sliding group releasing one
+    block still inside the window: failed."""
+    gen = torch.Generator().manual_seed(chunk)
+    full = PagedKVCache(4, num_blocks=128, block_size=BLOCK)
+    grouped = GroupedKVCache(GROUPS, num_blocks=[64, 24], block_size=BLOCK)
+    global_group, sliding_group = grouped.groups
+    slack = max(BLOCK, sliding_group.window_slack)
+    bound = -(-(5 + slack) // BLOCK) + 1
+    for step, mask in enumerate(masks([13, 3, 9], chunk, decode_steps=30)):
+        if step == 12:
+            for store in (full, grouped):
+                store.reorder([2, 0, 0])
+                store.drop_last(2)
+        rows, q = mask.shape
+        for store in (*grouped.groups, full):
+            poison_free_blocks(store)
+        full.begin_step(mask, "cpu")
+        meta = grouped.begin_step(mask, "cpu")
+        for layer in range(4):
+            k, v = torch.randn(2, rows * q, KV_HEADS, DIM, generator=gen)
+            query = torch.randn(rows, q, HEADS, DIM, generator=gen)
+            window = 5 if layer % 2 else None
+            expected = attend(full.step, full.write(layer, k, v), query, mask, window, backend)
+            got = attend(
+                meta.for_layer(layer), grouped.write(layer, k, v), query, mask, window, backend
+            )
+            torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=f"layer {layer}")
+        assert grouped.seq_lens() == full.seq_lens()
+        for table in sliding_group.tables:
+            assert table.num_blocks - table.dropped <= bound
+        assert [t.num_blocks - t.dropped for t in global_group.tables] == [
+            -(-n // BLOCK) for n in grouped.seq_lens()
+        ]
+    assert sliding_group.blocks_dropped > 0 and global_group.blocks_dropped == 0
+    stats = grouped.stats()
+    assert (
+        stats["blocks_used"] == global_group.allocator.num_used + sliding_group.allocator.num_used
+    )
+    assert stats["group1_window"] == 5 and stats["group0_window"] == 0
+    assert stats["group1_blocks_used"] < stats["group0_blocks_used"]
+
+
+def test_a_step_grows_every_group_or_none():
+    """The sliding group out of blocks: the global group's tables stay as they were."""
+    grouped = GroupedKVCache(GROUPS, num_blocks=[16, 2], block_size=BLOCK)
+    grouped.begin_step(torch.ones(1, 6, dtype=torch.bool), "cpu")  # 2 blocks in each group
+    before = [t.block_ids for g in grouped.groups for t in g.tables]
+    free = [g.allocator.num_free for g in grouped.groups]
+    with pytest.raises(OutOfBlocks):
+        grouped.begin_step(torch.ones(1, 4, dtype=torch.bool), "cpu")
+    assert [t.block_ids for g in grouped.groups for t in g.tables] == before
+    assert [g.allocator.num_free for g in grouped.groups] == free
+    assert grouped.seq_lens() == [6]
+
+
+def test_prefix_attaches_the_blocks_every_group_holds():
+    """Published blocks found in both groups attach; a block one group evicted ends the
+    prefix in every group, and the other group's extra references are returned."""
+    grouped = GroupedKVCache(GROUPS, num_blocks=[16, 16], block_size=BLOCK)
+    digests = block_digests(list(range(12)), BLOCK)
+    grouped.begin_step(torch.ones(1, 12, dtype=torch.bool), "cpu")
+    grouped.publish(0, digests)
+    grouped.reset()
+    sliding = grouped.groups[1].allocator
+    second = sliding.lookup(digests[1])
+    sliding.free([second])
+    sliding.unpublish(second)  # evicted from the sliding group only
+    grouped.add_sequences(1)
+    assert grouped.attach_prefix(0, digests) == BLOCK
+    assert [g.allocator.num_used for g in grouped.groups] == [1, 1]
+    assert [g.tables[0].num_tokens for g in grouped.groups] == [BLOCK, BLOCK]
+
+
+@pytest.mark.parametrize(
+    "groups, message",
+    [
+        ([([0, 1], None), ([1, 2], 4)], "exactly one group"),
+        ([([0, 2], None), ([3], 4)], "exactly one group"),
+        ([([0], None), ([], 4)], "at least one layer"),
+        ([([0], None), ([1], 0)], "window"),
+        ([(0, None)], "layer_groups"),
+    ],
+)
+def test_bad_layer_groups_are_refused(groups, message):
+    with pytest.raises(ValueError, match="layer_groups") as error:
+        GroupedKVCache(groups, num_blocks=[4] * len(groups))
+    assert message in str(error.value)
+
+
+def test_per_group_arguments_must_match_the_groups():
+    with pytest.raises(ValueError, match="num_blocks"):
+        GroupedKVCache(GROUPS, num_blocks=[4])
+    grouped = GroupedKVCache(GROUPS, num_blocks=[4, 4])
+    with pytest.raises(ValueError, match="layer_idx"):
+        grouped.write(4, torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))
+    with pytest.raises(ValueError, match="indices"):
+        grouped.reorder([0])  # no sequence yet
+    assert grouped.num_seqs == 0
