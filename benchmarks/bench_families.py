@@ -16,7 +16,10 @@ decode loop). Fast providers are timed after a warm-up call, the median of ``--c
 
 Memory: one prompt of 8k and of 32k tokens (prefill in chunks of 4096 for both, 8 new
 tokens); the KV bytes each cache holds afterwards: the tensors of HF's cache, nanoserve's
-``cache_stats`` (the pool reserved, the bytes holding tokens, the blocks in use).
+``cache_stats`` (the pool reserved, the bytes holding tokens, the blocks in use). Gemma's
+sliding and global layers have a pool each (layer groups): ``global_MiB`` / ``sliding_MiB``
+are each pool's reserved bytes, ``vs_stock`` nanoserve's reserved bytes over HF's cache,
+``vs_full_cache`` the bytes holding tokens over what every layer holding every token takes.
 
 Usage: python3 benchmarks/bench_families.py [--only gemma2,gemma3] [--new-tokens 128]
     [--calls 3] [--static-ragged] [--no-memory] [--tiny]
@@ -190,6 +193,9 @@ def memory_rows(model, family: str, device: str, tiny: bool) -> list[dict]:
                     row["blocks_used"] = stats["blocks_used"]
                     row["num_blocks"] = stats["num_blocks"]
                     row["blocks_dropped"] = stats.get("blocks_dropped_by_window", "")
+                    row.update(group_columns(stats))
+                    full = full_cache_bytes(model, stats["tokens"])
+                    row["vs_full_cache"] = round(stats["bytes_holding_tokens"] / full, 3)
                 else:
                     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
                     row["kv_held_MiB"] = round(hf_cache_bytes(cache) / MIB, 1)
@@ -206,7 +212,32 @@ def memory_rows(model, family: str, device: str, tiny: bool) -> list[dict]:
                 row["peak_GiB"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
             rows.append(row)
             print(row, flush=True)
+        stock, ours = (
+            next((r for r in rows[-2:] if r["provider"] == p and "kv_held_MiB" in r), None)
+            for p in ("stock_default", "nanoserve")
+        )
+        if stock and ours and stock["kv_held_MiB"]:
+            ours["vs_stock"] = round(ours["kv_held_MiB"] / stock["kv_held_MiB"], 2)
     return rows
+
+
+def group_columns(stats: dict) -> dict:
+    """MiB reserved by the global and the sliding layer group's pools ("" with one pool)."""
+    if stats.get("layer_groups", 1) < 2:
+        return {}
+    out = {}
+    for g in range(stats["layer_groups"]):
+        kind = "sliding" if stats[f"group{g}_window"] else "global"
+        out[f"{kind}_MiB"] = round(stats[f"group{g}_bytes_reserved"] / MIB, 1)
+        out[f"{kind}_blocks"] = stats[f"group{g}_blocks_used"]
+    return out
+
+
+def full_cache_bytes(model, tokens: int) -> int:
+    """Bytes a cache holding every token of every layer would take (K and V)."""
+    layout = nanoserve.adapters.family_for(model.config).layout(model.config)
+    per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim
+    return tokens * per_token * model.dtype.itemsize
 
 
 def main() -> None:
@@ -239,9 +270,10 @@ def main() -> None:
     write_csv(speed, "families_speed.csv")
     print_table(speed, columns)
     if memory:
-        columns = ["model", "prompt_tokens", "provider", "kv_held_MiB", "kv_holding_tokens_MiB",
-                   "blocks_used", "num_blocks", "blocks_dropped", "seconds", "peak_GiB",
-                   "error"]  # fmt: skip
+        columns = ["model", "prompt_tokens", "provider", "kv_held_MiB", "vs_stock",
+                   "kv_holding_tokens_MiB", "vs_full_cache", "global_MiB", "sliding_MiB",
+                   "global_blocks", "sliding_blocks", "blocks_used", "num_blocks",
+                   "blocks_dropped", "seconds", "peak_GiB", "error"]  # fmt: skip
         memory = [{c: r.get(c, "") for c in columns} for r in memory]
         write_csv(memory, "families_memory.csv")
         print_table(memory, columns)

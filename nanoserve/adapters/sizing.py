@@ -164,7 +164,8 @@ def pool_size(
         _log.info("pool: %d blocks of %d tokens (num_blocks)", options.num_blocks, bs)
         each = (options.num_blocks,) * len(groups) if grouped else ()
         return PoolSize(options.num_blocks * max(1, len(each)), table_width, each)
-    needed = [_blocks_held(shape, bs, window, share_rows) for _, window in groups]
+    chunk = generate_option(model, kwargs, "prefill_chunk_size") or None
+    needed = [_blocks_held(shape, bs, window, share_rows, chunk) for _, window in groups]
     if options.max_memory is not None:
         sizes = [block_bytes(options.layout, bs, model.dtype, layers) for layers, _ in groups]
         if options.max_memory < sum(sizes):
@@ -207,17 +208,24 @@ def pool_size(
     return PoolSize(sum(blocks), table_width, tuple(blocks) if grouped else ())
 
 
-def _blocks_held(shape: CallShape, bs: int, window: int | None, share_rows: bool) -> int:
+def _blocks_held(
+    shape: CallShape, bs: int, window: int | None, share_rows: bool, chunk: int | None = None
+) -> int:
     """Blocks the call's rows hold at most in a pool whose layers attend within ``window``
-    (None: the whole history)."""
+    (None: the whole history); ``chunk``: the prefill's chunk size (None: one forward)."""
     new, spare = shape.new_tokens, shape.spare
     blocks = 0
     for first, rows in shape.groups:
         n, rows = shape.prompt_lens[first], rows * shape.copies
         held = math.ceil((n + new) / bs)
-        if window is not None:  # past its prompt a row holds its window's blocks at most
+        if window is not None:  # past its first forward a row holds its window's blocks
             slack = max(bs, READ_BACK_LAG)  # as the cache keeps (hf.py's window_slack)
-            held = min(held, max(math.ceil(n / bs), math.ceil((window + slack) / bs) + 1))
+            # the most tokens a forward after the first stores (a prefill chunk, or one)
+            step = max(1, min(n, chunk)) if chunk else 1
+            # such a forward comes after releasing every block before its window
+            later = math.ceil((window - 1 + slack + step) / bs) + 1
+            at_first = math.ceil(min(n, chunk or n) / bs)
+            held = min(held, max(at_first, later))
         alone = rows * (held + spare)
         shared = math.ceil(n / bs) + rows * (math.ceil((n + new) / bs) - n // bs + spare)
         blocks += min(alone, shared) if share_rows else alone
