@@ -22,7 +22,7 @@ are each pool's reserved bytes, ``vs_stock`` nanoserve's reserved bytes over HF'
 ``vs_full_cache`` the bytes holding tokens over what every layer holding every token takes.
 
 Usage: python3 benchmarks/bench_families.py [--only gemma2,gemma3] [--new-tokens 128]
-    [--calls 3] [--static-ragged] [--no-memory] [--tiny]
+    [--calls 3] [--static-ragged] [--no-memory] [--no-speed] [--tiny]
 ``--tiny`` runs 2-layer narrow models on whatever device there is (a smoke test).
 """
 
@@ -248,13 +248,15 @@ def main() -> None:
     parser.add_argument("--static-ragged", action="store_true",
                         help="also the static cache + compile on the ragged batch")  # fmt: skip
     parser.add_argument("--no-memory", action="store_true", help="skip the 8k / 32k rows")
+    parser.add_argument("--no-speed", action="store_true", help="only the 8k / 32k rows")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     speed, memory = [], []
     for family in args.only.split(","):
         model = build_model(family, args.tiny, device, max_len=40000)
-        speed += speed_rows(model, family, device, args, args.tiny)
+        if not args.no_speed:
+            speed += speed_rows(model, family, device, args, args.tiny)
         if not args.no_memory:
             memory += memory_rows(model, family, device, args.tiny)
         del model
@@ -266,9 +268,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {name}")
     columns = ["model", "batch", "provider", "tok/s", "seconds", "peak_GiB",
                "same_tokens_as_stock", "loop", "error"]  # fmt: skip
-    speed = [{c: r.get(c, "") for c in columns} for r in speed]
-    write_csv(speed, "families_speed.csv")
-    print_table(speed, columns)
+    if speed:
+        speed = [{c: r.get(c, "") for c in columns} for r in speed]
+        write_csv(speed, "families_speed.csv")
+        print_table(speed, columns)
     if memory:
         columns = ["model", "prompt_tokens", "provider", "kv_held_MiB", "vs_stock",
                    "kv_holding_tokens_MiB", "vs_full_cache", "global_MiB", "sliding_MiB",

@@ -54,7 +54,12 @@ def paged_attention(
         return _original_attention(module)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    layer = getattr(module, "layer_idx", 0)
+    layer = getattr(module, "layer_idx", None)
+    if layer is None and current.meta.group_metas:
+        raise RuntimeError(
+            f"{type(module).__name__} has no layer_idx: the cache's layer groups need it to "
+            "pick the layer's block tables"
+        )
     step = current.meta.for_layer(layer).to(query.device)
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     kept = current.cache.paged.layer_window(layer)

@@ -73,7 +73,11 @@ def patch_model(
     """Make ``model.generate`` run on the paged KV cache; returns ``model``.
 
     The pool holds ``num_blocks`` blocks of ``block_size`` tokens, or as many as fit in
-    ``max_memory`` bytes, or by default what each generate call needs. With
+    ``max_memory`` bytes, or by default what each generate call needs. A model that mixes
+    sliding and global layers (Gemma 2, Gemma 3) has a pool per layer group, the sliding
+    one releasing the blocks that fell out of the window: ``num_blocks`` is then each
+    pool's, and ``max_memory`` is shared between them in proportion to what a call needs
+    of each. With
     ``cuda_graphs`` (the default) decode steps on CUDA replay captured CUDA graphs; on CPU,
     or with ``cuda_graphs=False``, every step runs eagerly. ``compile_decode`` also runs the
     decoder layers of those graph steps through ``torch.compile`` (fewer, fused kernels;
@@ -185,7 +189,9 @@ def cache_stats(model) -> dict[str, float]:
     tokens, bytes_reserved, bytes_holding_tokens, unused_share; taken from the cache while
     the caller still holds it, else as the call left it; absent before any call), and what
     the model holds between calls: ``kept_pool_blocks`` / ``kept_pool_bytes`` (the pool the
-    next call reuses) and ``graphs_held`` (captured decode graphs)."""
+    next call reuses) and ``graphs_held`` (captured decode graphs). With layer groups the
+    figures are summed over them, ``layer_groups`` counts them and ``group{g}_<figure>``
+    gives each one's (``group{g}_window``: 0 for the global layers)."""
     state = _state(model)
     cache = state.last_cache()
     stats = cache.stats() if cache is not None else dict(state.last_stats)

@@ -19,6 +19,10 @@ sequences that can continue. A long sequence then holds at most
 ``ceil((sliding_window + slack) / block_size) + 1`` blocks. The
 kernels never read the released entries of the block table (their window starts past them;
 the entries read as block 0).
+
+A model whose layers attend differently (sliding and global layers) stores each group of
+layers in a ``PagedKVCache`` of its own (``grouped_cache.py``): there a block id names a
+slot in every layer of its group only.
 """
 
 from __future__ import annotations

@@ -396,7 +396,8 @@ def forced_logits(model, inputs, target=None):
 @pytest.mark.parametrize("shape", list(GPU_SHAPES))
 def test_gpu_float32_logits_match_stock(shape, device="cuda"):
     """64 steps of per-step logits within 1e-5 (of the largest logit) of stock's, through the
-    Triton kernels and the decode graphs. Phi-3 slides every layer: its blocks out of the
+    Triton kernels and the decode graphs (per layer group for Gemma). Phi-3 slides every
+    layer, Gemma 2 / 3 keep their sliding layers in a pool of their own: blocks out of the
     window are released on the way."""
     model = gpu_model(shape, torch.float32, device)
     inputs = gpu_batch(model.config.vocab_size, device)
@@ -404,7 +405,7 @@ def test_gpu_float32_logits_match_stock(shape, device="cuda"):
     with patched(model):
         paged, paged_tokens = forced_logits(model, inputs, target=tokens)
         released = nanoserve.cache_stats(model)["blocks_dropped_by_window"]
-    assert (released > 0) == (GPU_SHAPES[shape][0] == "phi3")
+    assert released > 0
     assert torch.equal(paged_tokens, tokens)
     assert stock.shape[0] == GPU_NEW_TOKENS
     scale = stock.abs().max().item()
