@@ -220,12 +220,11 @@ def _blocks_held(
         held = math.ceil((n + new) / bs)
         if window is not None:  # past its first forward a row holds its window's blocks
             slack = max(bs, READ_BACK_LAG)  # as the cache keeps (hf.py's window_slack)
-            # the most tokens a forward after the first stores (a prefill chunk, or one)
-            step = max(1, min(n, chunk)) if chunk else 1
-            # such a forward comes after releasing every block before its window
-            later = math.ceil((window - 1 + slack + step) / bs) + 1
-            at_first = math.ceil(min(n, chunk or n) / bs)
-            held = min(held, max(at_first, later))
+            decode = math.ceil((window + slack) / bs) + 1
+            bound = max(math.ceil(n / bs), decode)  # the whole prompt, then a window
+            if chunk and chunk < n:  # each chunk is stored past its window's blocks only
+                bound = min(bound, max(math.ceil((window - 1 + slack + chunk) / bs) + 1, decode))
+            held = min(held, bound)
         alone = rows * (held + spare)
         shared = math.ceil(n / bs) + rows * (math.ceil((n + new) / bs) - n // bs + spare)
         blocks += min(alone, shared) if share_rows else alone

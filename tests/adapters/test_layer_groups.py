@@ -115,3 +115,21 @@ def test_fixed_pool_sizes_cover_both_groups(fixed):
     else:
         assert 0 < stats["bytes_reserved"] <= limit
         assert stats["group0_num_blocks"] > 0 and stats["group1_num_blocks"] > 0
+
+
+def test_chunked_prefill_sizes_the_sliding_pool_by_the_chunk():
+    """Prompts of 40 and 37 tokens in chunks of 6: the sliding pool is sized for a chunk
+    past the window (not the whole prompt, as one forward would store) and the call gives
+    stock's tokens. Planted: the bound left the chunk out (a decode step's window only):
+    OutOfBlocks."""
+    model = tiny_model("gemma3")
+    inputs = padded_batch([40, 37], 40)
+    opts = dict(max_new_tokens=10, prefill_chunk_size=6, **GREEDY)
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+    with patched(model, block_size=BLOCK), torch.no_grad():
+        paged = model.generate(**inputs, **opts)
+        stats = nanoserve.cache_stats(model)
+    assert torch.equal(stock, paged)
+    assert stats["group1_num_blocks"] < stats["group0_num_blocks"] // 2
+    assert stats["group0_num_blocks"] >= -(-50 // BLOCK) + -(-47 // BLOCK)
