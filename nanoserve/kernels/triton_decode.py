@@ -68,6 +68,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BALANCED: tl.constexpr, S_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
+    k_scale=None, v_scale=None, FP8: tl.constexpr = False,
 ):  # fmt: skip
     if PDL:
         # lets the merge kernel's launch start now; it still waits for this grid to finish
@@ -106,6 +107,9 @@ def _decode_kernel(
         per_split = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = base + split * per_split
         hi = tl.minimum(lo + per_split, seq_len)
+    if FP8:  # fp8 pools: K's scale folds into the score scale, V's into the output
+        scale = scale * tl.load(k_scale + kv_head)
+        v_mul = tl.load(v_scale + kv_head)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
@@ -128,6 +132,7 @@ def _decode_kernel(
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(key_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(value_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # fp8 tiles: exact in 16-bit and fp32
         s = mma(q, tl.trans(k), FP32)
         s = scores_to_log2(s, scale, softcap, HAS_SOFTCAP)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -140,6 +145,8 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
+    if FP8:
+        o = o * v_mul
     num_q_heads = GROUP * num_kv_heads
     if BALANCED:
         # A row of one item is finished here; a row of several leaves partials to merge.
@@ -357,8 +364,11 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,
     config: tuple[int, int, int] | None = None,
     work_items: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch decode attention (arguments already validated); returns [S, Hq, D] like query.
+    FP8 pools come with float32 ``k_scale``/``v_scale`` [Hkv].
 
     By default the work is balanced over rows of any lengths (see ``DecodePlan``).
     ``num_splits`` (fixed splits per row), ``work_items`` (the balanced target) and ``config``
@@ -401,6 +411,7 @@ def paged_decode_attention_triton(
         BALANCED=balanced, S_PAD=s_pad,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32, PDL=pdl,
+        k_scale=k_scale, v_scale=v_scale, FP8=k_scale is not None,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     launch = {"launch_pdl": True} if pdl else {}
