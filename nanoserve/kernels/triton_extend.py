@@ -62,6 +62,7 @@ def _attend_tiles(
         else:
             k = tl.load(key_cache + ptrs)
             v = tl.load(value_cache + ptrs)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # fp8 tiles: exact in 16-bit and fp32
         s = mma(q, tl.trans(k), FP32)
         if MASKED:
             visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -95,6 +96,7 @@ def _extend_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
+    k_scale=None, v_scale=None, FP8: tl.constexpr = False,
 ):  # fmt: skip
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # latest (longest) tiles first
     head = tl.program_id(1)
@@ -124,6 +126,9 @@ def _extend_kernel(
     tokens = (q_begin + rows).to(tl.int64)
     q = tl.load(query + tokens[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask)
     q_pos = ctx + rows
+    if FP8:  # fp8 pools: K's scale folds into the score scale, V's into the output
+        scale = scale * tl.load(k_scale + head // GROUP)
+        v_mul = tl.load(v_scale + head // GROUP)
     qk_scale = scale * 1.4426950408889634
 
     q_end = tl.minimum(m0 + BLOCK_M, q_len)
@@ -162,6 +167,8 @@ def _extend_kernel(
     )  # fmt: skip
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if FP8:
+        o = o * v_mul
     dst = out + tokens[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(dst, o.to(out.dtype.element_ty), mask=q_mask)
 
@@ -251,8 +258,11 @@ def paged_extend_attention_triton(
     sliding_window: int | None,
     softcap: float | None,
     config: tuple[int, int, int, int] | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch extend attention (arguments already validated); returns [T, Hq, D] like query.
+    FP8 pools come with float32 ``k_scale``/``v_scale`` [Hkv].
 
     ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) bypasses autotuning (tests, sweeps).
     On CUDA the first call for a (head dim, grid size bucket, dtype) autotunes: warm up
@@ -288,6 +298,7 @@ def paged_extend_attention_triton(
         BLOCK_SIZE=block_size, SEARCH_STEPS=max(1, num_seqs.bit_length()),
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32,
+        k_scale=k_scale, v_scale=v_scale, FP8=k_scale is not None,
     )  # fmt: skip
 
     def grid(m: dict) -> tuple[int, int]:
