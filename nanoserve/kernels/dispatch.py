@@ -25,13 +25,19 @@ def use_triton(backend: str, tensor: torch.Tensor) -> bool:
     """True when ``backend`` picks the Triton kernel for data living where ``tensor`` lives.
 
     "auto" picks Triton for CUDA tensors of a dtype the kernels take (float16, bfloat16,
-    float32) when Triton is installed, and the reference otherwise; "triton" forces it (on
-    CPU this needs TRITON_INTERPRET=1); "torch" forces the reference.
+    float32, and float8_e4m3fn pools) when Triton is installed, and the reference
+    otherwise; "triton" forces it (on CPU this needs TRITON_INTERPRET=1); "torch" forces the
+    reference.
     """
     check_backend(backend)
     if backend == "torch":
         return False
-    supported = tensor.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    supported = tensor.dtype in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float8_e4m3fn,
+    )
     if backend == "auto":
         return tensor.is_cuda and supported and triton_installed()
     if not supported:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.kernels.dispatch import check_backend, use_triton
+from nanoserve.kernels.quant import dequantize
 from nanoserve.kernels.reference import attend_sequence, gather_history
 from nanoserve.kernels.validation import check_attention_args
 
@@ -33,18 +34,22 @@ def paged_extend_attention_ref(
     scale: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     """Reference extend attention: returns [total_q, Hq, D] in the query's dtype.
 
     The new tokens of sequence i are its last ``cu_seqlens_q[i+1] - cu_seqlens_q[i]``
     positions; each sees positions <= its own (and > pos - sliding_window). A sequence with
-    seq_len 0 has no new tokens, hence no output rows.
+    seq_len 0 has no new tokens, hence no output rows. FP8 pools take float32
+    ``k_scale``/``v_scale`` [Hkv] and are dequantized (``fp8 * scale``) before attention.
     """
     if check:
         check_attention_args(
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
             scale=scale, sliding_window=sliding_window, softcap=softcap,
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     scale = _default_scale(query.shape[-1], scale)
     out = torch.empty_like(query)
@@ -58,6 +63,10 @@ def paged_extend_attention_ref(
             continue
         keys = gather_history(key_cache, block_tables[i], seq_len)
         values = gather_history(value_cache, block_tables[i], seq_len)
+        if k_scale is not None:
+            compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+            keys = dequantize(keys, k_scale, compute)
+            values = dequantize(values, v_scale, compute)
         out[start:end] = attend_sequence(
             query[start:end], keys, values,
             scale=scale, sliding_window=sliding_window, softcap=softcap,
@@ -75,6 +84,8 @@ def paged_decode_attention_ref(
     scale: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     """Reference decode attention: query [S, Hq, D] is each sequence's last position.
@@ -86,11 +97,13 @@ def paged_decode_attention_ref(
         check_attention_args(
             query, key_cache, value_cache, block_tables, seq_lens, None,
             scale=scale, sliding_window=sliding_window, softcap=softcap,
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     cu_seqlens_q = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     return paged_extend_attention_ref(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
-        scale=scale, sliding_window=sliding_window, softcap=softcap, check=False,
+        scale=scale, sliding_window=sliding_window, softcap=softcap,
+        k_scale=k_scale, v_scale=v_scale, check=False,
     )  # fmt: skip
 
 
@@ -104,6 +117,8 @@ def paged_decode_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     check: bool = True,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -112,13 +127,16 @@ def paged_decode_attention(
     query [S, Hq, D] float16/bfloat16/float32 (float64 runs the reference); returns [S, Hq, D].
     ``backend``: "auto" (Triton on CUDA tensors, the reference on CPU), "triton" or "torch".
     ``check=False`` skips validation and never reads device memory on the host, so the call
-    is safe under CUDA-graph capture (the split count comes from shapes only).
+    is safe under CUDA-graph capture (the split count comes from shapes only). FP8 pools
+    (float8_e4m3fn) need ``k_scale``/``v_scale`` float32 [Hkv]; the query is then
+    float16/bfloat16/float32.
     """
     check_backend(backend)
     if check:
         check_attention_args(
             query, key_cache, value_cache, block_tables, seq_lens, None,
             scale=scale, sliding_window=sliding_window, softcap=softcap,
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     if use_triton(backend, key_cache):
         from nanoserve.kernels.triton_decode import paged_decode_attention_triton
@@ -126,11 +144,12 @@ def paged_decode_attention(
         return paged_decode_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens,
             scale=_default_scale(query.shape[-1], scale),
-            sliding_window=sliding_window, softcap=softcap,
+            sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     return paged_decode_attention_ref(
         query, key_cache, value_cache, block_tables, seq_lens,
-        scale=scale, sliding_window=sliding_window, softcap=softcap, check=False,
+        scale=scale, sliding_window=sliding_window, softcap=softcap,
+        k_scale=k_scale, v_scale=v_scale, check=False,
     )  # fmt: skip
 
 
@@ -145,6 +164,8 @@ def paged_extend_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     check: bool = True,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -158,6 +179,7 @@ def paged_extend_attention(
         check_attention_args(
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
             scale=scale, sliding_window=sliding_window, softcap=softcap,
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     if use_triton(backend, key_cache):
         from nanoserve.kernels.triton_extend import paged_extend_attention_triton
@@ -165,9 +187,10 @@ def paged_extend_attention(
         return paged_extend_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
             scale=_default_scale(query.shape[-1], scale),
-            sliding_window=sliding_window, softcap=softcap,
+            sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     return paged_extend_attention_ref(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
-        scale=scale, sliding_window=sliding_window, softcap=softcap, check=False,
+        scale=scale, sliding_window=sliding_window, softcap=softcap,
+        k_scale=k_scale, v_scale=v_scale, check=False,
     )  # fmt: skip

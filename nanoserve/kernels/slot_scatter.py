@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.kernels.dispatch import check_backend, use_triton
+from nanoserve.kernels.quant import quantize
 from nanoserve.kernels.validation import check_slot_scatter_args
 
 
@@ -15,19 +16,26 @@ def slot_scatter_ref(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     check: bool = True,
 ) -> None:
     """Write ``key``/``value`` [T, Hkv, D] into the pools [num_blocks, block_size, Hkv, D].
 
     ``slot_mapping`` int32/int64 [T]: token t goes to flat slot ``slot_mapping[t]``
     (block_id * block_size + offset); -1 skips the token. Pools are updated in place.
+    FP8 pools (float8_e4m3fn) take float32 ``k_scale``/``v_scale`` [Hkv]: each row is
+    stored as ``x / scale`` saturated to +-448 (see ``quant.py``).
     """
     if check:
-        check_slot_scatter_args(key, value, key_cache, value_cache, slot_mapping)
+        check_slot_scatter_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[keep]
-    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[keep]
+    key, value = key[keep], value[keep]
+    if k_scale is not None:
+        key, value = quantize(key, k_scale), quantize(value, v_scale)
+    key_cache.view(-1, *key_cache.shape[2:])[slots] = key
+    value_cache.view(-1, *value_cache.shape[2:])[slots] = value
 
 
 def slot_scatter(
@@ -37,6 +45,8 @@ def slot_scatter(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     check: bool = True,
     backend: str = "auto",
 ) -> None:
@@ -47,10 +57,11 @@ def slot_scatter(
     """
     check_backend(backend)
     if check:
-        check_slot_scatter_args(key, value, key_cache, value_cache, slot_mapping)
+        check_slot_scatter_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if use_triton(backend, key_cache):
         from nanoserve.kernels.triton_scatter import slot_scatter_triton  # imports triton
 
-        slot_scatter_triton(key, value, key_cache, value_cache, slot_mapping)
+        slot_scatter_triton(key, value, key_cache, value_cache, slot_mapping, **scales)
     else:
-        slot_scatter_ref(key, value, key_cache, value_cache, slot_mapping, check=False)
+        slot_scatter_ref(key, value, key_cache, value_cache, slot_mapping, **scales, check=False)

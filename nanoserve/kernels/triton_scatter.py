@@ -4,6 +4,12 @@ Each program copies BLOCK_T tokens x BLOCK_H heads: a [BLOCK_T * BLOCK_H, BLOCK_
 rows are (token, head) pairs and whose columns run along head_dim, so loads and stores are
 wide and contiguous; a token's destination row is its slot's NUM_KV_HEADS x HEAD_DIM run.
 Tokens with slot -1 are masked out.
+
+FP8 pools are written through uint8 views: each value is divided by its KV head's scale,
+saturated to +-448 and encoded to e4m3 bits in integer arithmetic (round to nearest even;
+NaN stays NaN). The encoding is spelled out rather than left to ``.to(tl.float8e4nv)``
+because the Triton interpreter rounds that cast wrongly, and one code path on GPU and CPU
+keeps the CPU tests meaningful; the scatter is memory-bound, so the integer work is free.
 """
 
 from __future__ import annotations
@@ -15,12 +21,34 @@ import triton.language as tl
 from nanoserve.kernels.dispatch import next_pow2, unit_stride
 
 
+@triton.jit
+def encode_e4m3(x):
+    """float32 tile -> uint8 tile of float8_e4m3fn bits: saturating, round to nearest even."""
+    x = tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = ((bits >> 24) & 0x80).to(tl.uint8)
+    mag = bits & 0x7FFFFFFF
+    # normal e4m3 (|x| >= 2**-6): keep 3 mantissa bits, carry may reach the exponent
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal e4m3: round |x| * 2**9 to an integer (steps of 2**-9)
+    exp = (mag >> 23).to(tl.int32)
+    man = ((mag & 0x7FFFFF) | tl.where(exp > 0, 0x800000, 0)).to(tl.uint32)
+    shift = tl.minimum(141 - tl.maximum(exp, 1), 31).to(tl.uint32)
+    q = man >> shift
+    rest = man - (q << shift)
+    half = (1 << (shift - 1)).to(tl.uint32)
+    sub = q + ((rest > half) | ((rest == half) & ((q & 1) == 1))).to(tl.uint32)
+    code = tl.where(mag >= 0x3C800000, normal, sub)
+    code = tl.where(x != x, 0x7F, code)
+    return code.to(tl.uint8) | sign
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _slot_scatter_kernel(
-    key, value, key_cache, value_cache, slot_mapping, num_tokens,
+    key, value, key_cache, value_cache, slot_mapping, num_tokens, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     r = tl.arange(0, BLOCK_T * BLOCK_H)
     tokens = tl.program_id(0) * BLOCK_T + r // BLOCK_H
@@ -33,6 +61,12 @@ def _slot_scatter_kernel(
     k = tl.load(key + (t * stride_kt + heads * stride_kh)[:, None] + dims[None, :], mask=mask)
     v = tl.load(value + (t * stride_vt + heads * stride_vh)[:, None] + dims[None, :], mask=mask)
     dst = (slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM)[:, None] + dims[None, :]
+    if FP8:  # the pools are uint8 views
+        in_range = heads < NUM_KV_HEADS
+        ks = tl.load(k_scale + heads, mask=in_range, other=1.0)
+        vs = tl.load(v_scale + heads, mask=in_range, other=1.0)
+        k = encode_e4m3(tl.math.div_rn(k.to(tl.float32), ks[:, None]))
+        v = encode_e4m3(tl.math.div_rn(v.to(tl.float32), vs[:, None]))
     tl.store(key_cache + dst, k, mask=mask)
     tl.store(value_cache + dst, v, mask=mask)
 
@@ -58,6 +92,8 @@ def slot_scatter_triton(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     config: tuple[int, int] | None = None,
 ) -> None:
     """Launch the scatter; arguments as ``slot_scatter_ref`` (already validated).
@@ -76,10 +112,15 @@ def slot_scatter_triton(
     elements, num_warps = config or (ELEMENTS_PER_PROGRAM, NUM_WARPS)
     block_t, block_h, block_d = scatter_config(num_kv_heads, head_dim, elements)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_kv_heads, block_h))
+    fp8 = k_scale is not None
+    if fp8:
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    else:
+        k_scale = v_scale = slot_mapping  # unused
     _slot_scatter_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping, num_tokens,
+        key, value, key_cache, value_cache, slot_mapping, num_tokens, k_scale, v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8,
         num_warps=num_warps,
     )  # fmt: skip

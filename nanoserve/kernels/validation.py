@@ -13,7 +13,12 @@ import numbers
 
 import torch
 
+from nanoserve.kernels.quant import FP8_DTYPE
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# What the kernels compute in when the pools hold FP8 (query, new K/V rows).
+FP8_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+POOL_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -60,7 +65,7 @@ def check_positive(name: str, value: object, *, integer: bool = False) -> None:
 
 def check_kv_pools(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     """Pools: [num_blocks, block_size, num_kv_heads, head_dim], same shape/dtype/device."""
-    check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, contiguous=True)
+    check_tensor("key_cache", key_cache, ndim=4, dtypes=POOL_DTYPES, contiguous=True)
     check_tensor(
         "value_cache",
         value_cache,
@@ -78,19 +83,47 @@ def check_kv_pools(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         _fail("key_cache", f"has an empty dimension: shape {tuple(key_cache.shape)}")
 
 
+def check_kv_scales(
+    key_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> None:
+    """FP8 pools need float32 ``k_scale``/``v_scale`` [Hkv] on the pools' device, finite
+    and positive; other pools take none (a scale that would be ignored is refused)."""
+    num_kv_heads = key_cache.shape[2]
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if key_cache.dtype != FP8_DTYPE:
+            if scale is not None:
+                _fail(name, f"given for {key_cache.dtype} pools; only FP8 pools take scales")
+            continue
+        if scale is None:
+            _fail(name, "required: the pools hold float8_e4m3fn values")
+        check_tensor(name, scale, ndim=1, dtypes=(torch.float32,), device=key_cache.device)
+        if scale.shape[0] != num_kv_heads:
+            _fail(name, f"has {scale.shape[0]} entries for {num_kv_heads} KV heads")
+        if not bool(torch.isfinite(scale).all() & (scale > 0).all()):
+            _fail(name, "must be finite and positive")
+
+
+def compute_dtypes(key_cache: torch.Tensor) -> tuple[torch.dtype, ...]:
+    """Dtypes a query or new K/V row may have for these pools."""
+    return FP8_COMPUTE_DTYPES if key_cache.dtype == FP8_DTYPE else (key_cache.dtype,)
+
+
 def check_slot_scatter_args(
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Validate slot-scatter arguments (see ``slot_scatter_ref`` for shapes)."""
     check_kv_pools(key_cache, value_cache)
+    check_kv_scales(key_cache, k_scale, v_scale)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     device = key_cache.device
-    check_tensor("key", key, ndim=3, dtypes=(key_cache.dtype,), device=device)
-    check_tensor("value", value, ndim=3, dtypes=(key_cache.dtype,), device=device)
+    check_tensor("key", key, ndim=3, dtypes=compute_dtypes(key_cache), device=device)
+    check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=device)
     if tuple(key.shape[1:]) != (num_kv_heads, head_dim):
         _fail("key", f"shape {tuple(key.shape)} must be [T, {num_kv_heads}, {head_dim}]")
     if value.shape != key.shape:
@@ -119,12 +152,15 @@ def check_attention_args(
     scale: float | None,
     sliding_window: int | None,
     softcap: float | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Validate paged attention arguments; ``cu_seqlens_q=None`` means decode (one token each)."""
     check_kv_pools(key_cache, value_cache)
+    check_kv_scales(key_cache, k_scale, v_scale)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     device = key_cache.device
-    check_tensor("query", query, ndim=3, dtypes=(key_cache.dtype,), device=device)
+    check_tensor("query", query, ndim=3, dtypes=compute_dtypes(key_cache), device=device)
     if query.shape[2] != head_dim:
         _fail("query", f"head_dim {query.shape[2]} differs from the pool's {head_dim}")
     if query.shape[1] % num_kv_heads != 0:
