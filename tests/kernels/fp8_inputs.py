@@ -12,7 +12,7 @@ def fitting_scales(pool: torch.Tensor) -> torch.Tensor:
     """float32 [Hkv] scales that fit each head's finite amax in e4m3 with a random headroom
     of 1x to 4x."""
     amax = pool.nan_to_num(0.0).abs().amax(dim=(0, 1, 3)).clamp_min(1e-3)
-    return (amax / FP8_MAX * (1 + 3 * torch.rand(pool.shape[2]))).float()
+    return (amax / FP8_MAX * (1 + 3 * torch.rand(pool.shape[2], device=pool.device))).float()
 
 
 def make_fp8_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, **kwargs):
@@ -29,6 +29,7 @@ def make_fp8_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, **kwargs):
     )
     # magnitudes (hence scales) 10x apart between heads: a scale read for the wrong head shows
     spread = torch.logspace(-0.5, 0.5, num_kv_heads)[torch.randperm(num_kv_heads), None]
+    spread = spread.to(key32.device)
     key32, value32 = key32 * spread, value32 * spread
     k_scale, v_scale = fitting_scales(key32), fitting_scales(value32)
     pools = []
