@@ -72,9 +72,12 @@ def paged_attention(
         )
     softcap = kwargs.get("softcap")
     batch, heads, q_len, head_dim = query.shape
+    k_scale, v_scale = current.cache.paged.scales_for(key)  # (None, None) unless FP8 pools
     opts = dict(
         scale=scaling, sliding_window=window, softcap=softcap, check=False, backend=current.backend
     )
+    if k_scale is not None:
+        opts.update(k_scale=k_scale, v_scale=v_scale)
     if step.all_single and q_len == 1:
         out = paged_decode_attention(
             query[:, :, 0].contiguous(), key, value, step.block_tables, step.seq_lens, **opts

@@ -69,6 +69,8 @@ def patch_model(
     keep_pools: bool = True,
     prefix_sharing: bool = True,
     decode_loop: bool = True,
+    kv_dtype=None,
+    kv_scale: float | None = None,
 ):
     """Make ``model.generate`` run on the paged KV cache; returns ``model``.
 
@@ -92,7 +94,13 @@ def patch_model(
     or an earlier call stored (``shared_rows.py``; ``generate(..., cache_salt=...)`` keeps
     callers apart). ``decode_loop`` (the default): greedy and multinomial sampling run
     nanoserve's decode loop (``decode_loop.py``: token choice on the device, no host sync
-    per token); ``False`` runs HF's loop. Either way the tokens are stock's.
+    per token); ``False`` runs HF's loop. Either way the tokens are stock's. ``kv_dtype``:
+    None (the default) stores K/V in the model's dtype; "fp8_e4m3" (or
+    torch.float8_e4m3fn) stores them in FP8 with a float32 scale per (layer, KV head), half
+    the bytes of 16-bit pools (``max_memory`` holds twice the tokens); attention still
+    computes in the model's dtype with float32 accumulation. The scales are calibrated from
+    each pool's first write (the first prefill), with headroom, and kept for the pool's life
+    (later values beyond them saturate); ``kv_scale`` fixes them to one number instead.
 
     Every argument is checked before anything changes: a failed call leaves the model as it
     was. Patching a patched model again replaces its options.
@@ -105,7 +113,7 @@ def patch_model(
         )
     family = family_for(model.config)  # NotImplementedError names the supported families
     layout = local_layout(family.layout(model.config), model)  # this rank's KV heads
-    options = PoolOptions(layout, block_size, num_blocks, max_memory)
+    options = PoolOptions(layout, block_size, num_blocks, max_memory, kv_dtype, kv_scale)
     for name, value in (
         ("cuda_graphs", cuda_graphs),
         ("compile_decode", compile_decode),
@@ -424,6 +432,8 @@ def _new_store(state: PatchState, size: PoolSize, num_blocks, pools, allocators)
             backend=state.backend,
             allocators=allocators,
             window_slack=READ_BACK_LAG,
+            kv_dtype=state.pool.kv_dtype,
+            kv_scale=state.pool.kv_scale,
         )
     return PagedKVCache(
         layout.num_layers,
@@ -435,6 +445,8 @@ def _new_store(state: PatchState, size: PoolSize, num_blocks, pools, allocators)
         allocator=allocators[0],
         sliding_window=layout.sliding_window,
         window_slack=READ_BACK_LAG,  # the decode loop crops the steps it ran past a stop
+        kv_dtype=state.pool.kv_dtype,
+        kv_scale=state.pool.kv_scale,
     )
 
 
@@ -479,7 +491,8 @@ def _paged_generate(self, *args, **kwargs):
             kwargs.pop(name, None)
         share = state.prefix_sharing and _may_share(kwargs, option)
         size = pool_size(state.pool, self, args, kwargs, share)
-        num_blocks, pools, allocators = _pools_for(state, size, self.dtype)
+        pool_dtype = state.pool.pool_dtype(self.dtype)
+        num_blocks, pools, allocators = _pools_for(state, size, pool_dtype)
         paged = _new_store(state, size, num_blocks, pools, allocators)
         cache = PagedCache(paged)
         if state.prefix_sharing and not option("prefill_chunk_size"):  # else none looked up
@@ -492,7 +505,7 @@ def _paged_generate(self, *args, **kwargs):
         # weakly: a cache the caller drops is gone, and its memory can serve the next call
         state.last_cache = weakref.ref(cache)
         kept = [
-            KeptPools(self.dtype, (g.key_pools, g.value_pools), weakref.ref(paged), g.allocator)
+            KeptPools(pool_dtype, g.pool_lists, weakref.ref(paged), g.allocator)
             for g in paged.groups
         ]
         kept[0].others = tuple(kept[1:])

@@ -57,9 +57,18 @@ class PagedConfig:
     keep_pools: bool = True
     prefix_sharing: bool = True
     decode_loop: bool = True
+    kv_dtype: str | None = None
+    kv_scale: float | None = None
 
     def __post_init__(self):
-        PoolOptions(KVLayout(1, 1, 1), self.block_size, self.num_blocks, self.max_memory)
+        PoolOptions(
+            KVLayout(1, 1, 1),
+            self.block_size,
+            self.num_blocks,
+            self.max_memory,
+            self.kv_dtype,
+            self.kv_scale,
+        )
         flags = ("cuda_graphs", "compile_decode", "keep_pools", "prefix_sharing", "decode_loop")
         for name in flags:
             if not isinstance(getattr(self, name), bool):

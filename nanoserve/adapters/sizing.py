@@ -10,6 +10,8 @@ import torch
 from nanoserve.adapters.family import KVLayout
 from nanoserve.adapters.read_back import READ_BACK_LAG
 from nanoserve.cache.allocator import as_index
+from nanoserve.kernels.quant import FP8_DTYPE, KV_DTYPE_NAMES
+from nanoserve.kernels.validation import check_positive
 from nanoserve.log import get_logger
 
 _log = get_logger(__name__)
@@ -17,12 +19,16 @@ _log = get_logger(__name__)
 
 @dataclass(frozen=True)
 class PoolOptions:
-    """patch_model's pool arguments; at most one of ``num_blocks`` / ``max_memory``."""
+    """patch_model's pool arguments; at most one of ``num_blocks`` / ``max_memory``.
+    ``kv_dtype``: the pools' dtype (None: the model's); ``kv_scale``: FP8 pools' fixed scale
+    (None: calibrated)."""
 
     layout: KVLayout
     block_size: int = 16
     num_blocks: int | None = None
     max_memory: int | None = None
+    kv_dtype: torch.dtype | None = None
+    kv_scale: float | None = None
 
     @property
     def fixed(self) -> bool:
@@ -38,6 +44,25 @@ class PoolOptions:
             object.__setattr__(self, "num_blocks", as_index(self.num_blocks, "num_blocks", 1))
         if self.max_memory is not None:
             object.__setattr__(self, "max_memory", as_index(self.max_memory, "max_memory", 1))
+        object.__setattr__(self, "kv_dtype", kv_dtype_of(self.kv_dtype))
+        if self.kv_scale is not None:
+            if self.kv_dtype is None:
+                raise ValueError("kv_scale: only FP8 pools (kv_dtype='fp8_e4m3') take a scale")
+            check_positive("kv_scale", self.kv_scale)
+
+    def pool_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the pools of a model computing in ``model_dtype``."""
+        return self.kv_dtype or model_dtype
+
+
+def kv_dtype_of(value) -> torch.dtype | None:
+    """patch_model's ``kv_dtype`` as a pool dtype: None (the model's dtype), "fp8_e4m3" or
+    torch.float8_e4m3fn."""
+    if value is None or value == FP8_DTYPE:
+        return None if value is None else FP8_DTYPE
+    if isinstance(value, str) and value in KV_DTYPE_NAMES:
+        return KV_DTYPE_NAMES[value]
+    raise ValueError(f"kv_dtype: expected None, 'fp8_e4m3' or torch.float8_e4m3fn, got {value!r}")
 
 
 def block_bytes(
@@ -167,7 +192,10 @@ def pool_size(
     chunk = generate_option(model, kwargs, "prefill_chunk_size") or None
     needed = [_blocks_held(shape, bs, window, share_rows, chunk) for _, window in groups]
     if options.max_memory is not None:
-        sizes = [block_bytes(options.layout, bs, model.dtype, layers) for layers, _ in groups]
+        sizes = [
+            block_bytes(options.layout, bs, options.pool_dtype(model.dtype), layers)
+            for layers, _ in groups
+        ]
         if options.max_memory < sum(sizes):
             raise ValueError(
                 f"max_memory: {options.max_memory} bytes is less than one block "

@@ -40,7 +40,7 @@ class KeptPools:
     further group's in ``others``."""
 
     dtype: torch.dtype
-    pools: tuple[list, list]  # (key_pools, value_pools)
+    pools: tuple[list, ...]  # (key_pools, value_pools, key_scales, value_scales)
     owner: Callable[[], object | None]  # weak reference to the PagedKVCache storing in them
     allocator: BlockAllocator
     others: tuple[KeptPools, ...] = ()

@@ -22,6 +22,7 @@ import torch
 
 from nanoserve.cache.allocator import BlockAllocator, as_index
 from nanoserve.cache.paged_cache import PagedKVCache, StepMetadata, grouped_metadata
+from nanoserve.kernels.quant import FP8_DTYPE
 
 
 def check_layer_groups(
@@ -68,6 +69,8 @@ class GroupedKVCache:
         backend: str = "auto",
         allocators: Sequence[BlockAllocator | None] | None = None,
         window_slack: int = 0,
+        kv_dtype: torch.dtype | None = None,
+        kv_scale: float | None = None,
     ):
         """``layer_groups``: (layer indices, window or None) per group, every layer in one.
         ``num_blocks``, ``pools`` and ``allocators``: one entry per group, as
@@ -97,6 +100,8 @@ class GroupedKVCache:
                 allocator=allocator,
                 sliding_window=window,
                 window_slack=window_slack,
+                kv_dtype=kv_dtype,
+                kv_scale=kv_scale,
             )
             for (layers, window), blocks, group_pools, allocator in zip(
                 groups, num_blocks, pools, allocators, strict=True
@@ -117,6 +122,16 @@ class GroupedKVCache:
     @property
     def groups(self) -> tuple[PagedKVCache, ...]:
         return self._groups
+
+    def scales_for(self, key_pool: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """(k_scale, v_scale) of the layer whose key pool is ``key_pool``; (None, None)
+        unless the pools are FP8 (see ``PagedKVCache.scales_for``)."""
+        if key_pool.dtype != FP8_DTYPE:
+            return None, None
+        for group in self._groups:
+            if any(pool is key_pool for pool in group.key_pools):
+                return group.scales_for(key_pool)
+        raise ValueError("key_pool: not a pool of this cache")
 
     def layer_window(self, layer_idx: int) -> int | None:
         return self._groups[self._where[layer_idx][0]].sliding_window

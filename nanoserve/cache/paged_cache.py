@@ -23,6 +23,15 @@ the entries read as block 0).
 A model whose layers attend differently (sliding and global layers) stores each group of
 layers in a ``PagedKVCache`` of its own (``grouped_cache.py``): there a block id names a
 slot in every layer of its group only.
+
+With ``kv_dtype=torch.float8_e4m3fn`` the pools hold FP8 values and each layer has float32
+scales per KV head (``key_scales`` / ``value_scales``, [Hkv]) beside its pools: the scatter
+quantizes on write (saturating) and the attention kernels dequantize on read. A layer's
+scales are set once, when its pool takes its first write (calibrated from that write's
+per-head amax times ``CALIBRATION_HEADROOM``, or a fixed ``kv_scale``), and never change
+while the pool lives: later writes saturate instead, since a new scale would misread every
+token already stored (and the cached prefixes and the decode graphs, which read the scales
+in place, go on with the pools).
 """
 
 from __future__ import annotations
@@ -35,7 +44,14 @@ import torch
 from nanoserve.cache.allocator import BlockAllocator, as_index
 from nanoserve.cache.block_table import DROPPED, BlockTable
 from nanoserve.kernels.dispatch import check_backend
+from nanoserve.kernels.quant import FP8_DTYPE, FP8_MAX
 from nanoserve.kernels.slot_scatter import slot_scatter
+from nanoserve.kernels.validation import check_positive
+
+# Calibrated FP8 scales map this many times the first write's per-head amax to e4m3's
+# largest value (448): room for later tokens larger than the prompt's (see
+# benchmarks/fp8_accuracy.py for the measurement behind the choice).
+CALIBRATION_HEADROOM = 2.0
 
 
 @dataclass
@@ -110,12 +126,14 @@ def grouped_metadata(
     )
 
 
-def _misfit(layer_idx: int, pool: torch.Tensor, like: torch.Tensor, num_blocks: int) -> str:
+def _misfit(
+    layer_idx: int, pool: torch.Tensor, like: torch.Tensor, num_blocks: int, dtype: torch.dtype
+) -> str:
     """Why ``like`` [tokens, kv_heads, head_dim] cannot be stored in layer ``layer_idx``'s
-    ``pool`` [num_blocks, block_size, kv_heads, head_dim]."""
+    ``pool`` [num_blocks, block_size, kv_heads, head_dim] of ``dtype``."""
     figures = [
         ("blocks", pool.shape[0], num_blocks),
-        ("dtype", pool.dtype, like.dtype),
+        ("dtype", pool.dtype, dtype),
         ("heads", pool.shape[2], like.shape[1]),
         ("head_dim", pool.shape[3], like.shape[2]),
         ("device", pool.device, like.device),
@@ -143,6 +161,8 @@ class PagedKVCache:
         allocator: BlockAllocator | None = None,
         sliding_window: int | None = None,
         window_slack: int = 0,
+        kv_dtype: torch.dtype | None = None,
+        kv_scale: float | None = None,
     ):
         """``table_width``: the least number of columns of every step's ``block_tables``.
         A fixed width keeps shapes (and so the kernels' launch choices) the same from step
@@ -166,8 +186,22 @@ class PagedKVCache:
         (a query at position p sees p - sliding_window < q <= p); blocks wholly before that
         are released at a later ``begin_step`` (see the module's docstring). None (the
         default) keeps every block. ``window_slack``: tokens a later ``drop_last`` may cut
-        and still continue (at least ``block_size`` are kept)."""
+        and still continue (at least ``block_size`` are kept).
+
+        ``kv_dtype``: None (pools take the dtype of the K/V written) or
+        ``torch.float8_e4m3fn`` (FP8 pools with per-(layer, KV head) scales; ``pools`` may
+        then be four lists: key pools, value pools, key scales, value scales, as
+        ``pool_lists`` gives them). ``kv_scale``: None calibrates each layer's scales from
+        its first write; a positive number fixes every scale to it."""
         check_backend(backend)
+        if kv_dtype is not None and kv_dtype != FP8_DTYPE:
+            raise ValueError(f"kv_dtype: expected None or torch.float8_e4m3fn, got {kv_dtype!r}")
+        if kv_scale is not None:
+            if kv_dtype is None:
+                raise ValueError("kv_scale: only FP8 pools (kv_dtype) take a scale")
+            check_positive("kv_scale", kv_scale)
+        self.kv_dtype = kv_dtype
+        self.kv_scale = kv_scale
         if sliding_window is not None:
             sliding_window = as_index(sliding_window, "sliding_window", minimum=1)
         self.sliding_window = sliding_window
@@ -189,10 +223,15 @@ class PagedKVCache:
         self.allocator = allocator
         if pools is None:
             pools = ([None] * num_layers, [None] * num_layers)
-        if len(pools) != 2 or any(len(p) != num_layers for p in pools):
-            raise ValueError(f"pools: expected two lists of {num_layers} entries")
+        if len(pools) not in (2, 4) or any(len(p) != num_layers for p in pools):
+            raise ValueError(f"pools: expected two (or four) lists of {num_layers} entries")
+        if len(pools) == 2:
+            pools = (*pools, [None] * num_layers, [None] * num_layers)
         self.key_pools: list[torch.Tensor | None] = pools[0]
         self.value_pools: list[torch.Tensor | None] = pools[1]
+        # FP8 pools' float32 scales [Hkv] per layer (None: no FP8 pool, or not written yet)
+        self.key_scales: list[torch.Tensor | None] = pools[2]
+        self.value_scales: list[torch.Tensor | None] = pools[3]
         self._written = [False] * num_layers  # whether this cache has stored into the layer
         self._attached = False  # whether a sequence took cached blocks from the allocator
         self.tables: list[BlockTable] = []
@@ -445,22 +484,51 @@ class PagedKVCache:
 
     # -- per layer ---------------------------------------------------------------------------
 
+    @property
+    def pool_lists(self) -> tuple[list, list, list, list]:
+        """(key_pools, value_pools, key_scales, value_scales): what ``pools=`` takes back."""
+        return self.key_pools, self.value_pools, self.key_scales, self.value_scales
+
     def _pools(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.allocator.num_blocks, self.block_size, *like.shape[1:])
+        dtype = self.kv_dtype or like.dtype
         pool = self.key_pools[layer_idx]
-        if pool is None or (pool.shape, pool.dtype, pool.device) != (
-            shape,
-            like.dtype,
-            like.device,
-        ):
+        if pool is None or (pool.shape, pool.dtype, pool.device) != (shape, dtype, like.device):
             if pool is not None and (self._written[layer_idx] or self._attached):
-                misfit = _misfit(layer_idx, pool, like, self.allocator.num_blocks)
+                misfit = _misfit(layer_idx, pool, like, self.allocator.num_blocks, dtype)
                 raise ValueError(f"key: {misfit}")
             if pool is not None:  # the pool's cached prefixes go with its memory
                 self.allocator.clear_prefixes()
-            self.key_pools[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            self.key_pools[layer_idx] = torch.zeros(shape, dtype=dtype, device=like.device)
             self.value_pools[layer_idx] = torch.zeros_like(self.key_pools[layer_idx])
+            self.key_scales[layer_idx] = self.value_scales[layer_idx] = None
         return self.key_pools[layer_idx], self.value_pools[layer_idx]
+
+    def _first_scales(self, rows: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """float32 [Hkv] scales for a new FP8 pool from the first K (or V) rows written
+        [T, Hkv, D] (``real`` bool [T]: the rows stored): ``kv_scale``, or the rows' per-head
+        amax times ``CALIBRATION_HEADROOM`` over 448. Computed on the device (no sync)."""
+        if self.kv_scale is not None:
+            return torch.full(rows.shape[1:2], float(self.kv_scale), device=rows.device)
+        amax = rows.detach().abs().amax(dim=-1).float()  # [T, Hkv]
+        amax = torch.where(real[:, None], amax.nan_to_num(0.0, 0.0, 0.0), 0.0).amax(dim=0)
+        # a head with nothing to go by (all zero) gets scale 1 (e4m3's own range)
+        return torch.where(amax > 0, amax * (CALIBRATION_HEADROOM / FP8_MAX), 1.0)
+
+    def scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer ``layer_idx``'s (k_scale, v_scale) float32 [Hkv], or (None, None) for pools
+        in the compute dtype."""
+        return self.key_scales[layer_idx], self.value_scales[layer_idx]
+
+    def scales_for(self, key_pool: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """(k_scale, v_scale) of the layer whose key pool is ``key_pool`` (what ``write``
+        returned); (None, None) unless the pools are FP8."""
+        if key_pool.dtype != FP8_DTYPE:
+            return None, None
+        for layer, pool in enumerate(self.key_pools):
+            if pool is key_pool:
+                return self.scales(layer)
+        raise ValueError("key_pool: not a pool of this cache")
 
     def write(
         self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, *, check: bool = True
@@ -477,9 +545,15 @@ class PagedKVCache:
             raise ValueError(f"key: expected [tokens, kv_heads, head_dim], got {tuple(key.shape)}")
         key_pool, value_pool = self._pools(layer_idx, key)
         step = self.step.to(key_pool.device)
+        if self.kv_dtype is not None and self.key_scales[layer_idx] is None:
+            real = step.slot_mapping >= 0
+            self.key_scales[layer_idx] = self._first_scales(key, real)
+            self.value_scales[layer_idx] = self._first_scales(value, real)
+        k_scale, v_scale = self.scales(layer_idx)
         slot_scatter(
-            key, value, key_pool, value_pool, step.slot_mapping, check=check, backend=self.backend
-        )
+            key, value, key_pool, value_pool, step.slot_mapping,
+            k_scale=k_scale, v_scale=v_scale, check=check, backend=self.backend,
+        )  # fmt: skip
         self._written[layer_idx] = True
         return key_pool, value_pool
 
