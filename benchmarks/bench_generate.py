@@ -12,7 +12,10 @@ bytes reserved against KV bytes the tokens need, and how many generated tokens e
 default's.
 
 Usage: python3 benchmarks/bench_generate.py [--new-tokens 256] [--tiny] [--only a,b]
-    [--capacity [--prefill-chunk 256]] [--stream 50]
+    [--capacity [--prefill-chunk 256] [--kv-dtype fp8_e4m3]] [--stream 50]
+Provider ``nanoserve_graphs_fp8`` is the patched model with FP8 pools
+(``kv_dtype="fp8_e4m3"``); ``--capacity --kv-dtype fp8_e4m3`` fills the 40 GiB pool with FP8
+blocks (twice the rows of bf16's).
 `--stream N` runs N patched generate calls of random sizes (batch 1..32, prompts 16..1024,
 64 new tokens) with the default pool policy (a kept pool serves every call that fits) and
 with ``keep_pools=False`` (a new pool, so new graphs, every call): seconds per call, capture
@@ -107,10 +110,12 @@ def left_padded(lens: list[int], vocab: int, gen: torch.Generator, device, low: 
     return ids.to(device), mask.to(device)
 
 
-def kv_bytes_per_token(model) -> int:
+def kv_bytes_per_token(model, kv_dtype: str | None = None) -> int:
+    """K/V bytes a token takes over all layers: in the model's dtype, or 1 byte an element
+    with ``kv_dtype="fp8_e4m3"``."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    elem = next(model.parameters()).element_size()
+    elem = 1 if kv_dtype else next(model.parameters()).element_size()
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * elem
 
 
@@ -190,14 +195,17 @@ def check_loop(graphs: dict, decode_loop: bool) -> None:
         raise RuntimeError(f"HF's loop was asked for, {ran} ran")
 
 
-def capacity(model, new: int, device: str, budget: int, prefill_chunk: int) -> dict:
+def capacity(
+    model, new: int, device: str, budget: int, prefill_chunk: int, kv_dtype: str | None = None
+) -> dict:
     """The largest ragged batch (prompts drawn uniformly from 128..2048, + ``new`` tokens)
     whose blocks fit in ``budget`` bytes of paged KV, generated in one call with CUDA graphs,
     against the rows the static cache holds in the same bytes (every row reserved at
-    2048 + ``new``). The prompts are prefilled in chunks of ``prefill_chunk`` columns
-    (transformers' ``prefill_chunk_size``): a padded prefill of ~960 x 2048 tokens needs
-    more activation memory than the card has beside the pool."""
-    per_token = kv_bytes_per_token(model)
+    2048 + ``new``, in the model's dtype). ``kv_dtype="fp8_e4m3"``: FP8 pools, so the
+    budget holds twice the blocks of a bf16 model's. The prompts are prefilled in chunks of
+    ``prefill_chunk`` columns (transformers' ``prefill_chunk_size``): a padded prefill of
+    ~960 x 2048 tokens needs more activation memory than the card has beside the pool."""
+    per_token = kv_bytes_per_token(model, kv_dtype)
     block_size = 16
     pool_blocks = budget // (block_size * per_token)
     gen = torch.Generator().manual_seed(2)
@@ -217,7 +225,7 @@ def capacity(model, new: int, device: str, budget: int, prefill_chunk: int) -> d
     ids, mask = left_padded(lens, model.config.vocab_size, gen, device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    nanoserve.patch_model(model, block_size=block_size, max_memory=budget)
+    nanoserve.patch_model(model, block_size=block_size, max_memory=budget, kv_dtype=kv_dtype)
     try:
         # warm-up: the extend kernel tunes and the decode graph of this bucket is captured
         run_generate(model, ids, mask, 2, device, prefill_chunk_size=prefill_chunk)
@@ -226,9 +234,10 @@ def capacity(model, new: int, device: str, budget: int, prefill_chunk: int) -> d
         graphs = nanoserve.decode_graph_stats(model)
     finally:
         nanoserve.unpatch_model(model)
-    static_rows = budget // ((2048 + new) * per_token)
+    static_rows = budget // ((2048 + new) * kv_bytes_per_token(model))
     needed = sum(n + new for n in lens) * per_token
-    row = dict(batch=f"capacity{rows}_128to2048", provider="nanoserve_graphs",
+    provider = "nanoserve_graphs" + ("_fp8" if kv_dtype else "")
+    row = dict(batch=f"capacity{rows}_128to2048", provider=provider,
                rows=rows, static_rows=static_rows, ratio=round(rows / static_rows, 3),
                **{"tok/s": round(out.numel() / secs, 1), "seconds": round(secs, 2),
                   "kv_reserved_GiB": round(stats["bytes_reserved"] / GIB, 3),
@@ -256,6 +265,9 @@ PROVIDERS = {
         provider_patched, cuda_graphs=True, decode_loop=False
     ),
     "nanoserve_eager": functools.partial(provider_patched, cuda_graphs=False),
+    "nanoserve_graphs_fp8": functools.partial(
+        provider_patched, cuda_graphs=True, kv_dtype="fp8_e4m3"
+    ),
     "stock_static_compile": provider_static,
     "hf_generate_batch": provider_hf_paged,
 }
@@ -513,6 +525,8 @@ def main() -> None:
     )
     parser.add_argument("--prefill-chunk", type=int, default=256,
                         help="prefill_chunk_size of the capacity run")  # fmt: skip
+    parser.add_argument("--kv-dtype", default=None, choices=["fp8_e4m3"],
+                        help="the capacity run's pool dtype (default: the model's)")  # fmt: skip
     parser.add_argument("--stream", type=int, default=0, metavar="N",
                         help="only N calls of random sizes, under both pool policies")  # fmt: skip
     parser.add_argument("--system-prompt", action="store_true",
@@ -553,7 +567,7 @@ def main() -> None:
         return
     if args.capacity:
         budget = 2**22 if args.tiny else 40 * GIB
-        row = capacity(model, args.new_tokens, device, budget, args.prefill_chunk)
+        row = capacity(model, args.new_tokens, device, budget, args.prefill_chunk, args.kv_dtype)
         write_csv([row], "capacity.csv")
     batches = make_batches(args.tiny, device, model.config.vocab_size)
     chosen = [p for p in PROVIDERS if not args.only or p in args.only.split(",")]
