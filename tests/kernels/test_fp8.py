@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from fp8_inputs import make_fp8_paged_kv
 from kernel_inputs import needs_interpreter, rel_err, row_errors
 
@@ -22,10 +24,17 @@ from nanoserve.kernels import (
 )
 from nanoserve.kernels.quant import FP8_DTYPE, FP8_MAX
 from nanoserve.kernels.triton_decode import paged_decode_attention_triton
+from nanoserve.kernels.triton_scatter import encode_e4m3
 
 # per-row relative error against float64 on the same dequantized values (the FP8 rounding
 # itself is in both): float32 accumulation order, and float16 query/output rounding
 FP8_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+@triton.jit
+def _encode(x, out, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out + i, encode_e4m3(tl.load(x + i)))
 
 
 def _scatter_inputs(num_tokens, num_kv_heads, head_dim, block_size, dtype):
@@ -252,3 +261,22 @@ def test_scales_for_unquantized_pools_and_fp8_queries_are_refused():
     with pytest.raises(ValueError, match="^key: dtype"):
         rows = torch.randn(2, 2, 64).double()
         slot_scatter(rows, rows, fp8, fp8.clone(), torch.tensor([0, 1]), **scales)
+
+
+@needs_interpreter
+def test_e4m3_encoder_rounds_like_torch():
+    """The scatter's integer e4m3 encoder against torch's cast on the cases random data
+    never hits: every midpoint between codes (ties to even) and its neighbours, the
+    subnormals, zero, +-inf, NaN and values past 448."""
+    codes = torch.arange(0, 127, dtype=torch.uint8).view(FP8_DTYPE).float()
+    mids = (codes[1:] + codes[:-1]) / 2
+    up, down = torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)
+    special = torch.tensor([float("nan"), float("inf"), 0.0, -0.0, 1e-30, 2**-10, 464.0, 465.0])
+    x = torch.cat([codes, mids, up, down, special, torch.randn(300) * 0.01])
+    x = torch.cat([x, -x])
+    n = triton.next_power_of_2(x.numel())
+    x = torch.cat([x, torch.zeros(n - x.numel())])
+    out = torch.empty(n, dtype=torch.uint8)
+    _encode[(1,)](x, out, N=n)
+    want = x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+    assert torch.equal(out, want), x[out != want][:8]
