@@ -26,7 +26,8 @@ def test_fp8_generate_stays_close_to_float_pools(backend):
     """Per-step logits over FP8 pools stay within FP8's rounding of float32 pools'; the pools
     are float8_e4m3fn with float32 scales per (layer, KV head); the Triton path (scatter
     bytes, fold of the scales) gives the torch references' logits. Planting a scatter that
-    ignores the scales (stores x, not x / scale) failed this test."""
+    ignores the scales (stores x, not x / scale), or attention that does not pass the
+    layer's scales to the kernels, failed this test."""
     model = tiny_model("llama")
     inputs = padded_batch([9, 4, 7], 9)
     base, _, _ = _generate(model, inputs)
