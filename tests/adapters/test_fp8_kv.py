@@ -97,3 +97,22 @@ def test_bad_fp8_options_leave_the_model_as_it_was(options, match):
     assert model.config._attn_implementation == before
     with pytest.raises(ValueError, match=match):
         nanoserve.PagedConfig(**options)
+
+
+def test_fp8_pools_in_every_layer_group():
+    """Gemma 3 (a sliding and a global layer group, each its own store): every group's pools
+    are FP8 with scales, and the logits stay within FP8's rounding of float pools'. Planted:
+    GroupedKVCache not passing kv_dtype to its groups: failed on the pools' dtype."""
+    from test_new_families import tiny_model as tiny_family
+
+    model = tiny_family("gemma3")
+    inputs = padded_batch([13, 6], 13)
+    base, _, _ = _generate(model, inputs)
+    out, cache, _ = _generate(model, inputs, kv_dtype="fp8_e4m3")
+    groups = cache.paged.groups
+    assert len(groups) == 2
+    for group in groups:
+        assert all(p.dtype == FP8_DTYPE for p in group.key_pools + group.value_pools)
+        assert all(s is not None and s.dtype == torch.float32 for s in group.key_scales)
+    a, b = out.logits[0], base.logits[0]  # the prefill's logits: the same prefix
+    assert ((a - b).norm() / b.norm()).item() < 0.05
