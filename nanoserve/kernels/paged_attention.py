@@ -16,7 +16,7 @@ import torch
 from nanoserve.kernels.dispatch import check_backend, use_triton
 from nanoserve.kernels.quant import dequantize
 from nanoserve.kernels.reference import attend_sequence, gather_history
-from nanoserve.kernels.validation import check_attention_args
+from nanoserve.kernels.validation import check_attention_args, check_positive
 
 
 def _default_scale(head_dim: int, scale: float | None) -> float:
@@ -168,13 +168,19 @@ def paged_extend_attention(
     v_scale: torch.Tensor | None = None,
     check: bool = True,
     backend: str = "auto",
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Extend attention; same contract as ``paged_extend_attention_ref``.
 
     query packed [T, Hq, D] with cu_seqlens_q int32 [S + 1]; returns [T, Hq, D].
     ``backend`` and ``check`` as in ``paged_decode_attention`` (no host sync with check=False).
+    ``max_query_len``: optional host-known bound on the new tokens of any one sequence; a
+    small one (speculative verify) routes to the GQA-packed split-KV kernel. It only picks
+    the kernel: a wrong bound is slower, never wrong.
     """
     check_backend(backend)
+    if max_query_len is not None:
+        check_positive("max_query_len", max_query_len, integer=True)
     if check:
         check_attention_args(
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
@@ -188,6 +194,7 @@ def paged_extend_attention(
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
             scale=_default_scale(query.shape[-1], scale),
             sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
+            max_query_len=None if max_query_len is None else int(max_query_len),
         )  # fmt: skip
     return paged_extend_attention_ref(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,

@@ -19,6 +19,8 @@ tests quick.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -28,12 +30,30 @@ from nanoserve.kernels.triton_common import mma, mma_acc, scores_to_log2
 
 
 @triton.jit
+def tanh_approx(x):
+    """tanh in one special-function instruction (CUDA only: the interpreter has no PTX)."""
+    return tl.inline_asm_elementwise(
+        "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def softcap_to_log2(s, scale, softcap, FAST_TANH: tl.constexpr):
+    """Raw q.k in fp32 -> soft-capped logits in base 2; FAST_TANH uses ``tanh_approx``."""
+    if FAST_TANH:
+        return tanh_approx(s * (scale / softcap)) * (softcap * 1.4426950408889634)
+    else:
+        return scores_to_log2(s, scale, softcap, True)
+
+
+@triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
     lo, hi, kv_lo, kv_hi, qk_scale, scale, softcap, window,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
+    FAST_TANH: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key tiles [lo, hi) (lo a multiple of BLOCK_N).
 
@@ -69,7 +89,7 @@ def _attend_tiles(
             if HAS_WINDOW:
                 visible = visible & (pos[None, :] > q_pos[:, None] - window)
         if HAS_SOFTCAP:
-            s = scores_to_log2(s, scale, softcap, HAS_SOFTCAP)
+            s = softcap_to_log2(s, scale, softcap, FAST_TANH)
             if MASKED:
                 s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -96,6 +116,7 @@ def _extend_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
+    FAST_TANH: tl.constexpr,
     k_scale=None, v_scale=None, FP8: tl.constexpr = False,
 ):  # fmt: skip
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # latest (longest) tiles first
@@ -153,17 +174,17 @@ def _extend_kernel(
             acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb,
             stride_ct, (kv_lo // BLOCK_N) * BLOCK_N, full_lo, kv_lo, kv_hi, qk_scale, scale,
             softcap, window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True,
-            HAS_WINDOW, HAS_SOFTCAP, FP32,
+            HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
         )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
         full_lo, diag, kv_lo, kv_hi, qk_scale, scale, softcap, window,
-        HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, HAS_SOFTCAP, FP32,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
         diag, kv_hi, kv_lo, kv_hi, qk_scale, scale, softcap, window,
-        HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, FP32,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
     )  # fmt: skip
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -196,6 +217,11 @@ CUDA_CONFIGS: dict[str, list[tuple[int, int, int, int]]] = {
     "fp32-d256": [(64, 32, 8, 3)],
 }
 INTERPRETER_CONFIG = (16, 32, 4, 1)
+# Calls whose caller passes max_query_len <= this (speculative verify, short chunks) take the
+# GQA-packed split-KV kernel of triton_verify.py: memory-bound like decode.
+PACKED_MAX_QUERY_LEN = 16
+# Soft-capping through tanh.approx on CUDA for 16-bit queries (see ``fast_tanh``).
+FAST_TANH = True
 # Autotune buckets: a grid under this many waves of BLOCK_M=128 tiles counts as small.
 SMALL_GRID_WAVES = 2
 # ... and sequences of at most this many new tokens on average count as short.
@@ -210,6 +236,24 @@ def config_family(head_dim: int, dtype: torch.dtype) -> str:
     if d_pad <= 64:
         return "16bit-d64"
     return "16bit-d128" if d_pad <= 128 else "16bit-d256"
+
+
+def fast_tanh(query: torch.Tensor) -> bool:
+    """Soft-cap with ``tanh.approx`` (one instruction, about 11 bits): on CUDA, for 16-bit
+    queries, while ``FAST_TANH`` is set (float32 and the interpreter take the exact tanh)."""
+    on_cuda = query.device.type == "cuda" and torch.version.hip is None
+    return (
+        FAST_TANH
+        and on_cuda
+        and query.dtype != torch.float32
+        and os.environ.get("TRITON_INTERPRET") != "1"
+    )
+
+
+def uses_packed(max_query_len: int | None) -> bool:
+    """True when a call with this host-known bound on new tokens per sequence takes the
+    GQA-packed split-KV kernel (triton_verify.py) rather than the extend tiles."""
+    return max_query_len is not None and max_query_len <= PACKED_MAX_QUERY_LEN
 
 
 _TUNED: dict[str, object] = {}
@@ -260,14 +304,25 @@ def paged_extend_attention_triton(
     config: tuple[int, int, int, int] | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Launch extend attention (arguments already validated); returns [T, Hq, D] like query.
     FP8 pools come with float32 ``k_scale``/``v_scale`` [Hkv].
 
     ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) bypasses autotuning (tests, sweeps).
     On CUDA the first call for a (head dim, grid size bucket, dtype) autotunes: warm up
-    before capturing a CUDA graph.
+    before capturing a CUDA graph. ``max_query_len``: a host-known bound on the new tokens of
+    every sequence, or None; at most ``PACKED_MAX_QUERY_LEN`` (and no ``config``) routes the
+    call to the GQA-packed split-KV kernel (a wrong bound costs speed, never correctness).
     """
+    # The packed kernel reads pools in the query's dtype only (no FP8 scales yet).
+    if config is None and k_scale is None and uses_packed(max_query_len):
+        from nanoserve.kernels.triton_verify import paged_extend_attention_packed
+
+        return paged_extend_attention_packed(
+            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale,
+            sliding_window=sliding_window, softcap=softcap, max_query_len=max_query_len,
+        )  # fmt: skip
     total_q, num_q_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -297,7 +352,7 @@ def paged_extend_attention_triton(
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim),
         BLOCK_SIZE=block_size, SEARCH_STEPS=max(1, num_seqs.bit_length()),
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        FP32=query.dtype == torch.float32,
+        FP32=query.dtype == torch.float32, FAST_TANH=fast_tanh(query),
         k_scale=k_scale, v_scale=v_scale, FP8=k_scale is not None,
     )  # fmt: skip
 

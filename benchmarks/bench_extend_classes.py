@@ -1,0 +1,310 @@
+"""Paged extend attention per shape class: every candidate kernel config of nanoserve next to
+FlashInfer's paged prefill and a pure read of the same K/V bytes. It decides nothing: the
+table shows each candidate so the defaults (``CUDA_CONFIGS``, ``PACKED_MAX_QUERY_LEN``,
+``FAST_TANH`` in triton_extend.py; ``packed_config`` / ``packed_splits`` in triton_verify.py)
+can be picked from it.
+
+bf16, block size 16, blocks scattered at random, NaN in every unused block (a read past a
+sequence's end shows as err = inf). Each class (``CLASSES``) builds its pools once; every
+nanoserve candidate (``candidates``) is checked against the float32 reference (relative
+error) and timed with ``triton.testing.do_bench_cudagraph`` rotating over input sets;
+FlashInfer 0.5.3's BatchPrefillWithPagedKVCacheWrapper (NHD, the same pools, causal, window
+and soft-cap as the class) is optional: when it does not import, its rows say why.
+Usage:
+    python3 benchmarks/bench_extend_classes.py [--quick] [--classes verify,chunked]
+Prints one table (class, candidate, µs, x FlashInfer, x read, err) and writes it to
+$OUT/extend_classes.csv when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import require_cuda  # noqa: E402
+
+require_cuda("bench_extend_classes")
+
+from harness import ceiling, num_input_sets, rel_err, show_table, versions  # noqa: E402
+
+from nanoserve.kernels import (  # noqa: E402
+    paged_extend_attention,
+    paged_extend_attention_ref,
+    triton_extend,
+)
+from nanoserve.kernels.triton_verify import paged_extend_attention_packed  # noqa: E402
+
+BS = 16
+DTYPE = torch.bfloat16
+MIB = 2**20
+MAX_SETS = 4
+COLUMNS = ["class", "candidate", "us", "x_flashinfer", "x_read", "err", "note"]
+
+
+@dataclass(frozen=True)
+class ExtendClass:
+    """One shape class: heads, head dim, per-sequence cached history and new tokens."""
+
+    hq: int
+    hkv: int
+    dim: int
+    history: tuple[int, ...]
+    new: tuple[int, ...]
+    window: int | None = None
+    softcap: float | None = None
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V the class's sequences hold (every one is read at least once)."""
+        tokens = sum(h + n for h, n in zip(self.history, self.new, strict=True))
+        return 2 * tokens * self.hkv * self.dim * DTYPE.itemsize
+
+
+CLASSES = {
+    # Qwen2-7B attention (28 query / 4 KV heads): a ragged prefill of four prompts
+    "ragged": ExtendClass(28, 4, 128, (0, 0, 0, 0), (777, 1500, 2222, 3000)),
+    "chunked": ExtendClass(28, 4, 128, (3000,), (512,)),
+    # Gemma-2 attention (16 / 8 heads, head_dim 256, soft-cap 50)
+    "d256-softcap": ExtendClass(16, 8, 256, (0, 0), (2048, 2048), softcap=50.0),
+    # Mistral-like (32 / 8 heads): window 4096 over an 8192-token prefill
+    "window": ExtendClass(32, 8, 128, (0,), (8192,), window=4096),
+    # Llama-3.2-1B (32 / 8 heads, head_dim 64)
+    "d64": ExtendClass(32, 8, 64, (0,) * 8, (2048,) * 8),
+    # speculative verify: 32 rows x 5 draft tokens over 4000 cached
+    "verify": ExtendClass(28, 4, 128, (4000,) * 32, (5,) * 32),
+}
+
+# nanoserve candidates per head-dim family: ("tiles", (BLOCK_M, BLOCK_N, warps, stages)) is
+# the extend kernel at a fixed config, ("packed", (BLOCK_M, BLOCK_N, warps, stages), splits)
+# the GQA-packed split-KV kernel (splits None: its default). "auto" (the launcher's own
+# routing and autotune, given max_query_len) is always run first.
+TILES = {
+    64: [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 4, 3)],
+    128: [(64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2), (64, 128, 4, 2)],
+    256: [(64, 32, 8, 3), (64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 2)],
+}
+PACKED = {
+    64: [((128, 64, 8, 3), 1), ((128, 128, 8, 3), 1)],
+    128: [((128, 64, 8, 3), 1), ((128, 64, 8, 2), 1), ((64, 64, 4, 2), 1), ((128, 64, 8, 3), 2)],
+    256: [((64, 32, 4, 2), 1), ((64, 64, 8, 2), 1), ((128, 32, 8, 2), 1)],
+}
+# the few-token case: packed tiles of 64 rows, over split counts
+VERIFY = [((64, 64, 4, 3), None), ((64, 64, 4, 2), 4), ((64, 64, 4, 3), 8), ((64, 128, 8, 3), 8),
+          ((64, 64, 4, 3), 16), ((64, 32, 4, 3), 16), ((64, 128, 8, 2), 4)]  # fmt: skip
+
+
+def candidates(name: str, cls: ExtendClass, quick: bool) -> list[tuple]:
+    """The nanoserve candidates timed on class ``name`` (fewer with ``quick``)."""
+    few = max(cls.new) <= triton_extend.PACKED_MAX_QUERY_LEN
+    out: list[tuple] = [("auto",)]
+    if few:
+        out += [("auto-no-max-query-len",)]
+        out += [("packed", c, s) for c, s in VERIFY]
+        out += [("tiles", c) for c in TILES[cls.dim][:2]]
+    else:
+        out += [("tiles", c) for c in TILES[cls.dim]]
+        out += [("packed", c, s) for c, s in PACKED[cls.dim]]
+    if cls.softcap is not None:
+        out += [("exact-tanh", c) for c in TILES[cls.dim][:2]]
+    return out[:4] if quick else out
+
+
+def label(candidate: tuple) -> str:
+    kind, *rest = candidate
+    if kind == "packed":
+        config, splits = rest
+        return f"packed {config} splits {splits or 'auto'}"
+    return kind if not rest else f"{kind} {rest[0]}"
+
+
+def make_set(cls: ExtendClass) -> dict:
+    """Pools with the class's sequences on scattered blocks (NaN elsewhere), packed queries."""
+    lens = [h + n for h, n in zip(cls.history, cls.new, strict=True)]
+    pages = [-(-n // BS) for n in lens]
+    width = max(pages) + 1
+    total = sum(pages) + 16
+    kc = torch.full((total, BS, cls.hkv, cls.dim), float("nan"), dtype=DTYPE, device="cuda")
+    vc = torch.full_like(kc, float("nan"))
+    perm = torch.randperm(total, device="cuda")
+    spare = int(perm[-1])
+    bt = torch.full((len(lens), width), spare, dtype=torch.int32, device="cuda")
+    used = 0
+    for i, (n, p) in enumerate(zip(lens, pages, strict=True)):
+        ids = perm[used : used + p]
+        used += p
+        bt[i, :p] = ids.int()
+        k = torch.randn(p * BS, cls.hkv, cls.dim, device="cuda").to(DTYPE)
+        v = torch.randn(p * BS, cls.hkv, cls.dim, device="cuda").to(DTYPE)
+        k[n:] = float("nan")
+        v[n:] = float("nan")
+        kc[ids] = k.view(p, BS, cls.hkv, cls.dim)
+        vc[ids] = v.view(p, BS, cls.hkv, cls.dim)
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    new = torch.tensor(cls.new, dtype=torch.int32)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), new.cumsum(0).int()]).cuda()
+    q = torch.randn(int(new.sum()), cls.hq, cls.dim, device="cuda").to(DTYPE)
+    return dict(q=q, kc=kc, vc=vc, bt=bt, sl=sl, cu=cu, lens=lens, pages=pages)
+
+
+def reference(cls: ExtendClass, s: dict) -> torch.Tensor:
+    """float32 reference (one sequence at a time inside)."""
+    return paged_extend_attention_ref(
+        s["q"], s["kc"], s["vc"], s["bt"], s["sl"], s["cu"],
+        sliding_window=cls.window, softcap=cls.softcap, check=False,
+    )  # fmt: skip
+
+
+def nanoserve_fn(cls: ExtendClass, s: dict, candidate: tuple):
+    kind, *rest = candidate
+    args = (s["q"], s["kc"], s["vc"], s["bt"], s["sl"], s["cu"])
+    opts = dict(sliding_window=cls.window, softcap=cls.softcap)
+    if kind in ("auto", "auto-no-max-query-len"):
+        max_q = max(cls.new) if kind == "auto" else None
+        return lambda: paged_extend_attention(*args, **opts, check=False, max_query_len=max_q)
+    if kind == "packed":
+        config, splits = rest
+        return lambda: paged_extend_attention_packed(
+            *args, **opts, scale=cls.dim**-0.5, config=config, num_splits=splits
+        )
+    return lambda: triton_extend.paged_extend_attention_triton(
+        *args, **opts, scale=cls.dim**-0.5, config=rest[0]
+    )
+
+
+def flashinfer_or_reason():
+    """The flashinfer module, or a one-line reason it is not there."""
+    try:
+        import flashinfer
+
+        return flashinfer, None
+    except Exception as e:  # ImportError, or a broken install raising anything else
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:80]
+
+
+def flashinfer_fn(cls: ExtendClass, s: dict, flashinfer):
+    """FlashInfer's paged prefill over the same pools (NHD is nanoserve's layout)."""
+    workspace = torch.zeros(256 * MIB, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+    pages = torch.tensor(s["pages"], dtype=torch.int32)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int32), pages.cumsum(0).int()])
+    indices = torch.cat([s["bt"][i, :p] for i, p in enumerate(s["pages"])]).contiguous()
+    last = torch.tensor([(n - 1) % BS + 1 for n in s["lens"]], dtype=torch.int32)
+    wrapper.plan(
+        s["cu"].cpu(), indptr, indices, last, cls.hq, cls.hkv, cls.dim, BS, causal=True,
+        sm_scale=cls.dim**-0.5, window_left=(cls.window - 1) if cls.window else -1,
+        logits_soft_cap=cls.softcap, q_data_type=DTYPE, kv_data_type=DTYPE,
+    )  # fmt: skip
+    s["_fi"] = (workspace, wrapper)  # alive as long as the set
+    return lambda: wrapper.run(s["q"], (s["kc"], s["vc"]))
+
+
+def rotating(fns):
+    state = {"i": 0}
+
+    def run():
+        i = state["i"]
+        state["i"] = (i + 1) % len(fns)
+        return fns[i]()
+
+    return run
+
+
+def time_us(fns, rep: int) -> tuple[float, str]:
+    """Median µs under CUDA-graph replay (eager ``do_bench`` when capture fails)."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    fns[0]()  # compile / autotune / plan outside the capture
+    torch.cuda.synchronize()
+    try:
+        return do_bench_cudagraph(rotating(fns), rep=rep) * 1e3, ""
+    except Exception as e:  # a provider that cannot be captured
+        note = f"eager ({type(e).__name__})"
+        return do_bench(rotating(fns), warmup=10, rep=rep) * 1e3, note
+
+
+def ratio(us, base) -> str:
+    if not isinstance(us, float) or not isinstance(base, float) or math.isnan(base):
+        return ""
+    return f"{us / base:.2f}"
+
+
+def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, rep: int):
+    """Rows of one class: the read, FlashInfer, then every nanoserve candidate."""
+    start = time.time()
+    sets = [make_set(cls) for _ in range(num_input_sets(cls.kv_bytes(), MAX_SETS))]
+    ref = reference(cls, sets[0])
+    read_us = ceiling(cls.kv_bytes(), len(sets), graph=True).median
+    rows = [dict(candidate="pure_read", us=read_us, note=f"{cls.kv_bytes() / MIB:.0f} MiB")]
+    fi_us = math.nan
+    if flashinfer is None:
+        rows.append(dict(candidate="flashinfer", note=f"not run ({fi_reason})"))
+    else:
+        try:
+            fns = [flashinfer_fn(cls, s, flashinfer) for s in sets]
+            err = rel_err(fns[0](), ref)
+            fi_us, note = time_us(fns, rep)
+            rows.append(dict(candidate="flashinfer", us=fi_us, err=f"{err:.1e}", note=note))
+        except Exception as e:
+            rows.append(dict(candidate="flashinfer", note=f"failed: {str(e)[:70]}"))
+    for candidate in candidates(name, cls, quick):
+        row = dict(candidate=label(candidate))
+        picked_before = set(triton_extend.autotune_picks())
+        try:
+            if candidate[0] == "exact-tanh":
+                triton_extend.FAST_TANH = False
+                candidate = ("tiles", candidate[1])
+            fns = [nanoserve_fn(cls, s, candidate) for s in sets]
+            row["err"] = f"{rel_err(fns[0](), ref):.1e}"
+            row["us"], row["note"] = time_us(fns, rep)
+        except Exception as e:  # e.g. out of shared memory for this tile
+            row["note"] = f"failed: {type(e).__name__}: {str(e)[:60]}"
+        finally:
+            triton_extend.FAST_TANH = True
+        picks = [f"{c}" for k, c in triton_extend.autotune_picks().items()
+                 if k not in picked_before]  # fmt: skip
+        if picks:  # what "auto" autotuned to, on its first call for this bucket
+            row["note"] = (row.get("note", "") + " autotune picked " + ",".join(picks)).strip()
+        rows.append(row)
+        print(name, row, flush=True)
+    for row in rows:
+        row["class"] = name
+        us = row.get("us")
+        row["x_flashinfer"] = ratio(us, fi_us)
+        row["x_read"] = ratio(us, read_us)
+        row["us"] = "" if us is None else f"{us:.1f}"
+    del sets
+    torch.cuda.empty_cache()
+    print(f"{name}: {time.time() - start:.0f} s", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="four candidates per class")
+    parser.add_argument("--classes", default=",".join(CLASSES), help="e.g. verify,chunked")
+    args = parser.parse_args()
+    names = args.classes.split(",")
+    unknown = [n for n in names if n not in CLASSES]
+    if unknown:
+        parser.error(f"--classes: unknown {unknown}; known: {list(CLASSES)}")
+    torch.manual_seed(0)
+    print(versions())
+    flashinfer, fi_reason = flashinfer_or_reason()
+    print(f"flashinfer: {flashinfer.__version__ if flashinfer else fi_reason}")
+    rep = 20 if args.quick else 40
+    rows = []
+    for name in names:
+        rows += run_class(name, CLASSES[name], flashinfer, fi_reason, args.quick, rep)
+    show_table(rows, "extend_classes.csv", COLUMNS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Triton GQA-packed extend attention, split over the history: the few-query-token case
+(speculative verify, short chunks), which is memory-bound like decode.
+
+One program takes one KV head of one sequence and packs every query head of that KV head for
+``BLOCK_M // GROUP`` consecutive new tokens into the rows of one tile (row r: token r // GROUP,
+head r % GROUP), so each K/V row is read once per KV head, not once per query head. The grid is
+(query tiles, KV heads, splits), sized from shapes alone: tiles map to sequences by the same
+binary search over ``cu_seqlens_q`` as the extend kernel. Split k of a tile takes the k-th run
+of whole key tiles of [first key in the window, last visible key]; with more than one split the
+partial results (unnormalised output, running max and sum, base 2) go to a float32 scratch and
+a second kernel merges them. The causal / window masks, and the unmasked run of key tiles below
+the diagonal, are those of the extend kernel (``_attend_tiles``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.dispatch import next_pow2, sm_count, unit_stride
+from nanoserve.kernels.triton_extend import _attend_tiles, fast_tanh
+
+MAX_SPLITS = 32
+# Split until the grid holds about this many programs per SM (the few-token case has too few
+# programs to fill the GPU otherwise).
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit(do_not_specialize=["window", "num_seqs"])
+def _packed_kernel(
+    query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_ml,
+    scale, softcap, window, num_seqs,
+    stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
+    stride_ms, stride_mt, stride_mh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
+    FAST_TANH: tl.constexpr,
+):  # fmt: skip
+    TOKENS: tl.constexpr = BLOCK_M // GROUP  # new tokens per tile
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    # Largest i with cu[i] // TOKENS + i <= tile (see _extend_kernel).
+    lo = 0
+    hi = num_seqs
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_seqlens_q + mid) // TOKENS + mid
+        go_right = first_tile <= tile
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    seq = lo
+    q_begin = tl.load(cu_seqlens_q + seq)
+    q_len = tl.load(cu_seqlens_q + seq + 1) - q_begin
+    t0 = (tile - (q_begin // TOKENS + seq)) * TOKENS
+    if t0 >= q_len:
+        return
+    ctx = tl.load(seq_lens + seq) - q_len
+
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D_PAD)
+    tok = t0 + r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    row_ok = (r < TOKENS * GROUP) & (tok < q_len)
+    io_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+    tokens = (q_begin + tok).to(tl.int64)
+    q_ptrs = query + tokens[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+    q_pos = ctx + tok
+    qk_scale = scale * 1.4426950408889634
+
+    q_end = tl.minimum(t0 + TOKENS, q_len)
+    kv_hi = ctx + q_end
+    diag = ((ctx + t0) // BLOCK_N) * BLOCK_N
+    kv_lo = 0
+    full_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(ctx + t0 - window + 1, 0)
+        full_lo = tl.cdiv(tl.maximum(ctx + q_end - window, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(full_lo, diag)
+    # this split's keys [a, b): a run of whole key tiles of [first window tile, kv_hi)
+    start = (kv_lo // BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(kv_hi - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    a = start + split * per_split
+    b = tl.minimum(a + per_split, kv_hi)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    table = block_tables + seq.to(tl.int64) * stride_bt
+    head_off = kv_head * stride_ch
+    if HAS_WINDOW:
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb,
+            stride_ct, a, tl.minimum(b, full_lo), kv_lo, kv_hi, qk_scale, scale,
+            softcap, window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True,
+            HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
+        )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
+        tl.maximum(a, full_lo), tl.minimum(b, diag), kv_lo, kv_hi, qk_scale, scale, softcap,
+        window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False,
+        HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
+        tl.maximum(a, diag), b, kv_lo, kv_hi, qk_scale, scale, softcap, window,
+        HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
+    )  # fmt: skip
+
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        dst = out + tokens[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out.dtype.element_ty), mask=io_mask)
+    else:
+        row = split * stride_ms + tokens * stride_mt + head * stride_mh
+        tl.store(mid_o + row[:, None] + d[None, :], acc, mask=io_mask)
+        tl.store(mid_ml + 2 * (row // D_PAD), m_i, mask=row_ok)
+        tl.store(mid_ml + 2 * (row // D_PAD) + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    mid_o, mid_ml, out, stride_ms, stride_mt, stride_mh, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """out[t, h] = sum_k 2^(m_k - M) acc_k / sum_k 2^(m_k - M) l_k over the splits k."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, D_PAD)
+    m_all = tl.full([D_PAD], -1.0e30, tl.float32)
+    acc = tl.zeros([D_PAD], tl.float32)
+    total = tl.zeros([D_PAD], tl.float32)
+    for k in tl.static_range(NUM_SPLITS):
+        row = k * stride_ms + token * stride_mt + head * stride_mh
+        m_k = tl.load(mid_ml + 2 * (row // D_PAD))
+        l_k = tl.load(mid_ml + 2 * (row // D_PAD) + 1)
+        o_k = tl.load(mid_o + row + d)
+        m_new = tl.maximum(m_all, m_k)
+        alpha = tl.exp2(m_all - m_new)
+        w = tl.exp2(m_k - m_new)
+        acc = acc * alpha + o_k * w
+        total = total * alpha + l_k * w
+        m_all = m_new
+    o = acc / tl.where(total == 0.0, 1.0, total)
+    dst = out + token * stride_ot + head * stride_oh + d
+    tl.store(dst, o.to(out.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def packed_config(
+    head_dim: int, group: int, max_query_len: int | None, dtype: torch.dtype, on_gpu: bool
+) -> tuple[int, int, int, int]:
+    """Default (BLOCK_M, BLOCK_N, num_warps, num_stages): BLOCK_M rows hold every query
+    head of a KV head for as many tokens as ``max_query_len`` (or 16 rows' worth) needs."""
+    tokens = max_query_len or 1
+    block_m = min(max(16, next_pow2(group * tokens)), 64 if head_dim > 128 else 128)
+    block_m = max(block_m, next_pow2(group))
+    if not on_gpu:
+        return (block_m, 32, 4, 1)
+    if next_pow2(head_dim) > 128 or dtype == torch.float32:
+        return (block_m, 32, 4, 2)
+    return (block_m, 64, 4, 3)
+
+
+def packed_splits(programs: int, device: torch.device) -> int:
+    """Splits over the history so that ``programs`` (tiles x KV heads) fill the GPU."""
+    target = PROGRAMS_PER_SM * sm_count(device)
+    return max(1, min(MAX_SPLITS, -(-target // max(programs, 1))))
+
+
+def paged_extend_attention_packed(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_query_len: int | None = None,
+    config: tuple[int, int, int, int] | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """GQA-packed split-KV extend attention (arguments already validated): query packed
+    [T, Hq, D] float16/bfloat16/float32 with cu_seqlens_q int32 [S + 1]; returns [T, Hq, D].
+
+    Correct for any number of new tokens per sequence; ``max_query_len`` (a host-known bound,
+    or None) only sizes the default tile. ``config`` (BLOCK_M, BLOCK_N, num_warps,
+    num_stages) and ``num_splits`` override the defaults (sweeps, tests). No host sync.
+    """
+    total_q, num_q_heads, head_dim = query.shape
+    num_seqs = block_tables.shape[0]
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if total_q == 0 or num_seqs == 0:
+        return out
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    block_tables, seq_lens = unit_stride(block_tables), unit_stride(seq_lens)
+    cu_seqlens_q = unit_stride(cu_seqlens_q)
+    on_gpu = query.device.type == "cuda"
+    if config is None:
+        config = packed_config(head_dim, group, max_query_len, query.dtype, on_gpu)
+    block_m, block_n, num_warps, num_stages = config
+    if block_m < group or block_m < 16:
+        raise ValueError(f"config: BLOCK_M {block_m} must be >= 16 and >= the GQA group {group}")
+    tokens_per_tile = block_m // group
+    tiles = total_q // tokens_per_tile + num_seqs
+    if num_splits is None:
+        busy = tiles  # tiles that hold tokens (the grid's others exit at once)
+        if max_query_len is not None:
+            busy = min(tiles, num_seqs * -(-max_query_len // tokens_per_tile))
+        num_splits = packed_splits(busy * num_kv_heads, query.device)
+    d_pad = next_pow2(head_dim)
+    if num_splits > 1:
+        mid_o = torch.empty(
+            num_splits, total_q, num_q_heads, d_pad, dtype=torch.float32, device=query.device
+        )
+        mid_ml = torch.empty(
+            num_splits, total_q, num_q_heads, 2, dtype=torch.float32, device=query.device
+        )
+    else:
+        mid_o = mid_ml = out  # not touched
+    mid_strides = (total_q * num_q_heads * d_pad, num_q_heads * d_pad, d_pad)
+    _packed_kernel[(tiles, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_ml,
+        float(scale), float(softcap or 1.0), int(sliding_window or 0), num_seqs,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), *mid_strides,
+        GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, SEARCH_STEPS=max(1, num_seqs.bit_length()),
+        NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None, FP32=query.dtype == torch.float32,
+        FAST_TANH=fast_tanh(query), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_kernel[(total_q, num_q_heads)](
+            mid_o, mid_ml, out, *mid_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits, num_warps=1,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,137 @@
+"""GQA-packed split-KV extend attention (triton_verify.py): Triton (interpreter) against the
+float64 reference, and the launcher's routing by ``max_query_len``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_inputs import TOLERANCE, make_paged_kv, needs_interpreter, poison_hidden, row_errors
+
+from nanoserve.kernels import paged_extend_attention, paged_extend_attention_ref
+from nanoserve.kernels import triton_verify as verify
+from nanoserve.kernels.triton_verify import paged_extend_attention_packed
+
+pytestmark = needs_interpreter
+
+# (num_kv_heads, group, head_dim, block_size, history_lens, new_lens, window, softcap,
+#  (BLOCK_M, BLOCK_N, warps, stages) or None, splits or None)
+CASES = {
+    # lengths 1, bs - 1, bs, bs + 1 as history and as whole sequences; one row of 0 new tokens
+    "edges-gqa8-d64": (1, 8, 64, 16, [0, 14, 16, 17, 15, 5], [1, 1, 1, 4, 2, 0], None, None,
+                       None, 3),
+    "verify-gqa4-d128": (2, 4, 128, 16, [17, 40, 63, 1], [2, 8, 4, 3], None, None, None, None),
+    "mha-d96-softcap": (2, 1, 96, 16, [50, 0, 17], [3, 2, 8], None, 20.0, None, 2),
+    # GQA 7: a 16-row tile holds 2 tokens x 7 heads and 2 padding rows
+    "gqa7-d80-window": (1, 7, 80, 8, [30, 0, 5], [5, 9, 0], 12, None, (16, 16, 4, 1), 2),
+    "d256-window-softcap": (2, 2, 256, 16, [100, 33], [5, 2], 37, 10.0, (16, 32, 4, 1), 4),
+    # seq_len 0 rows (all padding): no output rows
+    "empty-rows": (1, 4, 64, 8, [0, 9, 0, 0], [0, 4, 0, 5], 6, None, None, 2),
+}  # fmt: skip
+
+
+def _inputs(num_kv_heads, group, head_dim, block_size, history, new, dtype):
+    lens = [h + n for h, n in zip(history, new, strict=True)]
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(
+        lens, num_kv_heads, head_dim, block_size, dtype
+    )
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), num_kv_heads * group, head_dim).to(dtype)
+    return query, key_cache, value_cache, tables, seq_lens, cu
+
+
+def _reference(query, key_cache, value_cache, tables, seq_lens, cu, window, softcap):
+    return paged_extend_attention_ref(
+        query.double(), key_cache.double(), value_cache.double(), tables, seq_lens, cu,
+        sliding_window=window, softcap=softcap,
+    )  # fmt: skip
+
+
+def _assert_rows_close(out, ref, dtype):
+    """Every (token, head) row on its own: one wrong row cannot hide in a norm."""
+    err = row_errors(out, ref)
+    assert out.dtype == dtype and out.shape == ref.shape
+    token, head = divmod(int(err.argmax()), err.shape[1])
+    assert err.max() < 5 * TOLERANCE[dtype], f"token {token}, head {head}: {err.max():.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_packed_matches_reference(case, dtype, poison_outputs):
+    hkv, group, dim, bs, history, new, window, softcap, config, splits = CASES[case]
+    args = _inputs(hkv, group, dim, bs, history, new, dtype)
+    ref = _reference(*args, window, softcap)
+    out = paged_extend_attention_packed(
+        *args, scale=dim**-0.5, sliding_window=window, softcap=softcap,
+        max_query_len=max(new), config=config, num_splits=splits,
+    )  # fmt: skip
+    _assert_rows_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("window", [None, 29])
+def test_packed_many_tiles_per_sequence(splits, window, poison_outputs):
+    """Sequences longer than a tile (4 tokens x 4 heads): several tiles per sequence, each
+    with its own diagonal, unmasked run and window edge, cut into splits that do not line
+    up with them; the last split of a short tile holds no key at all."""
+    hkv, group, dim = 2, 4, 64
+    history, new = [45, 0, 7, 70], [13, 21, 1, 6]
+    args = _inputs(hkv, group, dim, 16, history, new, torch.float32)
+    ref = _reference(*args, window, None)
+    out = paged_extend_attention_packed(
+        *args, scale=dim**-0.5, sliding_window=window, softcap=None,
+        config=(16, 16, 4, 1), num_splits=splits,
+    )  # fmt: skip
+    _assert_rows_close(out, ref, torch.float32)
+
+
+def test_packed_ignores_nan_outside_the_window(poison_outputs):
+    """K/V that no new token's window reaches are never read: NaN there changes nothing."""
+    history, new, window = [60, 33, 5], [6, 1, 9], 17
+    args = _inputs(1, 4, 64, 8, history, new, torch.float32)
+    query, key_cache, value_cache, tables, seq_lens, cu = args
+    lens = [h + n for h, n in zip(history, new, strict=True)]
+    opts = dict(scale=64**-0.5, sliding_window=window, softcap=None, num_splits=3)
+    clean = paged_extend_attention_packed(*args, **opts)
+    poisoned = paged_extend_attention_packed(
+        query,
+        poison_hidden(key_cache, tables, lens, new, window),
+        poison_hidden(value_cache, tables, lens, new, window),
+        tables, seq_lens, cu, **opts,
+    )  # fmt: skip
+    assert torch.isfinite(clean).all()
+    assert torch.equal(poisoned, clean)
+
+
+def test_max_query_len_routes_to_the_packed_kernel(monkeypatch, poison_outputs):
+    """A small max_query_len takes the packed kernel, None keeps the extend tiles; a bound
+    below the true maximum only changes the kernel, never the result."""
+    calls = []
+    real = verify.paged_extend_attention_packed
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["max_query_len"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verify, "paged_extend_attention_packed", spy)
+    args = _inputs(2, 4, 64, 16, [17, 40, 3], [2, 5, 20], torch.float32)
+    ref = _reference(*args, None, None)
+    for max_query_len, packed in ((None, False), (20, False), (5, True), (1, True)):
+        calls.clear()
+        out = paged_extend_attention(*args, backend="triton", max_query_len=max_query_len)
+        assert calls == ([max_query_len] if packed else [])
+        _assert_rows_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "5"])
+def test_bad_max_query_len(bad):
+    args = _inputs(1, 2, 64, 16, [3], [2], torch.float32)
+    with pytest.raises(ValueError, match="max_query_len"):
+        paged_extend_attention(*args, backend="triton", max_query_len=bad)
+
+
+def test_packed_default_splits_fill_the_device():
+    """More busy programs mean fewer splits, never fewer than one nor more than MAX_SPLITS."""
+    device = torch.device("cpu")
+    counts = [verify.packed_splits(p, device) for p in (1, 2, 3, 8, 1000)]
+    assert counts == sorted(counts, reverse=True)
+    assert counts[0] <= verify.MAX_SPLITS and counts[-1] == 1
