@@ -1,0 +1,101 @@
+"""GPU tests (``pytest -m gpu``) of the extend paths the shape classes take: the GQA-packed
+split-KV kernel (speculative verify), head_dim 256 with soft-cap (tanh.approx and exact),
+sliding windows, in bf16 at real shapes, and a packed call captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_inputs import TOLERANCE, make_paged_kv, row_errors
+
+from nanoserve.kernels import paged_extend_attention, paged_extend_attention_ref, triton_extend
+from nanoserve.kernels.triton_verify import paged_extend_attention_packed
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def _inputs(history, new, hkv, group, dim, bs, dtype):
+    lens = [h + n for h, n in zip(history, new, strict=True)]
+    kc, vc, bt, sl = make_paged_kv(lens, hkv, dim, bs, dtype, device="cuda")
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    q = torch.randn(int(cu[-1]), hkv * group, dim, device="cuda").to(dtype)
+    return q, kc, vc, bt, sl, cu
+
+
+def _check_rows(out, ref, dtype):
+    err = row_errors(out, ref)
+    token, head = divmod(int(err.argmax()), err.shape[1])
+    assert err.max() < 5 * TOLERANCE[dtype], f"token {token}, head {head}: {err.max():.2e}"
+
+
+# (history, new, hkv, group, dim, block_size, dtype, window, softcap)
+VERIFY = {
+    "qwen7b-32x5-over-4000": ([4000] * 32, [5] * 32, 4, 7, 128, 16, BF16, None, None),
+    "llama8b-ragged-draft": ([4000, 17, 1, 2500], [8, 1, 16, 3], 8, 4, 128, 16, BF16, None, None),
+    "gemma2-d256-softcap-window": ([3000, 40], [4, 2], 8, 2, 256, 16, BF16, 1024, 50.0),
+    "d64-mha-fp16-window": ([700, 15, 16], [2, 1, 5], 4, 1, 64, 16, FP16, 100, None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(VERIFY), ids=list(VERIFY))
+def test_packed_real_shapes(case, poison_outputs):
+    history, new, hkv, group, dim, bs, dtype, window, softcap = VERIFY[case]
+    args = _inputs(history, new, hkv, group, dim, bs, dtype)
+    ref = paged_extend_attention_ref(
+        *(a.double() if a.is_floating_point() else a for a in args),
+        sliding_window=window, softcap=softcap,
+    )  # fmt: skip
+    routed = paged_extend_attention(
+        *args, sliding_window=window, softcap=softcap, max_query_len=max(new)
+    )
+    _check_rows(routed, ref, dtype)
+    for splits in (1, 3, 16):
+        out = paged_extend_attention_packed(
+            *args, scale=dim**-0.5, sliding_window=window, softcap=softcap,
+            max_query_len=max(new), num_splits=splits,
+        )  # fmt: skip
+        _check_rows(out, ref, dtype)
+
+
+@pytest.mark.parametrize("fast_tanh", [True, False], ids=["tanh-approx", "exact-tanh"])
+@pytest.mark.parametrize("config", [None, (64, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2)], ids=str)
+def test_d256_softcap_prefill(config, fast_tanh, monkeypatch, poison_outputs):
+    """Gemma-2 shapes (16 / 8 heads, head_dim 256, soft-cap 50): a ragged prefill with a
+    chunk over history, in the tile configs the class benchmark tries."""
+    monkeypatch.setattr(triton_extend, "FAST_TANH", fast_tanh)
+    args = _inputs([0, 300], [777, 129], 8, 2, 256, 16, BF16)
+    ref = paged_extend_attention_ref(
+        *(a.double() if a.is_floating_point() else a for a in args), softcap=50.0
+    )
+    out = triton_extend.paged_extend_attention_triton(
+        *args, scale=256**-0.5, sliding_window=None, softcap=50.0, config=config
+    )
+    _check_rows(out, ref, BF16)
+
+
+def test_packed_cuda_graph(poison_outputs):
+    """paged_extend_attention with check=False and a small max_query_len (the packed,
+    split path with its scratch) captured once and replayed on new queries."""
+    args = _inputs([1000, 37, 2000], [5, 5, 3], 4, 7, 128, 16, BF16)
+    q, kc, vc, bt, sl, cu = args
+
+    def call():
+        return paged_extend_attention(q, kc, vc, bt, sl, cu, check=False, max_query_len=5)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_extend_attention_ref(q.double(), kc.double(), vc.double(), bt, sl, cu)
+    _check_rows(out, ref, BF16)
