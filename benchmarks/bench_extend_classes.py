@@ -1,8 +1,11 @@
 """Paged extend attention per shape class: every candidate kernel config of nanoserve next to
 FlashInfer's paged prefill and a pure read of the same K/V bytes. It decides nothing: the
-table shows each candidate so the defaults (``CUDA_CONFIGS``, ``PACKED_MAX_QUERY_LEN``,
-``FAST_TANH`` in triton_extend.py; ``packed_config`` / ``packed_splits`` in triton_verify.py)
-can be picked from it.
+table shows each candidate so the defaults can be picked from it: ``ROUTES`` (a fixed kernel
+and config per route key; each class's key is printed in its pure_read row),
+``CUDA_CONFIGS`` (what autotune tries), ``PACKED_MAX_QUERY_LEN`` and ``FAST_TANH`` in
+triton_extend.py; ``packed_config``, ``PROGRAMS_PER_SM`` and ``PARTIALS_16BIT`` in
+triton_verify.py. "auto" is
+what the launcher does today (given max_query_len, as an adapter that knows it would pass).
 
 bf16, block size 16, blocks scattered at random, NaN in every unused block (a read past a
 sequence's end shows as err = inf). Each class (``CLASSES``) builds its pools once; every
@@ -40,6 +43,7 @@ from nanoserve.kernels import (  # noqa: E402
     paged_extend_attention,
     paged_extend_attention_ref,
     triton_extend,
+    triton_verify,
 )
 from nanoserve.kernels.triton_verify import paged_extend_attention_packed  # noqa: E402
 
@@ -69,17 +73,17 @@ class ExtendClass:
 
 
 CLASSES = {
-    # Qwen2-7B attention (28 query / 4 KV heads): a ragged prefill of four prompts
-    "ragged": ExtendClass(28, 4, 128, (0, 0, 0, 0), (777, 1500, 2222, 3000)),
+    # Qwen2-7B attention (28 query / 4 KV heads): speculative verify, 32 rows x 5 draft
+    # tokens over 4000 cached; a chunk of 512 over 3000; a ragged prefill of four prompts
+    "verify": ExtendClass(28, 4, 128, (4000,) * 32, (5,) * 32),
     "chunked": ExtendClass(28, 4, 128, (3000,), (512,)),
+    "ragged": ExtendClass(28, 4, 128, (0, 0, 0, 0), (777, 1500, 2222, 3000)),
     # Gemma-2 attention (16 / 8 heads, head_dim 256, soft-cap 50)
     "d256-softcap": ExtendClass(16, 8, 256, (0, 0), (2048, 2048), softcap=50.0),
     # Mistral-like (32 / 8 heads): window 4096 over an 8192-token prefill
     "window": ExtendClass(32, 8, 128, (0,), (8192,), window=4096),
     # Llama-3.2-1B (32 / 8 heads, head_dim 64)
     "d64": ExtendClass(32, 8, 64, (0,) * 8, (2048,) * 8),
-    # speculative verify: 32 rows x 5 draft tokens over 4000 cached
-    "verify": ExtendClass(28, 4, 128, (4000,) * 32, (5,) * 32),
 }
 
 # nanoserve candidates per head-dim family: ("tiles", (BLOCK_M, BLOCK_N, warps, stages)) is
@@ -87,18 +91,19 @@ CLASSES = {
 # the GQA-packed split-KV kernel (splits None: its default). "auto" (the launcher's own
 # routing and autotune, given max_query_len) is always run first.
 TILES = {
-    64: [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 4, 3)],
-    128: [(64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2), (64, 128, 4, 2)],
-    256: [(64, 32, 8, 3), (64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 2)],
+    64: [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3)],
+    128: [(64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2)],
+    256: [(64, 32, 8, 3), (64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
 }
 PACKED = {
-    64: [((128, 64, 8, 3), 1), ((128, 128, 8, 3), 1)],
-    128: [((128, 64, 8, 3), 1), ((128, 64, 8, 2), 1), ((64, 64, 4, 2), 1), ((128, 64, 8, 3), 2)],
-    256: [((64, 32, 4, 2), 1), ((64, 64, 8, 2), 1), ((128, 32, 8, 2), 1)],
-}
+    64: [((128, 64, 8, 3), None), ((128, 128, 8, 3), None)],
+    128: [((128, 64, 8, 3), None), ((128, 64, 8, 2), None), ((64, 64, 4, 3), None),
+          ((128, 64, 8, 3), 2)],
+    256: [((64, 32, 4, 2), None), ((64, 64, 8, 2), None), ((128, 32, 8, 2), None)],
+}  # fmt: skip
 # the few-token case: packed tiles of 64 rows, over split counts
 VERIFY = [((64, 64, 4, 3), None), ((64, 64, 4, 2), 4), ((64, 64, 4, 3), 8), ((64, 128, 8, 3), 8),
-          ((64, 64, 4, 3), 16), ((64, 32, 4, 3), 16), ((64, 128, 8, 2), 4)]  # fmt: skip
+          ((64, 64, 4, 3), 16), ((64, 32, 4, 3), 16)]  # fmt: skip
 
 
 def candidates(name: str, cls: ExtendClass, quick: bool) -> list[tuple]:
@@ -108,7 +113,8 @@ def candidates(name: str, cls: ExtendClass, quick: bool) -> list[tuple]:
     if few:
         out += [("auto-no-max-query-len",)]
         out += [("packed", c, s) for c, s in VERIFY]
-        out += [("tiles", c) for c in TILES[cls.dim][:2]]
+        out += [("packed-f32-partials", *VERIFY[0])]
+        out += [("tiles", TILES[cls.dim][0])]
     else:
         out += [("tiles", c) for c in TILES[cls.dim]]
         out += [("packed", c, s) for c, s in PACKED[cls.dim]]
@@ -119,9 +125,9 @@ def candidates(name: str, cls: ExtendClass, quick: bool) -> list[tuple]:
 
 def label(candidate: tuple) -> str:
     kind, *rest = candidate
-    if kind == "packed":
+    if kind.startswith("packed"):
         config, splits = rest
-        return f"packed {config} splits {splits or 'auto'}"
+        return f"{kind} {config} splits {splits or 'auto'}"
     return kind if not rest else f"{kind} {rest[0]}"
 
 
@@ -242,7 +248,9 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
     sets = [make_set(cls) for _ in range(num_input_sets(cls.kv_bytes(), MAX_SETS))]
     ref = reference(cls, sets[0])
     read_us = ceiling(cls.kv_bytes(), len(sets), graph=True).median
-    rows = [dict(candidate="pure_read", us=read_us, note=f"{cls.kv_bytes() / MIB:.0f} MiB")]
+    key = triton_extend.route_key(sets[0]["q"], len(cls.new), cls.window, cls.softcap)
+    note = f"{cls.kv_bytes() / MIB:.0f} MiB; ROUTES key {key}"
+    rows = [dict(candidate="pure_read", us=read_us, note=note)]
     fi_us = math.nan
     if flashinfer is None:
         rows.append(dict(candidate="flashinfer", note=f"not run ({fi_reason})"))
@@ -258,9 +266,12 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
         row = dict(candidate=label(candidate))
         picked_before = set(triton_extend.autotune_picks())
         try:
-            if candidate[0] == "exact-tanh":
+            if candidate[0] == "exact-tanh":  # the tiles kernel with the exact tanh
                 triton_extend.FAST_TANH = False
                 candidate = ("tiles", candidate[1])
+            if candidate[0] == "packed-f32-partials":  # float32 split partials
+                triton_verify.PARTIALS_16BIT = False
+                candidate = ("packed", *candidate[1:])
             fns = [nanoserve_fn(cls, s, candidate) for s in sets]
             row["err"] = f"{rel_err(fns[0](), ref):.1e}"
             row["us"], row["note"] = time_us(fns, rep)
@@ -268,6 +279,7 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
             row["note"] = f"failed: {type(e).__name__}: {str(e)[:60]}"
         finally:
             triton_extend.FAST_TANH = True
+            triton_verify.PARTIALS_16BIT = True
         picks = [f"{c}" for k, c in triton_extend.autotune_picks().items()
                  if k not in picked_before]  # fmt: skip
         if picks:  # what "auto" autotuned to, on its first call for this bucket

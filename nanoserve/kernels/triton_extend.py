@@ -11,10 +11,12 @@ Each program walks its keys in up to three runs: key tiles wholly below the diag
 with a sliding window, wholly inside every row's window) take no mask at all; the diagonal
 tiles (and the window's lower edge) take the causal / window / length mask.
 
-On CUDA the tile shape, warps and pipeline depth come from ``triton.autotune`` over a small
-grid per head-dim family, keyed on the head dim, on whether the grid fills the GPU and on
-whether the sequences are short; off GPU (the interpreter) one small fixed tile keeps the
-tests quick.
+On CUDA the tile shape, warps and pipeline depth come from ``ROUTES`` (fixed picks per
+``route_key``: head-dim family, whether the grid fills the GPU, whether the sequences are
+short, window, soft-cap) or else from ``triton.autotune`` over a small grid per family; off
+GPU (the interpreter) one small fixed tile keeps the tests quick. Calls with few new tokens
+per sequence (a host-known ``max_query_len``), or routed so, take the GQA-packed split-KV
+kernel of triton_verify.py instead.
 """
 
 from __future__ import annotations
@@ -220,6 +222,11 @@ INTERPRETER_CONFIG = (16, 32, 4, 1)
 # Calls whose caller passes max_query_len <= this (speculative verify, short chunks) take the
 # GQA-packed split-KV kernel of triton_verify.py: memory-bound like decode.
 PACKED_MAX_QUERY_LEN = 16
+# Fixed picks per route_key (family, bucket), bypassing autotune: ("tiles", (BLOCK_M,
+# BLOCK_N, num_warps, num_stages)) for the extend kernel here, ("packed", config or None,
+# splits or None) for the GQA-packed split-KV kernel; a key not listed autotunes.
+# bench_extend_classes.py prints each class's key beside its candidates.
+ROUTES: dict[tuple[str, int], tuple] = {}
 # Soft-capping through tanh.approx on CUDA for 16-bit queries (see ``fast_tanh``).
 FAST_TANH = True
 # Autotune buckets: a grid under this many waves of BLOCK_M=128 tiles counts as small.
@@ -250,14 +257,34 @@ def fast_tanh(query: torch.Tensor) -> bool:
     )
 
 
-def uses_packed(max_query_len: int | None) -> bool:
-    """True when a call with this host-known bound on new tokens per sequence takes the
-    GQA-packed split-KV kernel (triton_verify.py) rather than the extend tiles."""
-    return max_query_len is not None and max_query_len <= PACKED_MAX_QUERY_LEN
+def route_key(
+    query: torch.Tensor, num_seqs: int, sliding_window: int | None, softcap: float | None
+) -> tuple[str, int]:
+    """(config family, bucket) of a call, from shapes and host values only: the key of
+    ``ROUTES`` and of the autotune. Bucket bits: 2 = the grid of BLOCK_M=128 tiles fills at
+    least ``SMALL_GRID_WAVES`` waves, 1 = at most ``SHORT_NEW_TOKENS`` new tokens per sequence
+    on average, 4 = a sliding window, 8 = a soft-cap."""
+    total_q, num_q_heads, head_dim = query.shape
+    waves = (total_q // 128 + num_seqs) * num_q_heads / sm_count(query.device)
+    # does the grid fill the GPU; are the sequences short (many programs with few key tiles
+    # each, where a smaller fixed cost per program wins)
+    short = total_q <= SHORT_NEW_TOKENS * num_seqs
+    bucket = (0 if waves < SMALL_GRID_WAVES else 2) + int(short)
+    bucket += 4 * (sliding_window is not None) + 8 * (softcap is not None)
+    return config_family(head_dim, query.dtype), bucket
+
+
+def extend_route(key: tuple[str, int], max_query_len: int | None) -> tuple:
+    """Which kernel a call takes: ("packed", config or None, splits or None) for a host-known
+    ``max_query_len`` <= ``PACKED_MAX_QUERY_LEN``, else ``ROUTES[key]``, else ("autotune",)
+    over ``CUDA_CONFIGS[family]``."""
+    if max_query_len is not None and max_query_len <= PACKED_MAX_QUERY_LEN:
+        return ("packed", None, None)
+    return ROUTES.get(key, ("autotune",))
 
 
 _TUNED: dict[str, object] = {}
-# What autotune chose, by (family, head_dim, tune_key, dtypes): later calls launch the
+# What autotune chose, by (family, head_dim, bucket, dtypes): later calls launch the
 # kernel with it directly, skipping the autotuner's per-call Python (a launch-bound cost).
 _PICKED: dict[tuple, tuple[int, int, int, int]] = {}
 
@@ -309,22 +336,31 @@ def paged_extend_attention_triton(
     """Launch extend attention (arguments already validated); returns [T, Hq, D] like query.
     FP8 pools come with float32 ``k_scale``/``v_scale`` [Hkv].
 
-    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) bypasses autotuning (tests, sweeps).
-    On CUDA the first call for a (head dim, grid size bucket, dtype) autotunes: warm up
-    before capturing a CUDA graph. ``max_query_len``: a host-known bound on the new tokens of
-    every sequence, or None; at most ``PACKED_MAX_QUERY_LEN`` (and no ``config``) routes the
-    call to the GQA-packed split-KV kernel (a wrong bound costs speed, never correctness).
+    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) bypasses routing and autotuning
+    (tests, sweeps). Otherwise ``extend_route`` picks the kernel: on CUDA the first call for a
+    (head dim, bucket, dtype) not in ``ROUTES`` autotunes: warm up before capturing a CUDA
+    graph. ``max_query_len``: a host-known bound on the new tokens of every sequence, or None;
+    at most ``PACKED_MAX_QUERY_LEN`` routes the call to the GQA-packed split-KV kernel (a
+    wrong bound costs speed, never correctness).
     """
-    # The packed kernel reads pools in the query's dtype only (no FP8 scales yet).
-    if config is None and k_scale is None and uses_packed(max_query_len):
-        from nanoserve.kernels.triton_verify import paged_extend_attention_packed
-
-        return paged_extend_attention_packed(
-            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale,
-            sliding_window=sliding_window, softcap=softcap, max_query_len=max_query_len,
-        )  # fmt: skip
     total_q, num_q_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
+    key = route_key(query, num_seqs, sliding_window, softcap)
+    if config is None:
+        route = extend_route(key, max_query_len)
+        # The packed kernel reads pools in the query's dtype only (no FP8 scales yet).
+        if route[0] == "packed" and k_scale is None:
+            from nanoserve.kernels.triton_verify import paged_extend_attention_packed
+
+            return paged_extend_attention_packed(
+                query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                scale=scale, sliding_window=sliding_window, softcap=softcap,
+                max_query_len=max_query_len, config=route[1], num_splits=route[2],
+            )  # fmt: skip
+        if route[0] == "tiles":
+            config = route[1]
+    if config is None and query.device.type != "cuda":
+        config = INTERPRETER_CONFIG
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if total_q == 0 or num_seqs == 0:
@@ -333,14 +369,7 @@ def paged_extend_attention_triton(
         query = query.contiguous()
     block_tables, seq_lens = unit_stride(block_tables), unit_stride(seq_lens)
     cu_seqlens_q = unit_stride(cu_seqlens_q)
-    on_gpu = query.device.type == "cuda"
-    if config is None and not on_gpu:
-        config = INTERPRETER_CONFIG
-    waves = (total_q // 128 + num_seqs) * num_q_heads / sm_count(query.device)
-    # autotune buckets: does the grid fill the GPU; are the sequences short (many programs
-    # with few key tiles each, where a smaller fixed cost per program wins)
-    short = total_q <= SHORT_NEW_TOKENS * num_seqs
-    tune_key = (0 if waves < SMALL_GRID_WAVES else 2) + int(short)
+    family, tune_key = key
     args = (
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out,
         float(scale), float(softcap or 1.0), int(sliding_window or 0), num_seqs, tune_key,
@@ -359,7 +388,6 @@ def paged_extend_attention_triton(
     def grid(m: dict) -> tuple[int, int]:
         return (total_q // m["BLOCK_M"] + num_seqs, num_q_heads)
 
-    family = config_family(head_dim, query.dtype)
     picked_key = (family, head_dim, tune_key, query.dtype, key_cache.dtype)
     if config is None:
         config = _PICKED.get(picked_key)

@@ -7,9 +7,10 @@ head r % GROUP), so each K/V row is read once per KV head, not once per query he
 (query tiles, KV heads, splits), sized from shapes alone: tiles map to sequences by the same
 binary search over ``cu_seqlens_q`` as the extend kernel. Split k of a tile takes the k-th run
 of whole key tiles of [first key in the window, last visible key]; with more than one split the
-partial results (unnormalised output, running max and sum, base 2) go to a float32 scratch and
-a second kernel merges them. The causal / window masks, and the unmasked run of key tiles below
-the diagonal, are those of the extend kernel (``_attend_tiles``).
+partial results (normalised outputs, log-sum-exp base 2) go to a scratch and a second kernel
+merges them (launched with programmatic dependent launch on Hopper, as in the decode kernel).
+The causal / window masks, and the unmasked run of key tiles below the diagonal, are those of
+the extend kernel (``_attend_tiles``).
 """
 
 from __future__ import annotations
@@ -18,27 +19,32 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.dispatch import next_pow2, sm_count, unit_stride
+from nanoserve.kernels.dispatch import next_pow2, sm_count, supports_pdl, unit_stride
 from nanoserve.kernels.triton_extend import _attend_tiles, fast_tanh
 
 MAX_SPLITS = 32
 # Split until the grid holds about this many programs per SM (the few-token case has too few
 # programs to fill the GPU otherwise).
 PROGRAMS_PER_SM = 4
+# Split partials (normalised outputs) of 16-bit queries in the query's dtype: half the scratch
+# traffic of float32 at one more rounding (float32 queries keep float32 partials).
+PARTIALS_16BIT = True
 
 
-@triton.jit(do_not_specialize=["window", "num_seqs"])
+@triton.jit(do_not_specialize=["window", "num_seqs", "num_q_heads"])
 def _packed_kernel(
-    query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_ml,
-    scale, softcap, window, num_seqs,
+    query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
+    scale, softcap, window, num_seqs, num_q_heads,
     stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
-    stride_ms, stride_mt, stride_mh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
-    FAST_TANH: tl.constexpr,
+    FAST_TANH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        # lets the merge kernel's launch start now; it still waits for this grid to finish
+        tl.extra.cuda.gdc_launch_dependents()
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # new tokens per tile
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -111,43 +117,42 @@ def _packed_kernel(
         HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
     )  # fmt: skip
 
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if NUM_SPLITS == 1:
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         dst = out + tokens[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out.dtype.element_ty), mask=io_mask)
     else:
-        row = split * stride_ms + tokens * stride_mt + head * stride_mh
-        tl.store(mid_o + row[:, None] + d[None, :], acc, mask=io_mask)
-        tl.store(mid_ml + 2 * (row // D_PAD), m_i, mask=row_ok)
-        tl.store(mid_ml + 2 * (row // D_PAD) + 1, l_i, mask=row_ok)
+        # partials [T, Hq, NUM_SPLITS, D_PAD], normalised, with their log-sum-exp (base 2);
+        # an empty split stores lse -inf (weight 0 in the merge)
+        row = (tokens * num_q_heads + head) * NUM_SPLITS + split
+        tl.store(mid_o + row[:, None] * D_PAD + d[None, :], o.to(mid_o.dtype.element_ty),
+                 mask=io_mask)  # fmt: skip
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(mid_lse + row, lse, mask=row_ok)
 
 
 @triton.jit
 def _merge_kernel(
-    mid_o, mid_ml, out, stride_ms, stride_mt, stride_mh, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    mid_o, mid_lse, out, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """out[t, h] = sum_k 2^(m_k - M) acc_k / sum_k 2^(m_k - M) l_k over the splits k."""
+    """out[t, h] = sum_k 2^lse_k o_k / sum_k 2^lse_k over the splits k (every token row
+    has a split that saw a key: its own position)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the split kernel has finished and its stores are visible
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)
-    m_all = tl.full([D_PAD], -1.0e30, tl.float32)
-    acc = tl.zeros([D_PAD], tl.float32)
-    total = tl.zeros([D_PAD], tl.float32)
-    for k in tl.static_range(NUM_SPLITS):
-        row = k * stride_ms + token * stride_mt + head * stride_mh
-        m_k = tl.load(mid_ml + 2 * (row // D_PAD))
-        l_k = tl.load(mid_ml + 2 * (row // D_PAD) + 1)
-        o_k = tl.load(mid_o + row + d)
-        m_new = tl.maximum(m_all, m_k)
-        alpha = tl.exp2(m_all - m_new)
-        w = tl.exp2(m_k - m_new)
-        acc = acc * alpha + o_k * w
-        total = total * alpha + l_k * w
-        m_all = m_new
-    o = acc / tl.where(total == 0.0, 1.0, total)
+    row = (token * tl.num_programs(1) + head) * NUM_SPLITS
+    lse = tl.load(mid_lse + row + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    mask = (sp < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :]
+    o = tl.load(mid_o + (row + sp)[:, None] * D_PAD + d[None, :], mask=mask, other=0.0)
+    res = tl.sum(o.to(tl.float32) * w[:, None], 0) / tl.sum(w, 0)
     dst = out + token * stride_ot + head * stride_oh + d
-    tl.store(dst, o.to(out.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(dst, res.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def packed_config(
@@ -219,30 +224,33 @@ def paged_extend_attention_packed(
         num_splits = packed_splits(busy * num_kv_heads, query.device)
     d_pad = next_pow2(head_dim)
     if num_splits > 1:
+        partial_dtype = query.dtype if PARTIALS_16BIT else torch.float32
         mid_o = torch.empty(
-            num_splits, total_q, num_q_heads, d_pad, dtype=torch.float32, device=query.device
+            total_q, num_q_heads, num_splits, d_pad, dtype=partial_dtype, device=query.device
         )
-        mid_ml = torch.empty(
-            num_splits, total_q, num_q_heads, 2, dtype=torch.float32, device=query.device
+        mid_lse = torch.empty(
+            total_q, num_q_heads, num_splits, dtype=torch.float32, device=query.device
         )
     else:
-        mid_o = mid_ml = out  # not touched
-    mid_strides = (total_q * num_q_heads * d_pad, num_q_heads * d_pad, d_pad)
+        mid_o = mid_lse = out  # not touched
+    pdl = num_splits > 1 and supports_pdl(query.device)
     _packed_kernel[(tiles, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_ml,
-        float(scale), float(softcap or 1.0), int(sliding_window or 0), num_seqs,
+        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
+        float(scale), float(softcap or 1.0), int(sliding_window or 0), num_seqs, num_q_heads,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), *mid_strides,
+        out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, SEARCH_STEPS=max(1, num_seqs.bit_length()),
         NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None, FP32=query.dtype == torch.float32,
-        FAST_TANH=fast_tanh(query), num_warps=num_warps, num_stages=num_stages,
+        FAST_TANH=fast_tanh(query), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(total_q, num_q_heads)](
-            mid_o, mid_ml, out, *mid_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits, num_warps=1,
+            mid_o, mid_lse, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=next_pow2(num_splits), PDL=pdl,
+            **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
     return out

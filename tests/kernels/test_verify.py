@@ -122,6 +122,34 @@ def test_max_query_len_routes_to_the_packed_kernel(monkeypatch, poison_outputs):
         _assert_rows_close(out, ref, torch.float32)
 
 
+def test_routes_table_picks_kernel_and_config(monkeypatch, poison_outputs):
+    """An entry of ROUTES for a call's route_key sends it to the packed kernel (its config
+    and splits) or to the extend tiles at a fixed config, without max_query_len."""
+    from nanoserve.kernels import triton_extend
+
+    calls = []
+    real_packed = verify.paged_extend_attention_packed
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["config"], kwargs["num_splits"]))
+        return real_packed(*args, **kwargs)
+
+    monkeypatch.setattr(verify, "paged_extend_attention_packed", spy)
+    args = _inputs(2, 4, 64, 16, [17, 0], [30, 20], torch.float32)
+    ref = _reference(*args, 9, None)
+    key = triton_extend.route_key(args[0], 2, 9, None)
+    assert key == triton_extend.route_key(args[0], 2, 10, None)  # no window size in the key
+    assert key != triton_extend.route_key(args[0], 2, None, None)
+    monkeypatch.setitem(triton_extend.ROUTES, key, ("packed", (16, 16, 4, 1), 2))
+    out = paged_extend_attention(*args, sliding_window=9, backend="triton")
+    assert calls == [((16, 16, 4, 1), 2)]
+    _assert_rows_close(out, ref, torch.float32)
+    monkeypatch.setitem(triton_extend.ROUTES, key, ("tiles", (32, 16, 4, 1)))
+    out = paged_extend_attention(*args, sliding_window=9, backend="triton")
+    assert len(calls) == 1
+    _assert_rows_close(out, ref, torch.float32)
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "5"])
 def test_bad_max_query_len(bad):
     args = _inputs(1, 2, 64, 16, [3], [2], torch.float32)
