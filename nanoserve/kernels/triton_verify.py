@@ -165,9 +165,10 @@ def packed_config(
     block_m = max(block_m, next_pow2(group))
     if not on_gpu:
         return (block_m, 32, 4, 1)
+    warps = 8 if block_m >= 128 else 4
     if next_pow2(head_dim) > 128 or dtype == torch.float32:
-        return (block_m, 32, 4, 2)
-    return (block_m, 64, 4, 3)
+        return (block_m, 32, warps, 2)
+    return (block_m, 64, warps, 3)
 
 
 def packed_splits(programs: int, device: torch.device) -> int:
