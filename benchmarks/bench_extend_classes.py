@@ -14,7 +14,7 @@ error) and timed with ``triton.testing.do_bench_cudagraph`` rotating over input 
 FlashInfer 0.5.3's BatchPrefillWithPagedKVCacheWrapper (NHD, the same pools, causal, window
 and soft-cap as the class) is optional: when it does not import, its rows say why.
 Usage:
-    python3 benchmarks/bench_extend_classes.py [--quick] [--classes verify,chunked]
+    python3 benchmarks/bench_extend_classes.py [--quick] [--check-only] [--classes verify,...]
 Prints one table (class, candidate, µs, x FlashInfer, x read, err) and writes it to
 $OUT/extend_classes.csv when OUT is set.
 """
@@ -22,7 +22,9 @@ $OUT/extend_classes.csv when OUT is set.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -227,6 +229,8 @@ def time_us(fns, rep: int) -> tuple[float, str]:
     """Median µs under CUDA-graph replay (eager ``do_bench`` when capture fails)."""
     from triton.testing import do_bench, do_bench_cudagraph
 
+    if rep == 0:  # --check-only
+        return math.nan, "not timed"
     fns[0]()  # compile / autotune / plan outside the capture
     torch.cuda.synchronize()
     try:
@@ -237,9 +241,18 @@ def time_us(fns, rep: int) -> tuple[float, str]:
 
 
 def ratio(us, base) -> str:
-    if not isinstance(us, float) or not isinstance(base, float) or math.isnan(base):
+    if not isinstance(us, float) or not isinstance(base, float):
         return ""
-    return f"{us / base:.2f}"
+    return "" if math.isnan(us) or math.isnan(base) else f"{us / base:.2f}"
+
+
+def log_row(row: dict) -> None:
+    """Print one row as it comes, and append it to $OUT/extend_classes_rows.jsonl (kept
+    even when the run is cut short)."""
+    print(row, flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "extend_classes_rows.jsonl"), "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
 
 
 def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, rep: int):
@@ -247,7 +260,7 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
     start = time.time()
     sets = [make_set(cls) for _ in range(num_input_sets(cls.kv_bytes(), MAX_SETS))]
     ref = reference(cls, sets[0])
-    read_us = ceiling(cls.kv_bytes(), len(sets), graph=True).median
+    read_us = ceiling(cls.kv_bytes(), len(sets), graph=True).median if rep else math.nan
     key = triton_extend.route_key(sets[0]["q"], len(cls.new), cls.window, cls.softcap)
     note = f"{cls.kv_bytes() / MIB:.0f} MiB; ROUTES key {key}"
     rows = [dict(candidate="pure_read", us=read_us, note=note)]
@@ -262,6 +275,8 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
             rows.append(dict(candidate="flashinfer", us=fi_us, err=f"{err:.1e}", note=note))
         except Exception as e:
             rows.append(dict(candidate="flashinfer", note=f"failed: {str(e)[:70]}"))
+    for row in rows:
+        log_row({"class": name, **row})
     for candidate in candidates(name, cls, quick):
         row = dict(candidate=label(candidate))
         picked_before = set(triton_extend.autotune_picks())
@@ -285,13 +300,13 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
         if picks:  # what "auto" autotuned to, on its first call for this bucket
             row["note"] = (row.get("note", "") + " autotune picked " + ",".join(picks)).strip()
         rows.append(row)
-        print(name, row, flush=True)
+        log_row({"class": name, **row})
     for row in rows:
         row["class"] = name
         us = row.get("us")
         row["x_flashinfer"] = ratio(us, fi_us)
         row["x_read"] = ratio(us, read_us)
-        row["us"] = "" if us is None else f"{us:.1f}"
+        row["us"] = "" if us is None or math.isnan(us) else f"{us:.1f}"
     del sets
     torch.cuda.empty_cache()
     print(f"{name}: {time.time() - start:.0f} s", flush=True)
@@ -302,16 +317,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="four candidates per class")
     parser.add_argument("--classes", default=",".join(CLASSES), help="e.g. verify,chunked")
+    parser.add_argument("--check-only", action="store_true", help="errors only, no timing")
     args = parser.parse_args()
     names = args.classes.split(",")
     unknown = [n for n in names if n not in CLASSES]
     if unknown:
         parser.error(f"--classes: unknown {unknown}; known: {list(CLASSES)}")
+    if os.environ.get("OUT"):  # a fresh row log per run
+        Path(os.environ["OUT"], "extend_classes_rows.jsonl").unlink(missing_ok=True)
     torch.manual_seed(0)
     print(versions())
     flashinfer, fi_reason = flashinfer_or_reason()
     print(f"flashinfer: {flashinfer.__version__ if flashinfer else fi_reason}")
-    rep = 20 if args.quick else 40
+    rep = 0 if args.check_only else 20 if args.quick else 40
     rows = []
     for name in names:
         rows += run_class(name, CLASSES[name], flashinfer, fi_reason, args.quick, rep)
