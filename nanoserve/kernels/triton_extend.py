@@ -35,7 +35,7 @@ from nanoserve.kernels.triton_common import mma, mma_acc, scores_to_log2
 def tanh_approx(x):
     """tanh in one special-function instruction (CUDA only: the interpreter has no PTX)."""
     return tl.inline_asm_elementwise(
-        "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
     )
 
 
