@@ -16,7 +16,8 @@ and soft-cap as the class) is optional: when it does not import, its rows say wh
 Usage:
     python3 benchmarks/bench_extend_classes.py [--quick] [--check-only] [--classes verify,...]
 Prints one table (class, candidate, µs, x FlashInfer, x read, err) and writes it to
-$OUT/extend_classes.csv when OUT is set.
+$OUT/extend_classes.csv when OUT is set. About 50 Triton compiles and 5 FlashInfer modules:
+split the classes over two runs (``--classes``) if one run must stay short.
 """
 
 from __future__ import annotations
@@ -93,19 +94,18 @@ CLASSES = {
 # the GQA-packed split-KV kernel (splits None: its default). "auto" (the launcher's own
 # routing and autotune, given max_query_len) is always run first.
 TILES = {
-    64: [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3)],
+    64: [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
     128: [(64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2)],
     256: [(64, 32, 8, 3), (64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
 }
 PACKED = {
     64: [((128, 64, 8, 3), None), ((128, 128, 8, 3), None)],
-    128: [((128, 64, 8, 3), None), ((128, 64, 8, 2), None), ((64, 64, 4, 3), None),
-          ((128, 64, 8, 3), 2)],
+    128: [((128, 64, 8, 3), None), ((64, 64, 4, 3), None), ((128, 64, 8, 3), 2)],
     256: [((64, 32, 4, 2), None), ((64, 64, 8, 2), None), ((128, 32, 8, 2), None)],
-}  # fmt: skip
+}
 # the few-token case: packed tiles of 64 rows, over split counts
 VERIFY = [((64, 64, 4, 3), None), ((64, 64, 4, 2), 4), ((64, 64, 4, 3), 8), ((64, 128, 8, 3), 8),
-          ((64, 64, 4, 3), 16), ((64, 32, 4, 3), 16)]  # fmt: skip
+          ((64, 64, 4, 3), 16)]  # fmt: skip
 
 
 def candidates(name: str, cls: ExtendClass, quick: bool) -> list[tuple]:
@@ -121,7 +121,7 @@ def candidates(name: str, cls: ExtendClass, quick: bool) -> list[tuple]:
         out += [("tiles", c) for c in TILES[cls.dim]]
         out += [("packed", c, s) for c, s in PACKED[cls.dim]]
     if cls.softcap is not None:
-        out += [("exact-tanh", c) for c in TILES[cls.dim][:2]]
+        out += [("exact-tanh", TILES[cls.dim][0])]
     return out[:4] if quick else out
 
 
