@@ -15,6 +15,7 @@ FlashInfer 0.5.3's BatchPrefillWithPagedKVCacheWrapper (NHD, the same pools, cau
 and soft-cap as the class) is optional: when it does not import, its rows say why.
 Usage:
     python3 benchmarks/bench_extend_classes.py [--quick] [--check-only] [--classes verify,...]
+        [--extra 'window=tiles:128,64,8,3;verify=packed:64,64,4,3:6']
 Prints one table (class, candidate, µs, x FlashInfer, x read, err) and writes it to
 $OUT/extend_classes.csv when OUT is set. About 50 Triton compiles and 5 FlashInfer modules:
 split the classes over two runs (``--classes``) if one run must stay short.
@@ -55,6 +56,7 @@ DTYPE = torch.bfloat16
 MIB = 2**20
 MAX_SETS = 4
 COLUMNS = ["class", "candidate", "us", "x_flashinfer", "x_read", "err", "note"]
+EXTRA: dict[str, list[tuple]] = {}  # --extra candidates per class
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,30 @@ VERIFY = [((64, 64, 4, 3), None), ((64, 64, 4, 2), 4), ((64, 64, 4, 3), 8), ((64
           ((64, 64, 4, 3), 16)]  # fmt: skip
 
 
+def parse_extra(text: str) -> dict[str, list[tuple]]:
+    """``--extra`` -> {class: [candidate]}: entries split by ";", each
+    ``class=tiles:M,N,W,S`` or ``class=packed:M,N,W,S[:splits]``."""
+    extra: dict[str, list[tuple]] = {}
+    for entry in filter(None, text.split(";")):
+        try:
+            name, spec = entry.split("=")
+            kind, config, *splits = spec.split(":")
+            m, n, w, st = (int(x) for x in config.split(","))
+            if kind == "tiles" and not splits:
+                candidate: tuple = ("tiles", (m, n, w, st))
+            elif kind == "packed" and len(splits) <= 1:
+                candidate = ("packed", (m, n, w, st), int(splits[0]) if splits else None)
+            else:
+                raise ValueError(kind)
+        except ValueError as e:
+            raise ValueError(f"--extra: cannot read {entry!r} ({e})") from None
+        extra.setdefault(name, []).append(candidate)
+    return extra
+
+
 def candidates(name: str, cls: ExtendClass, quick: bool) -> list[tuple]:
-    """The nanoserve candidates timed on class ``name`` (fewer with ``quick``)."""
+    """The nanoserve candidates timed on class ``name`` (fewer with ``quick``); any
+    ``--extra`` ones come after them."""
     few = max(cls.new) <= triton_extend.PACKED_MAX_QUERY_LEN
     out: list[tuple] = [("auto",)]
     if few:
@@ -122,7 +146,7 @@ def candidates(name: str, cls: ExtendClass, quick: bool) -> list[tuple]:
         out += [("packed", c, s) for c, s in PACKED[cls.dim]]
     if cls.softcap is not None:
         out += [("exact-tanh", TILES[cls.dim][0])]
-    return out[:4] if quick else out
+    return (out[:4] if quick else out) + EXTRA.get(name, [])
 
 
 def label(candidate: tuple) -> str:
@@ -318,11 +342,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="four candidates per class")
     parser.add_argument("--classes", default=",".join(CLASSES), help="e.g. verify,chunked")
     parser.add_argument("--check-only", action="store_true", help="errors only, no timing")
+    parser.add_argument(
+        "--extra",
+        default="",
+        help="more candidates: 'window=tiles:128,64,8,3;verify=packed:64,64,4,3:6'",
+    )
     args = parser.parse_args()
     names = args.classes.split(",")
-    unknown = [n for n in names if n not in CLASSES]
+    try:
+        EXTRA.update(parse_extra(args.extra))
+    except ValueError as e:
+        parser.error(str(e))
+    unknown = [n for n in names + list(EXTRA) if n not in CLASSES]
     if unknown:
-        parser.error(f"--classes: unknown {unknown}; known: {list(CLASSES)}")
+        parser.error(f"--classes / --extra: unknown {unknown}; known: {list(CLASSES)}")
     if os.environ.get("OUT"):  # a fresh row log per run
         Path(os.environ["OUT"], "extend_classes_rows.jsonl").unlink(missing_ok=True)
     torch.manual_seed(0)

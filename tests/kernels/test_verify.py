@@ -157,6 +157,17 @@ def test_bad_max_query_len(bad):
         paged_extend_attention(*args, backend="triton", max_query_len=bad)
 
 
+def test_packed_config_too_small_for_the_group():
+    """A tile of fewer rows than 16 or than the GQA group cannot hold one token's heads."""
+    args = _inputs(1, 8, 64, 16, [3], [2], torch.float32)
+    for config in ((4, 16, 4, 1), (16, 16, 4, 1)):
+        small = _inputs(1, 32, 64, 16, [3], [2], torch.float32) if config[0] == 16 else args
+        with pytest.raises(ValueError, match="config"):
+            paged_extend_attention_packed(
+                *small, scale=0.125, sliding_window=None, softcap=None, config=config
+            )
+
+
 def test_packed_default_splits_fill_the_device():
     """More busy programs mean fewer splits, never fewer than one nor more than MAX_SPLITS."""
     device = torch.device("cpu")
