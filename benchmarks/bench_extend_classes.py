@@ -2,7 +2,8 @@
 FlashInfer's paged prefill and a pure read of the same K/V bytes. It decides nothing: the
 table shows each candidate so the defaults can be picked from it: ``ROUTES`` (a fixed kernel
 and config per route key; each class's key is printed in its pure_read row),
-``CUDA_CONFIGS`` (what autotune tries), ``PACKED_MAX_QUERY_LEN`` and ``FAST_TANH`` in
+``CUDA_CONFIGS`` (what autotune tries), ``PACKED_MAX_QUERY_LEN``, ``FAST_TANH`` and
+``WARP_SPECIALIZE`` in
 triton_extend.py; ``packed_config``, ``PROGRAMS_PER_SM`` and ``PARTIALS_16BIT`` in
 triton_verify.py. "auto" is
 what the launcher does today (given max_query_len, as an adapter that knows it would pass).
@@ -144,6 +145,8 @@ def candidates(name: str, cls: ExtendClass, quick: bool) -> list[tuple]:
     else:
         out += [("tiles", c) for c in TILES[cls.dim]]
         out += [("packed", c, s) for c, s in PACKED[cls.dim]]
+    if not few:
+        out += [("warp-specialized", TILES[cls.dim][1])]
     if cls.softcap is not None:
         out += [("exact-tanh", TILES[cls.dim][0])]
     return (out[:4] if quick else out) + EXTRA.get(name, [])
@@ -308,6 +311,9 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
             if candidate[0] == "exact-tanh":  # the tiles kernel with the exact tanh
                 triton_extend.FAST_TANH = False
                 candidate = ("tiles", candidate[1])
+            if candidate[0] == "warp-specialized":  # the tiles kernel, WARP_SPECIALIZE on
+                triton_extend.WARP_SPECIALIZE = True
+                candidate = ("tiles", candidate[1])
             if candidate[0] == "packed-f32-partials":  # float32 split partials
                 triton_verify.PARTIALS_16BIT = False
                 candidate = ("packed", *candidate[1:])
@@ -318,6 +324,7 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
             row["note"] = f"failed: {type(e).__name__}: {str(e)[:60]}"
         finally:
             triton_extend.FAST_TANH = True
+            triton_extend.WARP_SPECIALIZE = False
             triton_verify.PARTIALS_16BIT = True
         picks = [f"{c}" for k, c in triton_extend.autotune_picks().items()
                  if k not in picked_before]  # fmt: skip

@@ -55,16 +55,17 @@ def _attend_tiles(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
-    FAST_TANH: tl.constexpr,
+    FAST_TANH: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key tiles [lo, hi) (lo a multiple of BLOCK_N).
 
     MASKED=False: every key in the run is valid and visible to every row (no mask at all, and
     no mask on the loads unless head_dim is padded). MASKED=True: keys outside [kv_lo, kv_hi)
-    are not loaded, and the causal (and window) test applies per row.
+    are not loaded, and the causal (and window) test applies per row. WARP_SPEC asks Triton
+    to warp-specialize the loop (loads and matmuls in separate warps).
     """
     d = tl.arange(0, D_PAD)
-    for start in range(lo, hi, BLOCK_N):
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         pos = start + tl.arange(0, BLOCK_N)
         if MASKED:
             valid = (pos < kv_hi) & (pos >= kv_lo)
@@ -118,7 +119,7 @@ def _extend_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
-    FAST_TANH: tl.constexpr,
+    FAST_TANH: tl.constexpr, WARP_SPEC: tl.constexpr,
     k_scale=None, v_scale=None, FP8: tl.constexpr = False,
 ):  # fmt: skip
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # latest (longest) tiles first
@@ -176,17 +177,19 @@ def _extend_kernel(
             acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb,
             stride_ct, (kv_lo // BLOCK_N) * BLOCK_N, full_lo, kv_lo, kv_hi, qk_scale, scale,
             softcap, window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True,
-            HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
+            HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH, False,
         )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
         full_lo, diag, kv_lo, kv_hi, qk_scale, scale, softcap, window,
         HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
+        WARP_SPEC,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
         diag, kv_hi, kv_lo, kv_hi, qk_scale, scale, softcap, window,
         HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
+        False,
     )  # fmt: skip
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -227,6 +230,9 @@ PACKED_MAX_QUERY_LEN = 16
 # splits or None) for the GQA-packed split-KV kernel; a key not listed autotunes.
 # bench_extend_classes.py prints each class's key beside its candidates.
 ROUTES: dict[tuple[str, int], tuple] = {}
+# Warp-specialize the extend kernel's unmasked key loop (Triton's automatic warp
+# specialization); off until the class benchmark shows it pays.
+WARP_SPECIALIZE = False
 # Soft-capping through tanh.approx on CUDA for 16-bit queries (see ``fast_tanh``).
 FAST_TANH = True
 # Autotune buckets: a grid under this many waves of BLOCK_M=128 tiles counts as small.
@@ -382,6 +388,7 @@ def paged_extend_attention_triton(
         BLOCK_SIZE=block_size, SEARCH_STEPS=max(1, num_seqs.bit_length()),
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32, FAST_TANH=fast_tanh(query),
+        WARP_SPEC=WARP_SPECIALIZE and query.device.type == "cuda",
         k_scale=k_scale, v_scale=v_scale, FP8=k_scale is not None,
     )  # fmt: skip
 

@@ -103,18 +103,19 @@ def _packed_kernel(
             acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb,
             stride_ct, a, tl.minimum(b, full_lo), kv_lo, kv_hi, qk_scale, scale,
             softcap, window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True,
-            HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
+            HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH, False,
         )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
         tl.maximum(a, full_lo), tl.minimum(b, diag), kv_lo, kv_hi, qk_scale, scale, softcap,
         window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False,
-        HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
+        HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH, False,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
         tl.maximum(a, diag), b, kv_lo, kv_hi, qk_scale, scale, softcap, window,
         HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
+        False,
     )  # fmt: skip
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
