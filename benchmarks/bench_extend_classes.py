@@ -146,7 +146,7 @@ def candidates(name: str, cls: ExtendClass, quick: bool) -> list[tuple]:
         out += [("tiles", c) for c in TILES[cls.dim]]
         out += [("packed", c, s) for c, s in PACKED[cls.dim]]
     if not few:
-        out += [("warp-specialized", TILES[cls.dim][1])]
+        out += [("warp-specialized", c) for c in TILES[cls.dim][1:2]]
     if cls.softcap is not None:
         out += [("exact-tanh", TILES[cls.dim][0])]
     return (out[:4] if quick else out) + EXTRA.get(name, [])
