@@ -42,7 +42,8 @@ from harness import require_cuda  # noqa: E402
 
 require_cuda("bench_extend_classes")
 
-from harness import ceiling, num_input_sets, rel_err, show_table, versions  # noqa: E402
+from bench_decode import flashinfer_or_reason  # noqa: E402
+from harness import ceiling, num_input_sets, rel_err, rotating, show_table, versions  # noqa: E402
 
 from nanoserve.kernels import (  # noqa: E402
     paged_extend_attention,
@@ -214,16 +215,6 @@ def nanoserve_fn(cls: ExtendClass, s: dict, candidate: tuple):
     )
 
 
-def flashinfer_or_reason():
-    """The flashinfer module, or a one-line reason it is not there."""
-    try:
-        import flashinfer
-
-        return flashinfer, None
-    except Exception as e:  # ImportError, or a broken install raising anything else
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:80]
-
-
 def flashinfer_fn(cls: ExtendClass, s: dict, flashinfer):
     """FlashInfer's paged prefill over the same pools (NHD is nanoserve's layout)."""
     workspace = torch.zeros(256 * MIB, dtype=torch.uint8, device="cuda")
@@ -239,17 +230,6 @@ def flashinfer_fn(cls: ExtendClass, s: dict, flashinfer):
     )  # fmt: skip
     s["_fi"] = (workspace, wrapper)  # alive as long as the set
     return lambda: wrapper.run(s["q"], (s["kc"], s["vc"]))
-
-
-def rotating(fns):
-    state = {"i": 0}
-
-    def run():
-        i = state["i"]
-        state["i"] = (i + 1) % len(fns)
-        return fns[i]()
-
-    return run
 
 
 def time_us(fns, rep: int) -> tuple[float, str]:
