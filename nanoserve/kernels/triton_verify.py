@@ -160,8 +160,9 @@ def packed_config(
     head_dim: int, group: int, max_query_len: int | None, dtype: torch.dtype, on_gpu: bool
 ) -> tuple[int, int, int, int]:
     """Default (BLOCK_M, BLOCK_N, num_warps, num_stages): BLOCK_M rows hold every query
-    head of a KV head for as many tokens as ``max_query_len`` (or 16 rows' worth) needs."""
-    tokens = max_query_len or 1
+    head of a KV head for as many tokens as ``max_query_len`` needs, up to 128 rows (64 for
+    head dims over 128); with no bound (None: maybe a long prefill) the largest tile."""
+    tokens = max_query_len or 128
     block_m = min(max(16, next_pow2(group * tokens)), 64 if head_dim > 128 else 128)
     block_m = max(block_m, next_pow2(group))
     if not on_gpu:
