@@ -136,7 +136,7 @@ def parse_extra(text: str) -> dict[str, list[tuple]]:
 def candidates(name: str, cls: ExtendClass, quick: bool) -> list[tuple]:
     """The nanoserve candidates timed on class ``name`` (fewer with ``quick``); any
     ``--extra`` ones come after them."""
-    few = max(cls.new) <= triton_extend.PACKED_MAX_QUERY_LEN
+    few = triton_extend.few_tokens(max(cls.new))
     out: list[tuple] = [("auto",)]
     if few:
         out += [("auto-no-max-query-len",)]
@@ -268,7 +268,9 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
     sets = [make_set(cls) for _ in range(num_input_sets(cls.kv_bytes(), MAX_SETS))]
     ref = reference(cls, sets[0])
     read_us = ceiling(cls.kv_bytes(), len(sets), graph=True).median if rep else math.nan
-    key = triton_extend.route_key(sets[0]["q"], len(cls.new), cls.window, cls.softcap)
+    key = triton_extend.route_key(
+        sets[0]["q"], len(cls.new), cls.window, cls.softcap, max_query_len=max(cls.new)
+    )
     note = f"{cls.kv_bytes() / MIB:.0f} MiB; ROUTES key {key}"
     rows = [dict(candidate="pure_read", us=read_us, note=note)]
     fi_us = math.nan

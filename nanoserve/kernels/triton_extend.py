@@ -222,12 +222,14 @@ CUDA_CONFIGS: dict[str, list[tuple[int, int, int, int]]] = {
     "fp32-d256": [(64, 32, 8, 3)],
 }
 INTERPRETER_CONFIG = (16, 32, 4, 1)
-# Calls whose caller passes max_query_len <= this (speculative verify, short chunks) take the
-# GQA-packed split-KV kernel of triton_verify.py: memory-bound like decode.
+# Calls whose caller passes max_query_len <= this (speculative verify, short chunks) get
+# their own route_key bucket, which takes the GQA-packed split-KV kernel of triton_verify.py
+# (memory-bound like decode) unless ROUTES says otherwise.
 PACKED_MAX_QUERY_LEN = 16
 # Fixed picks per route_key (family, bucket), bypassing autotune: ("tiles", (BLOCK_M,
 # BLOCK_N, num_warps, num_stages)) for the extend kernel here, ("packed", config or None,
-# splits or None) for the GQA-packed split-KV kernel; a key not listed autotunes.
+# splits or None) for the GQA-packed split-KV kernel; a key not listed autotunes (or, for
+# few new tokens, takes the packed kernel's defaults).
 # bench_extend_classes.py prints each class's key beside its candidates.
 ROUTES: dict[tuple[str, int], tuple] = {}
 # Warp-specialize the extend kernel's unmasked key loop (Triton's automatic warp
@@ -264,12 +266,17 @@ def fast_tanh(query: torch.Tensor) -> bool:
 
 
 def route_key(
-    query: torch.Tensor, num_seqs: int, sliding_window: int | None, softcap: float | None
+    query: torch.Tensor,
+    num_seqs: int,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_query_len: int | None = None,
 ) -> tuple[str, int]:
     """(config family, bucket) of a call, from shapes and host values only: the key of
     ``ROUTES`` and of the autotune. Bucket bits: 2 = the grid of BLOCK_M=128 tiles fills at
     least ``SMALL_GRID_WAVES`` waves, 1 = at most ``SHORT_NEW_TOKENS`` new tokens per sequence
-    on average, 4 = a sliding window, 8 = a soft-cap."""
+    on average, 4 = a sliding window, 8 = a soft-cap, 16 = few new tokens per sequence (a
+    host-known ``max_query_len`` <= ``PACKED_MAX_QUERY_LEN``)."""
     total_q, num_q_heads, head_dim = query.shape
     waves = (total_q // 128 + num_seqs) * num_q_heads / sm_count(query.device)
     # does the grid fill the GPU; are the sequences short (many programs with few key tiles
@@ -277,16 +284,23 @@ def route_key(
     short = total_q <= SHORT_NEW_TOKENS * num_seqs
     bucket = (0 if waves < SMALL_GRID_WAVES else 2) + int(short)
     bucket += 4 * (sliding_window is not None) + 8 * (softcap is not None)
+    bucket += 16 * few_tokens(max_query_len)
     return config_family(head_dim, query.dtype), bucket
 
 
-def extend_route(key: tuple[str, int], max_query_len: int | None) -> tuple:
-    """Which kernel a call takes: ("packed", config or None, splits or None) for a host-known
-    ``max_query_len`` <= ``PACKED_MAX_QUERY_LEN``, else ``ROUTES[key]``, else ("autotune",)
-    over ``CUDA_CONFIGS[family]``."""
-    if max_query_len is not None and max_query_len <= PACKED_MAX_QUERY_LEN:
-        return ("packed", None, None)
-    return ROUTES.get(key, ("autotune",))
+def few_tokens(max_query_len: int | None) -> bool:
+    """True for a host-known bound of at most ``PACKED_MAX_QUERY_LEN`` new tokens per
+    sequence (speculative verify, short chunks): memory-bound like decode."""
+    return max_query_len is not None and max_query_len <= PACKED_MAX_QUERY_LEN
+
+
+def extend_route(key: tuple[str, int]) -> tuple:
+    """Which kernel a call of ``route_key`` ``key`` takes: ``ROUTES[key]``, else for few new
+    tokens per sequence ("packed", None, None) (the packed kernel's own defaults), else
+    ("autotune",) over ``CUDA_CONFIGS[family]``."""
+    if key in ROUTES:
+        return ROUTES[key]
+    return ("packed", None, None) if key[1] & 16 else ("autotune",)
 
 
 _TUNED: dict[str, object] = {}
@@ -351,9 +365,9 @@ def paged_extend_attention_triton(
     """
     total_q, num_q_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
-    key = route_key(query, num_seqs, sliding_window, softcap)
+    key = route_key(query, num_seqs, sliding_window, softcap, max_query_len)
     if config is None:
-        route = extend_route(key, max_query_len)
+        route = extend_route(key)
         # The packed kernel reads pools in the query's dtype only (no FP8 scales yet).
         if route[0] == "packed" and k_scale is None:
             from nanoserve.kernels.triton_verify import paged_extend_attention_packed

@@ -148,6 +148,16 @@ def test_routes_table_picks_kernel_and_config(monkeypatch, poison_outputs):
     out = paged_extend_attention(*args, sliding_window=9, backend="triton")
     assert len(calls) == 1
     _assert_rows_close(out, ref, torch.float32)
+    # few new tokens have their own key: its entry sets the packed config and splits
+    few = triton_extend.route_key(args[0], 2, 9, None, max_query_len=30)
+    assert few == key  # 30 new tokens are not few
+    few = triton_extend.route_key(args[0], 2, 9, None, max_query_len=1)
+    assert few != key
+    monkeypatch.setitem(triton_extend.ROUTES, few, ("packed", (32, 16, 4, 1), 3))
+    calls.clear()
+    out = paged_extend_attention(*args, sliding_window=9, backend="triton", max_query_len=1)
+    assert calls == [((32, 16, 4, 1), 3)]
+    _assert_rows_close(out, ref, torch.float32)  # a bound below the truth: still right
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "5"])
