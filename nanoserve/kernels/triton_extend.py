@@ -231,7 +231,12 @@ PACKED_MAX_QUERY_LEN = 16
 # splits or None) for the GQA-packed split-KV kernel; a key not listed autotunes (or, for
 # few new tokens, takes the packed kernel's defaults).
 # bench_extend_classes.py prints each class's key beside its candidates.
-ROUTES: dict[tuple[str, int], tuple] = {}
+ROUTES: dict[tuple[str, int], tuple] = {
+    # head_dim 256 with a soft-cap, any grid: the smallest tile that keeps the 256-wide rows in
+    # registers; autotune's timing picked an 8-warp tile that ran twice as long in the class
+    # benchmark (benchmarks/RESULTS.md).
+    **{("16bit-d256", bucket): ("tiles", (64, 32, 4, 2)) for bucket in (8, 9, 10, 11)},
+}
 # Warp-specialize the extend kernel's unmasked key loop (Triton's automatic warp
 # specialization); off until the class benchmark shows it pays.
 WARP_SPECIALIZE = False
