@@ -122,6 +122,9 @@ class CallShape:
     copies: int
     spare: int
     groups: list[tuple[int, int]]  # (first row, rows) of each distinct prompt
+    # Assisted generation and prompt lookup verify several tokens per step, as many as their
+    # schedule grows to: a windowed pool is then sized as if it kept every token.
+    multi_token_steps: bool = False
 
 
 def generate_option(model, kwargs: dict, name: str):
@@ -156,7 +159,12 @@ def call_shape(model, args: tuple, kwargs: dict) -> CallShape:
     beams = get("num_beams") or 1
     copies = max(beams, get("num_return_sequences") or 1)
     groups = _groups(inputs, mask, len(prompt_lens))
-    return CallShape(prompt_lens, width, new_tokens, copies, 1 if beams > 1 else 0, groups)
+    multi = any(
+        get(name) is not None
+        for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+    )
+    spare = 1 if beams > 1 else 0
+    return CallShape(prompt_lens, width, new_tokens, copies, spare, groups, multi)
 
 
 def _groups(inputs, mask, batch: int) -> list[tuple[int, int]]:
@@ -246,7 +254,8 @@ def _blocks_held(
     for first, rows in shape.groups:
         n, rows = shape.prompt_lens[first], rows * shape.copies
         held = math.ceil((n + new) / bs)
-        if window is not None:  # past its first forward a row holds its window's blocks
+        if window is not None and not shape.multi_token_steps:
+            # past its first forward a row holds its window's blocks
             slack = max(bs, READ_BACK_LAG)  # as the cache keeps (hf.py's window_slack)
             decode = math.ceil((window + slack) / bs) + 1
             bound = max(math.ceil(n / bs), decode)  # the whole prompt, then a window

@@ -133,3 +133,25 @@ def test_chunked_prefill_sizes_the_sliding_pool_by_the_chunk():
     assert torch.equal(stock, paged)
     assert stats["group1_num_blocks"] < stats["group0_num_blocks"] // 2
     assert stats["group0_num_blocks"] >= -(-50 // BLOCK) + -(-47 // BLOCK)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_assisted_generation_fits_the_default_pools(name):
+    """Assisted generation verifies several tokens a step: with the default sizing the sliding
+    group must hold them past its window. Stock's tokens, and sliding blocks still released.
+    Planted (found in review): sizing the sliding pool by its window alone raised
+    OutOfBlocks at the first multi-token verify step."""
+    model = tiny_model(name)
+    g = torch.Generator().manual_seed(7)
+    base = torch.randint(3, 97, (6,), generator=g)
+    ids = torch.cat([base, base, base, torch.randint(3, 97, (3,), generator=g)])[None]
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assist = dict(assistant_model=tiny_model(name, seed=1), num_assistant_tokens=3,
+                  num_assistant_tokens_schedule="constant")  # fmt: skip
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=40, **GREEDY, **assist)
+    with patched(model, block_size=BLOCK), torch.no_grad():
+        paged = model.generate(**inputs, max_new_tokens=40, **GREEDY, **assist)
+        stats = nanoserve.cache_stats(model)
+    assert torch.equal(stock, paged)
+    assert stats["group1_blocks_dropped_by_window"] > 0
