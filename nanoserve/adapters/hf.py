@@ -98,9 +98,10 @@ def patch_model(
     None (the default) stores K/V in the model's dtype; "fp8_e4m3" (or
     torch.float8_e4m3fn) stores them in FP8 with a float32 scale per (layer, KV head), half
     the bytes of 16-bit pools (``max_memory`` holds twice the tokens); attention still
-    computes in the model's dtype with float32 accumulation. The scales are calibrated from
-    each pool's first write (the first prefill), with headroom, and kept for the pool's life
-    (later values beyond them saturate); ``kv_scale`` fixes them to one number instead.
+    computes in the model's dtype with float32 accumulation. Every scale is ``kv_scale``
+    (default 1.0: e4m3 is floating point, so the scale matters only past +-448 * scale,
+    where values saturate, and in subnormals); a fixed scale keeps a call's tokens
+    independent of the calls before it.
 
     Every argument is checked before anything changes: a failed call leaves the model as it
     was. Patching a patched model again replaces its options.

@@ -17,11 +17,15 @@ from nanoserve.log import get_logger
 _log = get_logger(__name__)
 
 
+# FP8 pools' scale unless patch_model is given one (vLLM's default without calibrated scales).
+DEFAULT_FP8_SCALE = 1.0
+
+
 @dataclass(frozen=True)
 class PoolOptions:
     """patch_model's pool arguments; at most one of ``num_blocks`` / ``max_memory``.
     ``kv_dtype``: the pools' dtype (None: the model's); ``kv_scale``: FP8 pools' fixed scale
-    (None: calibrated)."""
+    (None: ``DEFAULT_FP8_SCALE`` for FP8 pools)."""
 
     layout: KVLayout
     block_size: int = 16
@@ -48,11 +52,24 @@ class PoolOptions:
         if self.kv_scale is not None:
             if self.kv_dtype is None:
                 raise ValueError("kv_scale: only FP8 pools (kv_dtype='fp8_e4m3') take a scale")
-            check_positive("kv_scale", self.kv_scale)
+            check_fp8_scale(self.kv_scale)
+        elif self.kv_dtype is not None:
+            # A fixed scale: calibrating from a pool's first write would make a call's output
+            # depend on the calls before it (kept pools keep their scales) and on how short
+            # the first prompt was.
+            object.__setattr__(self, "kv_scale", DEFAULT_FP8_SCALE)
 
     def pool_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype of the pools of a model computing in ``model_dtype``."""
         return self.kv_dtype or model_dtype
+
+
+def check_fp8_scale(value) -> None:
+    """``kv_scale`` must be a finite positive number that float32 holds as one."""
+    check_positive("kv_scale", value)
+    as_float32 = float(torch.tensor(float(value), dtype=torch.float32))
+    if not (math.isfinite(as_float32) and as_float32 > 0):
+        raise ValueError(f"kv_scale: {value} is not a finite positive float32 value")
 
 
 def kv_dtype_of(value) -> torch.dtype | None:

@@ -97,6 +97,8 @@ def check_kv_scales(
         if scale is None:
             _fail(name, "required: the pools hold float8_e4m3fn values")
         check_tensor(name, scale, ndim=1, dtypes=(torch.float32,), device=key_cache.device)
+        if scale.shape[0] > 1 and scale.stride(0) != 1:  # the kernels read scale + head
+            _fail(name, "must be contiguous (a strided view reads other heads' scales)")
         if scale.shape[0] != num_kv_heads:
             _fail(name, f"has {scale.shape[0]} entries for {num_kv_heads} KV heads")
         if not bool(torch.isfinite(scale).all() & (scale > 0).all()):

@@ -87,6 +87,8 @@ def test_kept_pool_and_scales_serve_the_next_call():
         (dict(kv_dtype=torch.float16), "^kv_dtype"),
         (dict(kv_scale=1.0), "^kv_scale"),
         (dict(kv_dtype="fp8_e4m3", kv_scale=-1.0), "^kv_scale"),
+        (dict(kv_dtype="fp8_e4m3", kv_scale=1e-46), "^kv_scale"),  # 0 in float32
+        (dict(kv_dtype="fp8_e4m3", kv_scale=1e39), "^kv_scale"),  # inf in float32
     ],
 )
 def test_bad_fp8_options_leave_the_model_as_it_was(options, match):
@@ -116,3 +118,21 @@ def test_fp8_pools_in_every_layer_group():
         assert all(s is not None and s.dtype == torch.float32 for s in group.key_scales)
     a, b = out.logits[0], base.logits[0]  # the prefill's logits: the same prefix
     assert ((a - b).norm() / b.norm()).item() < 0.05
+
+
+def test_a_calls_tokens_do_not_depend_on_the_calls_before():
+    """Kept FP8 pools keep their scales; the scales are fixed (not calibrated from the first
+    call's prompt), so a call after a one-token call gives the same logits as the same call
+    on fresh pools. Planted (found in review): scales calibrated from each pool's first
+    write: a first call with a one-token prompt changed the second call's logits."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 5], 9)
+    options = dict(block_size=4, num_blocks=64, kv_dtype="fp8_e4m3")
+    with patched(model, **options), torch.no_grad():
+        fresh = model.generate(**inputs, max_new_tokens=6, **GREEDY)
+    with patched(model, **options), torch.no_grad():
+        model.generate(**padded_batch([1], 1), max_new_tokens=2, **GREEDY)
+        after = model.generate(**inputs, max_new_tokens=6, **GREEDY)
+    assert torch.equal(fresh.sequences, after.sequences)
+    for a, b in zip(fresh.logits, after.logits, strict=True):
+        assert torch.equal(a, b)

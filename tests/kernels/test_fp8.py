@@ -220,14 +220,17 @@ def test_fp8_error_does_not_grow_with_length():
         ("v_scale", torch.tensor([1.0, 0.0]), "positive"),
         ("k_scale", torch.tensor([1.0, float("nan")]), "positive"),
         ("k_scale", "meta", "on meta"),
+        ("v_scale", "strided", "contiguous"),
     ],
 )
 @pytest.mark.parametrize("op", ["scatter", "decode", "extend", "scatter_ref", "decode_ref"])
 def test_bad_scales_raise_naming_the_argument(op, name, bad, match):
     kc = torch.zeros(4, 16, 2, 64, dtype=FP8_DTYPE)
     args = dict(key_cache=kc, value_cache=kc.clone(), k_scale=torch.ones(2), v_scale=torch.ones(2))
-    if isinstance(bad, str):
+    if bad == "meta":
         bad = torch.ones(2, device="meta")
+    elif bad == "strided":  # a column of a [Hkv, layers] table: the kernels read scale + head
+        bad = torch.ones(2, 3)[:, 0]
     args[name] = bad
     before = args["key_cache"].view(torch.uint8).clone()
     tables = torch.zeros(1, 1, dtype=torch.int32)
