@@ -285,10 +285,11 @@ def choose_num_splits(
 
 
 def balances(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
-    """Whether the balanced launch pays: up to BALANCE_BELOW programs per SM without splits.
-    With more, the SMs' own scheduling already evens out rows of different lengths and the
-    fixed-split launch (no plan, usually no merge) is faster (see benchmarks/RESULTS.md)."""
-    return num_seqs * num_kv_heads < BALANCE_BELOW * sm_count(device)
+    """Whether the balanced launch pays: rows that can differ in length (two or more), and
+    up to BALANCE_BELOW programs per SM without splits. With more, the SMs' own scheduling
+    already evens out rows of different lengths; a single row has nothing to even out; there
+    the fixed-split launch (no plan, usually no merge) is faster (see benchmarks/RESULTS.md)."""
+    return num_seqs > 1 and num_seqs * num_kv_heads < BALANCE_BELOW * sm_count(device)
 
 
 def choose_work_items(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:

@@ -194,12 +194,14 @@ def test_decode_plan_split_launch_takes_two_stages():
     (a caller's config is kept as given)."""
     from nanoserve.kernels.triton_decode import decode_plan
 
-    key_cache, _, tables, _ = make_paged_kv([100], 2, 128, 16, torch.float16, extra_columns=64)
-    query = torch.randn(1, 8, 128).to(torch.float16)
+    key_cache, _, tables, _ = make_paged_kv([100, 3], 2, 128, 16, torch.float16, extra_columns=64)
+    query = torch.randn(2, 8, 128).to(torch.float16)
     assert decode_plan(query, key_cache, tables, num_splits=1) == (64, 4, 3, 1, 0)
     assert decode_plan(query, key_cache, tables, num_splits=2) == (64, 4, 2, 2, 0)
     plan = decode_plan(query, key_cache, tables)  # balanced: may split any row
     assert plan.work_items > 0 and plan[:4] == (64, 4, 2, 0)
+    alone = decode_plan(query[:1], key_cache, tables[:1])  # one row: fixed splits
+    assert alone.work_items == 0 and alone.num_splits > 1 and alone[:3] == (64, 4, 2)
     config = (64, 4, 3)
     assert decode_plan(query, key_cache, tables, config=config, num_splits=4) == (64, 4, 3, 4, 0)
 
