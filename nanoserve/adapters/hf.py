@@ -378,6 +378,12 @@ def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype):
         "+".join(map(str, wanted)),
     )
     if not fits:
+        if not state.pool.fixed and len(held) == len(wanted):
+            # Each group as large as either call needs: calls whose groups grow in turn (a
+            # long prompt, then many new tokens) then share one pool instead of each making
+            # its own (and recapturing the decode graphs).
+            wanted = [max(h, w) for h, w in zip(held, wanted, strict=True)]
+            fresh = wanted, [None] * len(wanted), [None] * len(wanted)
         return fresh
     each = (kept, *kept.others)
     return held, [k.pools for k in each], [k.allocator for k in each]

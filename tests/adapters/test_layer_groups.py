@@ -155,3 +155,29 @@ def test_assisted_generation_fits_the_default_pools(name):
         stats = nanoserve.cache_stats(model)
     assert torch.equal(stock, paged)
     assert stats["group1_blocks_dropped_by_window"] > 0
+
+
+def test_calls_whose_groups_grow_in_turn_share_one_kept_pool():
+    """A short prompt with many new tokens (the global group grows), then a long prompt with
+    few (the sliding group grows): the second call's pool takes each group's larger need, and
+    from then on both calls reuse it. Planted (found in review): a new pool sized for the
+    call alone: every call made its own pool (and would recapture its decode graphs)."""
+    model = tiny_model("gemma3")
+    calls = (([3], 60), ([40], 4), ([3], 60), ([40], 4))
+    pools = []
+    with patched(model, block_size=BLOCK), torch.no_grad():
+        state = state_of(model)
+        for lens, new in calls:
+            inputs = padded_batch(lens, max(lens))
+            out = model.generate(**inputs, max_new_tokens=new, **GREEDY)
+            kept = state.kept_pools
+            pools.append([k.pools[0][0] for k in (kept, *kept.others)])
+            del out  # lets the kept pool serve the next call
+    assert all(a is b for a, b in zip(pools[1], pools[2], strict=True))
+    assert all(a is b for a, b in zip(pools[2], pools[3], strict=True))
+    with torch.no_grad():
+        stock = model.generate(**padded_batch([40], 40), max_new_tokens=4, **GREEDY)
+    with patched(model, block_size=BLOCK), torch.no_grad():
+        model.generate(**padded_batch([3], 3), max_new_tokens=60, **GREEDY)
+        paged = model.generate(**padded_batch([40], 40), max_new_tokens=4, **GREEDY)
+    assert torch.equal(stock, paged)
