@@ -321,8 +321,9 @@ def decode_plan(
     work_items: int | None = None,
 ) -> DecodePlan:
     """The launch plan from shapes only (no read of seq_lens: no sync). A given ``num_splits``
-    asks for the fixed-split launch; otherwise the launch is balanced over ``work_items``
-    (chosen from the SM count when None). A given ``config`` is kept as given."""
+    asks for the fixed-split launch, a given ``work_items`` the balanced one; otherwise
+    ``balances`` decides, and the split count or item target comes from the SM count. A given
+    ``config`` is kept as given."""
     num_seqs, _, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     capacity = block_tables.shape[1] * block_size
