@@ -38,8 +38,9 @@ BALANCE_BELOW = 6
 WORK_ITEMS_PER_SM = 4
 WORK_ITEMS_PER_SM_MANY_ROWS = 8
 MANY_ROWS = 16
-# Partial results the merge kernel reads per step.
-MERGE_ITEMS_STEP = 16
+# Most partial results the merge kernel reads per step: a row of up to this many items merges
+# in one step, since each step waits on its loads.
+MERGE_ITEMS_STEP = 64
 
 
 @triton.jit
@@ -294,10 +295,17 @@ def balances(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
 
 def choose_work_items(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """Target work items per KV head for the balanced launch: programs per SM over all KV
-    heads, more where many rows can differ in length than where a few long rows are split
-    (the launch then holds at most this many items plus one per row)."""
+    heads, more where many rows can differ in length than where a few long rows are split.
+
+    Rounding each row up to whole items can add up to one item per row. With up to MANY_ROWS
+    rows that extra is taken off the target first, so the launch keeps to its programs per
+    SM: otherwise equal rows cut into, say, 9 items where 8 fill the GPU, and the ninth runs
+    as a second wave. With more rows the extra items are short rows' and help balance.
+    """
+    many = num_seqs > MANY_ROWS
     per_sm = WORK_ITEMS_PER_SM_MANY_ROWS if num_seqs >= MANY_ROWS else WORK_ITEMS_PER_SM
-    return max(1, triton.cdiv(per_sm * sm_count(device), num_kv_heads))
+    target = triton.cdiv(per_sm * sm_count(device), num_kv_heads)
+    return max(1, target if many else target - num_seqs)
 
 
 class DecodePlan(NamedTuple):
@@ -418,11 +426,14 @@ def paged_decode_attention_triton(
     )  # fmt: skip
     launch = {"launch_pdl": True} if pdl else {}
     if balanced:
+        # a row holds at most work_items + 1 items, and never more than its tiles
+        row_most = min(plan.work_items + 1, max(tiles, 1))
         _merge_items_kernel[(num_seqs, num_q_heads)](
             mid_o, mid_lse, out, seq_lens, num_seqs, window, plan.work_items,
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=s_pad, BLOCK_N=plan.block_n,
-            HAS_WINDOW=sliding_window is not None, ITEMS_STEP=MERGE_ITEMS_STEP, PDL=pdl,
+            HAS_WINDOW=sliding_window is not None,
+            ITEMS_STEP=min(MERGE_ITEMS_STEP, max(16, next_pow2(row_most))), PDL=pdl,
             **launch,
         )  # fmt: skip
     elif plan.num_splits > 1:

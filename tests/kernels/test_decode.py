@@ -6,6 +6,8 @@ import pytest
 import torch
 from kernel_inputs import (
     TOLERANCE,
+    balanced_chunk,
+    cdiv,
     check_decode_planted,
     make_paged_kv,
     needs_interpreter,
@@ -131,6 +133,24 @@ def test_decode_balanced_ragged_rows(items, poison_outputs):
     assert errors.max() < 1e-5, errors
 
 
+def test_decode_balanced_merge_over_many_items(poison_outputs):
+    """A row cut into more items than the merge kernel reads in one step (every tile its own
+    item: 71 here, against a step of at most 64) merges over several steps, beside rows of
+    one and two items. Planted bug, reverted: merging only the first step's items
+    (``range(0, tl.minimum(to_merge, ITEMS_STEP), ITEMS_STEP)``) failed the long row here."""
+    lens = [64 * 70 + 5, 3, 65]
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(lens, 1, 64, 16, torch.float32)
+    query = torch.randn(len(lens), 2, 64)
+    ref = paged_decode_attention_ref(query.double(), key_cache.double(), value_cache.double(),
+                                     tables, seq_lens)  # fmt: skip
+    out = paged_decode_attention_triton(
+        query, key_cache, value_cache, tables, seq_lens, scale=64**-0.5,
+        sliding_window=None, softcap=None, work_items=10**6,
+    )  # fmt: skip
+    errors = row_errors(out, ref)
+    assert errors.max() < 1e-5, errors
+
+
 def test_decode_custom_scale_and_strided_query(poison_outputs):
     key_cache, value_cache, tables, seq_lens = make_paged_kv([37, 5], 2, 64, 16, torch.float32)
     query = torch.randn(4, 2, 64).transpose(0, 1)  # [2 seqs, 4 heads, 64], not contiguous
@@ -204,6 +224,32 @@ def test_decode_plan_split_launch_takes_two_stages():
     assert alone.work_items == 0 and alone.num_splits > 1 and alone[:3] == (64, 4, 2)
     config = (64, 4, 3)
     assert decode_plan(query, key_cache, tables, config=config, num_splits=4) == (64, 4, 3, 4, 0)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 4, 8])
+@pytest.mark.parametrize("kind", ["equal", "near-equal", "ragged"])
+def test_decode_balanced_few_rows_keep_to_their_programs(kind, num_kv_heads, monkeypatch):
+    """Up to MANY_ROWS rows: whatever their lengths, the balanced plan's items (each row
+    rounded up to whole items, as the kernel cuts them) stay within the programs per SM it
+    targets, so equal rows never spill into a second wave. Planted bug, reverted: the target
+    without the rows taken off (``return max(1, target)``) failed 7 of these 9 cases, among
+    them equal rows with 4 and 8 KV heads (9 items a row where 8 fill the target)."""
+    from nanoserve.kernels import triton_decode as decode
+
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    gen = torch.Generator().manual_seed(num_kv_heads)
+    for rows in (2, 3, 8, 13, decode.MANY_ROWS):
+        if kind == "equal":
+            lens = [32768] * rows
+        elif kind == "near-equal":
+            lens = (32000 + torch.randint(0, 769, (rows,), generator=gen)).tolist()
+        else:
+            lens = torch.randint(1, 40000, (rows,), generator=gen).tolist()
+        target = decode.choose_work_items(rows, num_kv_heads, torch.device("cpu"))
+        chunk = balanced_chunk(lens, None, 64, target)
+        items = sum(max(cdiv(n, chunk), 1) for n in lens)
+        per_sm = decode.WORK_ITEMS_PER_SM_MANY_ROWS if rows >= decode.MANY_ROWS else 4
+        assert items <= cdiv(per_sm * 132, num_kv_heads), (rows, lens, target, items)
 
 
 def test_programmatic_dependent_launch_only_on_nvidia(monkeypatch):
