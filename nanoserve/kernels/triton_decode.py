@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.dispatch import next_pow2, sm_count, supports_pdl, unit_stride
+from nanoserve.kernels.quant import is_quantized
 from nanoserve.kernels.triton_common import mma, scores_to_log2
 
 MAX_SPLITS = 64
@@ -118,6 +119,16 @@ def _decode_kernel(
     d_mask = d < HEAD_DIM
     row_mask = (g < GROUP)[:, None] & d_mask[None, :]
     q = tl.load(query + seq * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=row_mask)
+    if FP8 and not FP32:
+        # e4m3 converts to float16 in one instruction, to bfloat16 only through more: the
+        # tiles meet in float16. The query joins them divided by a power of two that puts its
+        # largest entry in [2^13, 2^14) (exact: no overflow, none of bfloat16's bits lost),
+        # and the scores take the power back through the scale.
+        q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        exponent = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        q_pow = (tl.maximum(exponent - 13, 1) << 23).to(tl.float32, bitcast=True)
+        q = (q.to(tl.float32) / q_pow).to(tl.float16)
+        scale = scale * q_pow
 
     # A finite start keeps exp2(m_old - m_new) from ever being NaN on fully masked tiles.
     m_i = tl.full([GROUP_PAD], -1.0e30, tl.float32)
@@ -133,7 +144,7 @@ def _decode_kernel(
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(key_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(value_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # fp8 tiles: exact in 16-bit and fp32
+        k, v = k.to(q.dtype), v.to(q.dtype)  # fp8 tiles: exact in float16 and float32
         s = mma(q, tl.trans(k), FP32)
         s = scores_to_log2(s, scale, softcap, HAS_SOFTCAP)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -345,7 +356,13 @@ def decode_plan(
     )
     if many_long:
         config = (max(64, next_pow2(block_size)), 4, 2)
+    fp8_tiles = config is None and is_quantized(key_cache) and query.dtype != torch.float32
     block_n, num_warps, num_stages = config or decode_config(head_dim, block_size, query.dtype)
+    if fp8_tiles:
+        # one-byte K/V: twice the tokens per step for the bytes of a 16-bit tile, three stages
+        # deep in every launch (see benchmarks/RESULTS.md)
+        block_n = max(min(2 * block_n, 128), next_pow2(block_size))
+        num_stages = 3 if next_pow2(head_dim) <= 128 else 2
     items = 0
     if balanced:
         items = work_items or choose_work_items(num_seqs, num_kv_heads, query.device)
@@ -354,7 +371,7 @@ def decode_plan(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, block_n, query.device)
         if many_long:
             num_splits = max(num_splits, 2)
-    if config is None and (balanced or num_splits > 1):
+    if config is None and not fp8_tiles and (balanced or num_splits > 1):
         # A split launch pipelines two stages deep: a third stage costs this grid's split
         # kernel registers, hence occupancy, and ran slower (see RESULTS.md).
         num_stages = min(num_stages, 2)

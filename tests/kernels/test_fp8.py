@@ -149,6 +149,25 @@ def test_decode_fp8_matches_reference(case, dtype, poison_outputs):
     assert row_errors(out, ref).max() < FP8_TOL[dtype]
 
 
+@needs_interpreter
+@pytest.mark.parametrize("magnitude", [1e5, 1e-6, 1.0])
+def test_decode_fp8_bfloat16_query_of_any_magnitude(magnitude, poison_outputs):
+    """FP8 tiles meet a 16-bit query in float16 (so bfloat16 runs here: the interpreter's
+    float16 dot is right): a query far past float16's range (1e5) or deep in its subnormals
+    (1e-6) still gives the reference's rows, the K scale keeping the scores of order one.
+    Planted bug, reverted: the query converted to float16 without its power-of-two
+    (``q_pow = 1.0``) failed 1e5 (inf scores: NaN rows) and 1e-6 (row errors 0.06)."""
+    kc, vc, ks, vs, k64, v64, tables, seq_lens = make_fp8_paged_kv([1, 17, 70], 2, 64, 16)
+    query = (torch.randn(3, 8, 64) * magnitude).to(torch.bfloat16)
+    key_mul = 1.0 / magnitude
+    ref = paged_decode_attention_ref(query.double(), k64 * key_mul, v64, tables, seq_lens)
+    out = paged_decode_attention(
+        query, kc, vc, tables, seq_lens, k_scale=ks * key_mul, v_scale=vs, backend="triton"
+    )
+    assert out.dtype == torch.bfloat16
+    assert row_errors(out, ref).max() < 1e-2
+
+
 # (num_kv_heads, group, head_dim, block_size, history_lens, new_lens, window, softcap)
 EXTEND_CASES = {
     "prefill-edges": (2, 4, 64, 16, [0, 0, 0, 0], [1, 15, 16, 17], None, None),
