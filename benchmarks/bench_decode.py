@@ -4,14 +4,18 @@ gather-then-SDPA, FlashInfer's paged decode (tensor cores) and a pure read of th
 
 bf16, Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128) and Llama-3.2-1B (32/8/64),
 block size 16, blocks scattered at random; batch 1/8/32/128 x context 512/2048/8192/32768
-(shapes whose K/V exceeds 40 GB skipped). FlashInfer 0.5.3 is optional: when it does not import,
+(shapes whose K/V exceeds 40 GB skipped); ``--quick``: every batch at a short and a long
+context (QUICK_SHAPES), shorter timings. FlashInfer 0.5.3 is optional: when it does not import,
 its rows say why. Usage:
-    python3 benchmarks/bench_decode.py [--sweep] [--shapes 32x4096,...] [--dims 128,64]
+    python3 benchmarks/bench_decode.py [--quick] [--sweep] [--shapes 32x4096,...] [--dims 128,64]
 Timed with triton.testing (``do_bench_cudagraph``: median µs under CUDA-graph replay, the calls
 rotating over enough input sets to miss the L2; eager ``do_bench`` too for shapes under 64 MiB).
 Per head dim and batch, ``triton.testing.perf_report`` prints GB/s per provider against the
 context and writes decode_d<dim>_b<batch>.csv/.png under $OUT (the band: 20th to 80th
-percentile); then the table RESULTS.md uses is printed and written to $OUT/bench_decode.csv.
+percentile); then the table RESULTS.md uses is printed and written to $OUT/bench_decode.csv,
+and plotted per head dim (GB/s against the shape) as $OUT/decode_d<dim>.png.
+Each provider's error is against a float32 reference kept on the host; "inputs changed" in
+the err column means the query, pools or tables were overwritten after the reference.
 """
 
 from __future__ import annotations
@@ -33,15 +37,18 @@ require_cuda("bench_decode")
 
 import triton.testing  # noqa: E402
 from harness import (  # noqa: E402
+    Reference,
     ceiling,
     num_input_sets,
     out_dir,
-    rel_err,
+    quick,
+    set_quick,
     show_table,
     time_eager,
     time_graph,
     versions,
 )
+from plot import plot_rows  # noqa: E402
 
 from nanoserve.kernels import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from nanoserve.kernels.triton_decode import paged_decode_attention_triton  # noqa: E402
@@ -51,6 +58,9 @@ DTYPE = torch.bfloat16
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (512, 2048, 8192, 32768)
 SHAPES = [(b, c) for b in BATCHES for c in CONTEXTS]
+# --quick: each batch at a short and a long context (8x32768 guards the reference's check)
+QUICK_SHAPES = [(1, 2048), (1, 32768), (8, 2048), (8, 32768), (32, 512), (32, 8192),
+                (128, 512), (128, 8192)]  # fmt: skip
 HEAD_DIMS = (128, 64)
 MAX_KV_BYTES = 40e9
 EAGER_BELOW = 64 * 2**20  # eager timings only where launch overhead matters
@@ -133,14 +143,17 @@ def providers(s: dict, flashinfer) -> dict:
     return out
 
 
-def reference_rows(s: dict) -> torch.Tensor:
-    """float32 reference of the first REF_SEQS sequences, gathering only their blocks."""
+def reference_rows(s: dict) -> Reference:
+    """float32 reference of the first REF_SEQS sequences, gathering only their blocks; kept
+    on the host with fingerprints of the set's inputs (see harness.Reference)."""
     n = min(REF_SEQS, s["bt"].shape[0])
     bt = s["bt"][:n]
     used = bt.flatten().long()
     kc, vc = s["kc"][used].float(), s["vc"][used].float()
-    local = torch.arange(used.numel(), device="cuda", dtype=torch.int32).view_as(bt)
-    return paged_decode_attention_ref(s["q"][:n].float(), kc, vc, local, s["sl"][:n], check=False)
+    local = torch.arange(used.numel(), device=bt.device, dtype=torch.int32).view_as(bt)
+    ref = paged_decode_attention_ref(s["q"][:n].float(), kc, vc, local, s["sl"][:n], check=False)
+    inputs = {name: s[name] for name in ("q", "kc", "vc", "bt", "sl", "k_cont", "v_cont")}
+    return Reference(ref, inputs)
 
 
 class Shapes:
@@ -182,8 +195,7 @@ class Shapes:
             return math.nan, math.nan, math.nan
         else:
             fns = [p[provider] for p in data["per_set"]]
-            ref = data["ref"]
-            row["err"] = f"{rel_err(fns[0]()[: ref.shape[0]], ref):.1e}"
+            row["err"] = data["ref"].err(fns[0]())
             try:
                 graph = time_graph(fns)
             except RuntimeError as e:  # a provider that cannot be captured
@@ -247,11 +259,11 @@ def sweep_shape(batch: int, ctx: int, dim: int) -> list[dict]:
 
     for splits, config in variants:
         fns = [variant(s, splits, config) for s in sets]
-        err = rel_err(fns[0]()[: ref.shape[0]], ref)
+        err = ref.err(fns[0]())
         us = time_graph(fns).median
         rows.append(dict(shape=f"d{dim} {batch}x{ctx}", splits=splits or "auto",
                          config=config or "default", graph_us=round(us, 1),
-                         GBps=round(nbytes / (us * 1e-6) / 1e9), err=f"{err:.1e}"))  # fmt: skip
+                         GBps=round(nbytes / (us * 1e-6) / 1e9), err=err))  # fmt: skip
         print(rows[-1], flush=True)
     del sets
     torch.cuda.empty_cache()
@@ -264,8 +276,10 @@ def main() -> None:
     parser.add_argument("--shapes", default=None, help="e.g. 32x4096,1x32768")
     parser.add_argument("--dims", default=",".join(map(str, HEAD_DIMS)), help="head dims")
     parser.add_argument("--check-only", action="store_true", help="errors only, no timing")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter timings")
     args = parser.parse_args()
-    shapes = SHAPES
+    set_quick(args.quick)
+    shapes = QUICK_SHAPES if quick() else SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     dims = [int(d) for d in args.dims.split(",")]
@@ -284,7 +298,7 @@ def main() -> None:
                 s = make_set(b, c, dim)
                 ref = reference_rows(s)
                 for name, fn in providers(s, flashinfer).items():
-                    print(f"d{dim} {b}x{c} {name}: err {rel_err(fn()[: ref.shape[0]], ref):.1e}")
+                    print(f"d{dim} {b}x{c} {name}: err {ref.err(fn())}")
         return
     measure = Shapes(flashinfer, fi_reason)
     for dim in dims:
@@ -311,7 +325,13 @@ def main() -> None:
                 args={"dim": dim, "batch": batch},
             )
             triton.testing.perf_report(report)(measure).run(print_data=True, save_path=out_dir())
-    show_table(finish_rows(measure.rows), "bench_decode.csv", COLUMNS)
+    rows = finish_rows(measure.rows)
+    show_table(rows, "bench_decode.csv", COLUMNS)
+    for dim in dims:
+        timed = [r for r in rows if r["shape"].startswith(f"d{dim} ") and r.get("GB/s", "") != ""]
+        plot_rows(timed, x="shape", y="GB/s", name=f"decode_d{dim}.png",
+                  title=f"paged decode, head_dim {dim}, bf16, graph replay",
+                  ceiling="pure_read_ceiling")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ replay (``do_bench_cudagraph``: the kernels without the host's launch cost, whic
 the smallest shapes). ``triton.testing.perf_report`` prints eager TFLOP/s per provider and
 writes extend_d<dim>_b<batch>.csv/.png (against the new tokens) and extend_d<dim>_chunked
 (against the cached history) under $OUT; then the table RESULTS.md uses is printed and
-written to $OUT/extend.csv.
-Usage: python3 benchmarks/bench_extend.py [--sweep]
+written to $OUT/extend.csv and plotted (TFLOP/s against the case) as $OUT/extend.png.
+``--quick``: one short and one long prefill at batch 1, one at batch 8 and one chunked prefill
+(QUICK_CASES), shorter timings. Errors are against a reference kept on the host (see
+harness.Reference).
+Usage: python3 benchmarks/bench_extend.py [--quick] [--sweep]
 (`--sweep`: nanoserve at fixed tile configs on a few shapes, beside SDPA; tuning data only).
 """
 
@@ -33,14 +36,18 @@ require_cuda("bench_extend")
 
 import triton.testing  # noqa: E402
 from harness import (  # noqa: E402
+    Reference,
     num_input_sets,
     out_dir,
+    quick,
     rel_err,
+    set_quick,
     show_table,
     time_eager,
     time_graph,
     versions,
 )
+from plot import plot_rows  # noqa: E402
 
 from nanoserve.kernels import paged_extend_attention, triton_extend  # noqa: E402
 
@@ -49,6 +56,7 @@ DTYPE = torch.bfloat16
 # (batch, cached history, new tokens)
 CASES = [(1, 0, 512), (1, 0, 2048), (1, 0, 8192), (8, 0, 512), (8, 0, 2048), (8, 0, 8192),
          (1, 2048, 512), (1, 8192, 512)]  # fmt: skip
+QUICK_CASES = [(1, 0, 512), (1, 0, 8192), (8, 0, 2048), (1, 8192, 512)]
 HEAD_DIMS = [128, 64]
 PROVIDERS = ["nanoserve", "sdpa_contiguous"]
 COLUMNS = ["shape", "provider", "err", "us", "TFLOPs", "pct_sdpa", "graph_us", "graph_TFLOPs"]
@@ -183,7 +191,8 @@ class Cases:
             kv_bytes = 2 * batch * (history + new) * HKV * dim * 2
             sets = [make_set(batch, history, new, dim) for _ in range(num_input_sets(kv_bytes, 4))]
             per_set = [providers(s) for s in sets]
-            self.current = dict(per_set=per_set, ref=reference(sets[0]))
+            inputs = {name: sets[0][name] for name in ("q", "kc", "vc", "bt", "k", "v")}
+            self.current = dict(per_set=per_set, ref=Reference(reference(sets[0]), inputs))
             self.key = (dim, batch, history, new)
         return self.current
 
@@ -192,11 +201,11 @@ class Cases:
         data = self._load(dim, batch, history, new)
         fns = [p[provider] for p in data["per_set"]]
         flops = 4 * dim * HQ * batch * causal_pairs(history, new)
-        err = rel_err(fns[0](), data["ref"])
+        err = data["ref"].err(fns[0]())
         eager = time_eager(fns)
         graph = time_graph(fns).median  # the kernels alone, without launch overhead
         self.rows.append(dict(kernel="extend", shape=case_name(dim, batch, history, new),
-                              provider=provider, err=f"{err:.1e}", us=round(eager.median, 1),
+                              provider=provider, err=err, us=round(eager.median, 1),
                               TFLOPs=tflops(flops, eager.median), graph_us=round(graph, 1),
                               graph_TFLOPs=tflops(flops, graph)))  # fmt: skip
         return tuple(flops / (us * 1e-6) / 1e12 for us in (eager.median, eager.p80, eager.p20))
@@ -218,7 +227,7 @@ def reports(dim: int) -> list:
     chunked prefill against the cached history."""
     out = []
     groups: dict[tuple, list[int]] = {}
-    for batch, history, new in CASES:
+    for batch, history, new in QUICK_CASES if quick() else CASES:
         if history:
             groups.setdefault(("history", batch, new), []).append(history)
         else:
@@ -248,7 +257,9 @@ def reports(dim: int) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="fixed-config sweep only")
+    parser.add_argument("--quick", action="store_true", help="fewer cases, shorter timings")
     args = parser.parse_args()
+    set_quick(args.quick)
     print(versions())
     if args.sweep:
         sweep()
@@ -258,7 +269,10 @@ def main() -> None:
         benchmarks = reports(dim)
         triton.testing.perf_report(benchmarks)(measure).run(print_data=True, save_path=out_dir())
     print("\n".join(["autotune picked:", *tuned_configs()]))
-    show_table(finish_rows(measure.rows), "extend.csv", COLUMNS)
+    rows = finish_rows(measure.rows)
+    show_table(rows, "extend.csv", COLUMNS)
+    plot_rows(rows, x="shape", y="TFLOPs", name="extend.png",
+              title="paged extend (causal), bf16, eager: TFLOP/s")  # fmt: skip
 
 
 if __name__ == "__main__":

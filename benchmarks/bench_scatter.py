@@ -6,9 +6,10 @@ step of a batch of 32) and 8192 tokens (a prefill), slots scattered at random ov
 Bytes = K and V rows read once and written once. Timed with triton.testing, eager
 (``do_bench``) and under CUDA-graph replay (``do_bench_cudagraph``); ``perf_report`` prints
 GB/s per provider against the tokens written and writes scatter_d<dim>.csv/.png under $OUT;
-then the table RESULTS.md uses is printed and written to $OUT/scatter.csv.
-Usage: python3 benchmarks/bench_scatter.py [--sweep] (`--sweep`: the Triton kernel at several
-tile sizes and warps; tuning data only).
+then the table RESULTS.md uses is printed and written to $OUT/scatter.csv and plotted (GB/s
+against the shape) as $OUT/scatter.png. ``--quick``: the same four shapes, shorter timings.
+Usage: python3 benchmarks/bench_scatter.py [--quick] [--sweep] (`--sweep`: the Triton kernel
+at several tile sizes and warps; tuning data only).
 """
 
 from __future__ import annotations
@@ -27,7 +28,16 @@ from harness import require_cuda  # noqa: E402
 require_cuda("bench_scatter")
 
 import triton.testing  # noqa: E402
-from harness import num_input_sets, out_dir, show_table, time_eager, time_graph, versions  # noqa: E402
+from harness import (  # noqa: E402
+    num_input_sets,
+    out_dir,
+    set_quick,
+    show_table,
+    time_eager,
+    time_graph,
+    versions,
+)
+from plot import plot_rows  # noqa: E402
 
 from nanoserve.kernels import slot_scatter, slot_scatter_ref  # noqa: E402
 from nanoserve.kernels.triton_scatter import slot_scatter_triton  # noqa: E402
@@ -157,7 +167,9 @@ def finish_rows(rows: list[dict]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="tile/warps sweep only")
+    parser.add_argument("--quick", action="store_true", help="shorter timings")
     args = parser.parse_args()
+    set_quick(args.quick)
     print(versions())
     if args.sweep:
         sweep()
@@ -178,7 +190,10 @@ def main() -> None:
             args={"heads": heads, "dim": dim},
         )
         triton.testing.perf_report(report)(measure).run(print_data=True, save_path=out_dir())
-    show_table(finish_rows(measure.rows), "scatter.csv", COLUMNS)
+    rows = finish_rows(measure.rows)
+    show_table(rows, "scatter.csv", COLUMNS)
+    title = "slot scatter, bf16, graph replay: GB/s"
+    plot_rows(rows, x="shape", y="GB/s", name="scatter.png", title=title, ceiling=PROVIDERS[0])
 
 
 if __name__ == "__main__":

@@ -22,6 +22,25 @@ import torch
 L2_BYTES = 60 * 2**20
 ROTATE_BYTES = 200 * 2**20  # rotate input sets until this much is touched per round
 WARMUP_MS, REP_MS = 25, 60  # do_bench warm-up and measuring time per timing
+QUICK_REP_MS = 20  # --quick: shorter measuring per timing (do_bench_cudagraph replays 10x this)
+QUICK_ENV = "NANOSERVE_BENCH_QUICK"  # "1": the kernel benchmarks run their --quick shapes
+
+
+def quick() -> bool:
+    """Whether this run is a quick one (``--quick``, or run_all --quick through the
+    environment): every shape class, fewer sizes, shorter timings."""
+    return os.environ.get(QUICK_ENV) == "1"
+
+
+def set_quick(on: bool) -> None:
+    """Turn quick mode on for this process and the scripts it starts."""
+    if on:
+        os.environ[QUICK_ENV] = "1"
+
+
+def rep_ms() -> int:
+    """do_bench measuring time per timing: shorter in quick mode."""
+    return QUICK_REP_MS if quick() else REP_MS
 
 
 def require_cuda(script: str) -> None:
@@ -56,21 +75,22 @@ class Timing(NamedTuple):
     p80: float
 
 
-def time_eager(fns: Sequence[Callable[[], object]], rep: int = REP_MS) -> Timing:
+def time_eager(fns: Sequence[Callable[[], object]], rep: int | None = None) -> Timing:
     """One call's µs, launched from Python, rotating over ``fns`` (one per input set);
     ``triton.testing.do_bench`` clears the L2 before each call."""
     from triton.testing import do_bench
 
+    rep = rep or rep_ms()
     ms = do_bench(rotating(fns), warmup=WARMUP_MS, rep=rep, quantiles=[0.5, 0.2, 0.8])
     return Timing(*(m * 1e3 for m in ms))
 
 
-def time_graph(fns: Sequence[Callable[[], object]], rep: int = REP_MS) -> Timing:
+def time_graph(fns: Sequence[Callable[[], object]], rep: int | None = None) -> Timing:
     """One call's µs under CUDA-graph replay (``triton.testing.do_bench_cudagraph``: many
     calls captured in one graph, so no launch cost), the calls rotating over ``fns``."""
     from triton.testing import do_bench_cudagraph
 
-    ms = do_bench_cudagraph(rotating(fns), rep=rep, quantiles=[0.5, 0.2, 0.8])
+    ms = do_bench_cudagraph(rotating(fns), rep=rep or rep_ms(), quantiles=[0.5, 0.2, 0.8])
     return Timing(*(m * 1e3 for m in ms))
 
 
@@ -88,6 +108,40 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
         return float("inf")
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm()).item()
+
+
+def fingerprint(t: torch.Tensor) -> tuple[float, float]:
+    """Sum and norm of ``t`` in float64: changes when any part of ``t`` is overwritten."""
+    return (
+        torch.sum(t, dtype=torch.float64).item(),
+        torch.linalg.vector_norm(t, dtype=torch.float64).item(),
+    )
+
+
+class Reference:
+    """A reference output kept on the host in float64, beside fingerprints of the inputs it
+    was computed from: device memory reused or overwritten after the reference was taken
+    (a freed buffer, a stray write) can change neither the reference nor go unnoticed.
+
+    ``ref`` [n, ...] covers the first n rows of a provider's output; ``inputs`` name the
+    device tensors every provider reads (query, pools, tables, lengths)."""
+
+    def __init__(self, ref: torch.Tensor, inputs: dict[str, torch.Tensor]):
+        self.ref = ref.detach().to("cpu", torch.float64)
+        self.inputs = inputs
+        self.prints = {name: fingerprint(t) for name, t in inputs.items()}
+
+    def changed(self) -> list[str]:
+        """The inputs that no longer hold what the reference was computed from."""
+        return [n for n, t in self.inputs.items() if fingerprint(t) != self.prints[n]]
+
+    def err(self, out: torch.Tensor) -> str:
+        """``rel_err`` of ``out``'s first rows against the reference, as the table prints it,
+        or which inputs changed since the reference was taken."""
+        changed = self.changed()
+        if changed:
+            return "inputs changed: " + " ".join(changed)
+        return f"{rel_err(out[: self.ref.shape[0]].detach().cpu(), self.ref):.1e}"
 
 
 def show_table(rows: list[dict], name: str, columns: list[str] | None = None) -> None:

@@ -2,10 +2,19 @@
 
 bench_decode, bench_extend and bench_scatter always (or those named with --only, such as
 generate_batch); bench_generate too with --generate. Each script's output streams through as
-it runs; every script writes its tables as CSV under $OUT (or --out; a temporary folder when
-neither is given), and at the end each script's exit status, time and main table (read back
-from its CSV, never from its printed output) are printed again, in order. Usage:
-    python3 benchmarks/run_all.py [--generate] [--only decode,extend] [--out DIR] [-- ARGS]
+it runs; at the end each script's exit status, time and main table (read back from its CSV,
+never from its printed output) are printed again, in order.
+
+The scripts write into a scratch folder; as each one ends, its main table (bench_decode.csv,
+extend.csv, scatter.csv, generate.csv, ...) is copied to $OUT (or --out; a temporary folder
+when neither is given) and everything else it wrote (the plots RESULTS.md shows, such as
+decode_d128.png and extend.png, and perf_report's per-plot CSVs and PNGs) is added to
+$OUT/bench_files.zip: a few files in all, whatever the number of plots, and what finished
+is there even when a later script is cut off.
+
+``--quick`` runs the kernel benchmarks' quick mode: every shape class at fewer sizes, with
+shorter timings. Usage:
+    python3 benchmarks/run_all.py [--quick] [--generate] [--only decode,...] [--out DIR] [-- ARGS]
 Arguments after ``--`` go to every script.
 """
 
@@ -14,14 +23,18 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 KERNEL_BENCHES = ("decode", "extend", "scatter")
+ZIP_NAME = "bench_files.zip"
+QUICK_ENV = "NANOSERVE_BENCH_QUICK"  # as in harness.py; read by the kernel benchmarks
 # the table RESULTS.md takes from each script (the others it writes are plot data)
 MAIN_TABLE = {
     "decode": "bench_decode.csv",
@@ -73,6 +86,27 @@ def tables_written(name: str, out: Path, since: float) -> str:
     return "(no table written)"
 
 
+def collect(name: str, scratch: Path, out: Path, since: float) -> None:
+    """Copy bench_<name>'s main table from ``scratch`` to ``out`` and add every file it wrote
+    since ``since`` (the main table too) to ``out``/bench_files.zip, replacing older entries
+    of the same name."""
+    written = sorted(p for p in scratch.iterdir() if p.is_file() and p.stat().st_mtime >= since)
+    main = scratch / MAIN_TABLE.get(name, f"{name}.csv")
+    if main in written:
+        shutil.copy2(main, out / main.name)
+    archive = out / ZIP_NAME
+    kept: dict[str, bytes] = {}
+    if archive.exists():
+        with zipfile.ZipFile(archive) as old:
+            names = {p.name for p in written}
+            kept = {n: old.read(n) for n in old.namelist() if n not in names}
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as new:
+        for entry, data in kept.items():
+            new.writestr(entry, data)
+        for path in written:
+            new.write(path, path.name)
+
+
 def main() -> int:
     argv = sys.argv[1:]
     extra = []
@@ -81,6 +115,7 @@ def main() -> int:
         argv = argv[: argv.index("--")]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generate", action="store_true", help="also run bench_generate")
+    parser.add_argument("--quick", action="store_true", help="kernel benchmarks: fewer sizes")
     parser.add_argument("--only", default=None, help="comma list of decode,extend,scatter,...")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for CSVs/plots")
     args = parser.parse_args(argv)
@@ -89,13 +124,20 @@ def main() -> int:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
     out = Path(args.out or tempfile.mkdtemp(prefix="nanoserve_bench_"))
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OUT=str(out))
+    scratch = Path(tempfile.mkdtemp(prefix="nanoserve_bench_files_"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OUT=str(scratch))
+    if args.quick:
+        env[QUICK_ENV] = "1"
     results = []
-    for name in names:
-        since = time.time() - 1  # file times may be coarser than a second
-        code, seconds, last = run_one(name, env, extra)
-        results.append((name, code, seconds, last, tables_written(name, out, since)))
-    print(f"\n=== summary (tables and plots in {out})")
+    try:
+        for name in names:
+            since = time.time() - 1  # file times may be coarser than a second
+            code, seconds, last = run_one(name, env, extra)
+            results.append((name, code, seconds, last, tables_written(name, scratch, since)))
+            collect(name, scratch, out, since)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"\n=== summary (main tables in {out}, plots and per-plot CSVs in {out / ZIP_NAME})")
     for name, code, seconds, last, tables in results:
         print(f"\n## bench_{name}: exit {code}, {seconds:.0f} s")
         print(tables if code == 0 else last)

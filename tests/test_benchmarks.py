@@ -70,3 +70,71 @@ def test_run_all_reads_the_main_table_from_its_csv(tmp_path):
     )
     os.utime(tmp_path / "scatter.csv", (since - 60, since - 60))  # an older run's table
     assert run_all.tables_written("scatter", tmp_path, since) == "tables: scatter_d64.csv"
+
+
+def import_benchmark_module(name: str):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_reference_survives_its_device_tensor_being_overwritten():
+    import torch
+
+    harness = import_benchmark_module("harness")
+    query = torch.randn(3, 4, 8)
+    ref_on_device = query * 2  # stands in for a reference whose memory is later reused
+    reference = harness.Reference(ref_on_device, {"q": query})
+    out = torch.full((5, 4, 8), float("nan"))
+    out[:3] = query * 2
+    out[3:] = torch.randn(2, 4, 8)  # rows past the reference's are not compared
+    ref_on_device.zero_()
+    assert float(reference.err(out)) < 1e-15
+
+
+def test_reference_names_inputs_overwritten_after_it():
+    import torch
+
+    harness = import_benchmark_module("harness")
+    query, pool = torch.randn(3, 4, 8), torch.randn(6, 2, 8)
+    reference = harness.Reference(query.clone(), {"q": query, "kc": pool})
+    assert reference.changed() == []
+    query[1, 2, 3] += 1.0
+    assert reference.err(query) == "inputs changed: q"
+    assert reference.changed() == ["q"]
+
+
+def test_run_all_collects_main_table_and_zips_the_rest(tmp_path):
+    import zipfile
+
+    run_all = import_benchmark_module("run_all")
+    scratch, out = tmp_path / "scratch", tmp_path / "out"
+    scratch.mkdir(), out.mkdir()
+    since = time.time() - 1
+    (scratch / "extend.csv").write_text("shape,provider\nd128 1x512,nanoserve\n")
+    (scratch / "extend.png").write_bytes(b"png")
+    (scratch / "extend_d128_b1.csv").write_text("new,nanoserve\n512,1.0\n")
+    run_all.collect("extend", scratch, out, since)
+    for path in scratch.iterdir():  # the next script's run starts later
+        os.utime(path, (since - 60, since - 60))
+    (scratch / "scatter.png").write_bytes(b"png2")
+    run_all.collect("scatter", scratch, out, since)  # no main table: only the zip grows
+    assert sorted(p.name for p in out.iterdir()) == ["bench_files.zip", "extend.csv"]
+    assert (out / "extend.csv").read_text() == (scratch / "extend.csv").read_text()
+    with zipfile.ZipFile(out / "bench_files.zip") as archive:
+        names = sorted(archive.namelist())
+        assert archive.read("scatter.png") == b"png2"
+    assert names == ["extend.csv", "extend.png", "extend_d128_b1.csv", "scatter.png"]
+
+
+def test_quick_mode_follows_the_variable_run_all_sets(monkeypatch):
+    """run_all --quick sets the variable harness.quick() reads in each script it starts."""
+    harness = import_benchmark_module("harness")
+    run_all = import_benchmark_module("run_all")
+    assert run_all.QUICK_ENV == harness.QUICK_ENV
+    monkeypatch.delenv(harness.QUICK_ENV, raising=False)
+    assert not harness.quick() and harness.rep_ms() == harness.REP_MS
+    monkeypatch.setenv(harness.QUICK_ENV, "1")
+    assert harness.quick() and harness.rep_ms() == harness.QUICK_REP_MS < harness.REP_MS
