@@ -14,8 +14,11 @@ Per head dim and batch, ``triton.testing.perf_report`` prints GB/s per provider 
 context and writes decode_d<dim>_b<batch>.csv/.png under $OUT (the band: 20th to 80th
 percentile); then the table RESULTS.md uses is printed and written to $OUT/bench_decode.csv,
 and plotted per head dim (GB/s against the shape) as $OUT/decode_d<dim>.png.
-Each provider's error is against a float32 reference kept on the host; "inputs changed" in
-the err column means the query, pools or tables were overwritten after the reference.
+Each provider's error is against a float64 reference computed on the host from host copies
+of the query and contiguous K/V of the first REF_SEQS sequences; "inputs changed" in the err
+column means the query, pools or tables were overwritten after the reference was taken.
+``--check-only`` times nothing: per shape, each provider against that reference, a float64
+host reference and SDPA (e.g. ``--check-only --shapes 8x32768,32x8192``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from harness import (  # noqa: E402
     num_input_sets,
     out_dir,
     quick,
+    rel_err,
     set_quick,
     show_table,
     time_eager,
@@ -144,16 +148,52 @@ def providers(s: dict, flashinfer) -> dict:
 
 
 def reference_rows(s: dict) -> Reference:
-    """float32 reference of the first REF_SEQS sequences, gathering only their blocks; kept
-    on the host with fingerprints of the set's inputs (see harness.Reference)."""
+    """The timing run's reference: ``host_reference`` with fingerprints of the set's inputs
+    (see harness.Reference)."""
+    inputs = {name: s[name] for name in ("q", "kc", "vc", "bt", "sl", "k_cont", "v_cont")}
+    return Reference(host_reference(s), inputs)
+
+
+def paged_reference(s: dict) -> torch.Tensor:
+    """float32 reference of the first REF_SEQS sequences on the device, through the pools
+    and block table (nanoserve's torch reference, gathering only their blocks)."""
     n = min(REF_SEQS, s["bt"].shape[0])
     bt = s["bt"][:n]
     used = bt.flatten().long()
     kc, vc = s["kc"][used].float(), s["vc"][used].float()
     local = torch.arange(used.numel(), device=bt.device, dtype=torch.int32).view_as(bt)
-    ref = paged_decode_attention_ref(s["q"][:n].float(), kc, vc, local, s["sl"][:n], check=False)
-    inputs = {name: s[name] for name in ("q", "kc", "vc", "bt", "sl", "k_cont", "v_cont")}
-    return Reference(ref, inputs)
+    return paged_decode_attention_ref(s["q"][:n].float(), kc, vc, local, s["sl"][:n], check=False)
+
+
+def host_reference(s: dict) -> torch.Tensor:
+    """float64 reference of the first REF_SEQS sequences computed on the host from host
+    copies of their query and contiguous K/V: no GPU kernel, gather or pool involved."""
+    n = min(REF_SEQS, s["bt"].shape[0])
+    q = s["q"][:n].cpu().double().view(n, HKV, HQ // HKV, -1)  # query heads by KV head
+    k = s["k_cont"][:n].cpu().double()  # [n, Hkv, ctx, D]
+    v = s["v_cont"][:n].cpu().double()
+    weights = torch.softmax(torch.einsum("nkgd,nkcd->nkgc", q, k) * s["dim"] ** -0.5, -1)
+    return torch.einsum("nkgc,nkcd->nkgd", weights, v).reshape(n, HQ, -1)
+
+
+def cross_check(s: dict, flashinfer) -> None:
+    """--check-only: each provider against the timing run's reference (float64, host), the
+    float32 paged reference on the device and SDPA; then whether the two references agree.
+    Tells a wrong reference from overwritten inputs from a wrong provider."""
+    batch, ctx, dim = s["bt"].shape[0], s["bt"].shape[1] * BS, s["dim"]
+    host_ref = reference_rows(s)
+    paged_ref = paged_reference(s).cpu()
+    outs = {name: fn() for name, fn in providers(s, flashinfer).items()}
+    n = paged_ref.shape[0]
+    sdpa = outs["sdpa_contiguous"][:n].cpu()
+    for name, out in outs.items():
+        out = out[:n].cpu()
+        print(f"d{dim} {batch}x{ctx} {name}: err {host_ref.err(out)} (host fp64 ref), "
+              f"{rel_err(out, paged_ref):.1e} (paged fp32 ref), {rel_err(out, sdpa):.1e} (sdpa), "
+              f"norm {out.double().norm():.3g}")  # fmt: skip
+    print(f"d{dim} {batch}x{ctx} paged fp32 ref vs host fp64 ref: "
+          f"{rel_err(paged_ref, host_ref.ref):.1e}, norms {paged_ref.norm():.3g} / "
+          f"{host_ref.ref.norm():.3g}; inputs changed: {host_ref.changed() or 'none'}")  # fmt: skip
 
 
 class Shapes:
@@ -295,10 +335,7 @@ def main() -> None:
     if args.check_only:
         for dim in dims:
             for b, c in shapes:
-                s = make_set(b, c, dim)
-                ref = reference_rows(s)
-                for name, fn in providers(s, flashinfer).items():
-                    print(f"d{dim} {b}x{c} {name}: err {ref.err(fn())}")
+                cross_check(make_set(b, c, dim), flashinfer)
         return
     measure = Shapes(flashinfer, fi_reason)
     for dim in dims:

@@ -111,10 +111,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def fingerprint(t: torch.Tensor) -> tuple[float, float]:
-    """Sum and norm of ``t`` in float64: changes when any part of ``t`` is overwritten."""
+    """Sum and norm of ``t`` (any dtype) in float64: change when any part of ``t`` is
+    overwritten."""
+    x = t if t.is_floating_point() else t.double()  # block tables, lengths
     return (
-        torch.sum(t, dtype=torch.float64).item(),
-        torch.linalg.vector_norm(t, dtype=torch.float64).item(),
+        torch.sum(x, dtype=torch.float64).item(),
+        torch.linalg.vector_norm(x, dtype=torch.float64).item(),
     )
 
 

@@ -98,12 +98,16 @@ def test_reference_names_inputs_overwritten_after_it():
     import torch
 
     harness = import_benchmark_module("harness")
-    query, pool = torch.randn(3, 4, 8), torch.randn(6, 2, 8)
-    reference = harness.Reference(query.clone(), {"q": query, "kc": pool})
+    query, pool = torch.randn(3, 4, 8), torch.randn(6, 2, 8).to(torch.bfloat16)
+    table = torch.randperm(6, dtype=torch.int32).view(3, 2)
+    inputs = {"q": query, "kc": pool, "bt": table}
+    reference = harness.Reference(query.clone(), inputs)
     assert reference.changed() == []
+    assert float(reference.err(query)) == 0.0
     query[1, 2, 3] += 1.0
     assert reference.err(query) == "inputs changed: q"
-    assert reference.changed() == ["q"]
+    table[2, 1] = table[0, 0]  # a table row pointing at another's block
+    assert reference.changed() == ["q", "bt"]
 
 
 def test_run_all_collects_main_table_and_zips_the_rest(tmp_path):
