@@ -6,8 +6,10 @@ bench_generate's model (random-weight Llama-3.2-1B shape, bf16) and workloads (b
 prompts given unpadded as transformers' API takes them. transformers' call is timed once (it
 builds its manager and captures its graphs inside the call, as a user meets it); nanoserve's as
 the median of three calls after a warm-up. Columns: tokens/s, seconds, speed-up over
-transformers, and how many generated tokens equal transformers' (bf16: the two compute
-attention differently, so near-ties may differ). Usage:
+transformers, how many generated tokens equal transformers' (bf16: the two compute attention
+differently, so near-ties may differ), and, to tell which side drifts, how many equal stock
+``generate``'s (greedy, the model unpatched, the prompts left-padded in one call) and the
+median step at which a request first differs from it ("-": none differs). Usage:
     python3 benchmarks/bench_generate_batch.py [--new-tokens 256] [--tiny]
 (``--tiny``: a 2-layer model on any device, a smoke test, not a benchmark.)
 """
@@ -15,6 +17,7 @@ attention differently, so near-ties may differ). Usage:
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -34,8 +37,38 @@ from bench_generate import build_model, make_batches, sync  # noqa: E402
 from harness import show_table  # noqa: E402
 
 import nanoserve  # noqa: E402
+from nanoserve.adapters.generate_batch import eos_ids, left_padded  # noqa: E402
 
 COLUMNS = ["workload", "provider", "tok/s", "seconds", "x_transformers", "tokens_equal"]
+COLUMNS += ["equal_stock", "first_diff_stock"]
+
+
+def stock_generate(model, prompts: list[list[int]], config, device: str) -> dict[str, list]:
+    """{request id: new tokens} of stock greedy ``generate`` (model unpatched) on the prompts
+    left-padded into one batch."""
+    config = copy.deepcopy(config)
+    # as generate_batch reads it: None and -1 (which transformers' call writes into the
+    # config it is given) mean no EOS, not the model's
+    config.eos_token_id = sorted(eos_ids(config))
+    ids, mask = left_padded(prompts, config.pad_token_id or 0, device)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    new = out[:, ids.shape[1] :].tolist()
+    return {f"req_{i}": row for i, row in enumerate(new)}
+
+
+def agreement(ours: dict[str, list], stock: dict[str, list]) -> tuple[str, str]:
+    """(tokens equal position by position "equal/total", median first differing step or
+    "-" when every request equals stock's)."""
+    equal = sum(sum(a == b for a, b in zip(ours[k], stock[k], strict=False)) for k in stock)
+    total = sum(len(t) for t in stock.values())
+    firsts = [
+        next((i for i, (a, b) in enumerate(zip(ours[k], stock[k], strict=False)) if a != b),
+             None if len(ours[k]) == len(stock[k]) else min(len(ours[k]), len(stock[k])))
+        for k in stock
+    ]  # fmt: skip
+    differing = [f for f in firsts if f is not None]
+    return f"{equal}/{total}", str(int(statistics.median(differing))) if differing else "-"
 
 
 def timed_batch(model, prompts: list[list[int]], config, device: str):
@@ -64,11 +97,14 @@ def main() -> None:
     for name, (ids, _, lens) in make_batches(args.tiny, device, model.config.vocab_size).items():
         prompts = [row[-n:].tolist() for row, n in zip(ids, lens, strict=True)]
         theirs, hf_seconds = timed_batch(model, prompts, config, device)
+        stock = stock_generate(model, prompts, config, device)
         total = sum(len(t) for t in theirs.values())
+        equal, first = agreement(theirs, stock)
         rows.append(dict(workload=name, provider="transformers generate_batch",
                          **{"tok/s": round(total / hf_seconds, 1)},
                          seconds=round(hf_seconds, 3), x_transformers=1.0,
-                         tokens_equal=f"{total}/{total}"))  # fmt: skip
+                         tokens_equal=f"{total}/{total}", equal_stock=equal,
+                         first_diff_stock=first))  # fmt: skip
         nanoserve.patch_model(model)
         try:
             timed_batch(model, prompts, config, device)  # compiles, captures, sizes the pool
@@ -80,10 +116,12 @@ def main() -> None:
         same = sum(
             sum(a == b for a, b in zip(ours[k], theirs[k], strict=False)) for k in theirs
         )  # fmt: skip
+        equal, first = agreement(ours, stock)
         rows.append(dict(workload=name, provider="nanoserve generate_batch",
                          **{"tok/s": round(sum(len(t) for t in ours.values()) / seconds, 1)},
                          seconds=round(seconds, 3), x_transformers=round(hf_seconds / seconds, 2),
-                         tokens_equal=f"{same}/{total}"))  # fmt: skip
+                         tokens_equal=f"{same}/{total}", equal_stock=equal,
+                         first_diff_stock=first))  # fmt: skip
     show_table(rows, "generate_batch.csv", COLUMNS)
 
 
