@@ -89,10 +89,14 @@ def test_bad_calls_are_refused():
 @pytest.mark.slow
 def test_equals_transformers_own_generate_batch():
     """The same requests through transformers' continuous batching (the model unpatched: the
-    wrapper hands it to transformers) and through nanoserve's pool."""
+    wrapper hands it to transformers) and through nanoserve's pool, float32 on the CPU:
+    tokens, prompts, status and log-probabilities equal, with an EOS that ends one request
+    early (its EOS kept) while the others run to max_new_tokens."""
     model = tiny_model("llama", seed=4)
     prompts = random_prompts(3, 4)
-    config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None)
+    free, _ = stock_alone(model, prompts[1], max_new_tokens=5, do_sample=False, eos_token_id=[])
+    eos = free[2]  # request 1 ends after at most 3 tokens
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=eos, pad_token_id=0)
     logprobs = ContinuousBatchingConfig(return_logprobs=True)
     theirs = model.generate_batch(prompts, config, continuous_batching_config=logprobs)
     assert model.config._attn_implementation == "sdpa"
@@ -102,7 +106,11 @@ def test_equals_transformers_own_generate_batch():
     for key, result in theirs.items():
         assert ours[key].generated_tokens == result.generated_tokens
         assert ours[key].prompt_ids == result.prompt_ids
+        assert ours[key].status == result.status == RequestStatus.FINISHED
+        assert len(result.logprobs) == len(result.generated_tokens)
         assert ours[key].logprobs == pytest.approx(result.logprobs, abs=1e-5)
+    assert len(theirs["req_1"].generated_tokens) <= 3
+    assert theirs["req_1"].generated_tokens[-1] == eos
 
 
 def test_cache_implementation_paged_names_generate_batch():
