@@ -55,14 +55,18 @@ def paged_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     layer = getattr(module, "layer_idx", None)
-    if layer is None and current.meta.group_metas:
-        raise RuntimeError(
-            f"{type(module).__name__} has no layer_idx: the cache's layer groups need it to "
-            "pick the layer's block tables"
-        )
-    step = current.meta.for_layer(layer).to(query.device)
+    meta = current.meta
+    if meta.group_metas:
+        if layer is None:
+            raise RuntimeError(
+                f"{type(module).__name__} has no layer_idx: the cache's layer groups need it "
+                "to pick the layer's block tables"
+            )
+        meta = meta.group_metas[meta.layer_groups[layer]]
+    step = meta.to(query.device)  # the step itself unless the layer lives elsewhere
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    kept = current.cache.paged.layer_window(layer)
+    paged = current.cache.paged
+    kept = paged.layer_window(layer)
     if kept is not None and (window is None or window > kept):
         raise RuntimeError(
             f"layer {getattr(module, 'layer_idx', '?')} of {type(module).__name__} attends "
@@ -70,11 +74,14 @@ def paged_attention(
             f"releases blocks older than {kept} positions (Family.cache_window is wrong for "
             "this config)"
         )
-    softcap = kwargs.get("softcap")
     batch, heads, q_len, head_dim = query.shape
-    k_scale, v_scale = current.cache.paged.scales_for(key)  # (None, None) unless FP8 pools
+    k_scale, v_scale = paged.scales_for(key)  # (None, None) unless FP8 pools
     opts = dict(
-        scale=scaling, sliding_window=window, softcap=softcap, check=False, backend=current.backend
+        scale=scaling,
+        sliding_window=window,
+        softcap=kwargs.get("softcap"),
+        check=False,
+        backend=current.backend,
     )
     if k_scale is not None:
         opts.update(k_scale=k_scale, v_scale=v_scale)
@@ -84,6 +91,13 @@ def paged_attention(
         )
         return out.unsqueeze(1), None
     flat = query.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
+    if step.token_index.shape[0] == flat.shape[0]:
+        # No padding column (a shape fact: no device read): the real tokens are every row
+        # of the padded layout, in order, so the packed query is the padded one.
+        out = paged_extend_attention(
+            flat, key, value, step.block_tables, step.seq_lens, step.cu_seqlens_q, **opts
+        )
+        return out.view(batch, q_len, heads, head_dim), None
     packed = flat.index_select(0, step.token_index)
     out = paged_extend_attention(
         packed, key, value, step.block_tables, step.seq_lens, step.cu_seqlens_q, **opts
