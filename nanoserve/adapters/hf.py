@@ -10,7 +10,6 @@ state all of that needs lives on the model instance (``step.PatchState``).
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
 import types
 import weakref
@@ -25,7 +24,7 @@ from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.read_back import READ_BACK_LAG
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.sample_hook import hook, unhook
-from nanoserve.adapters.shared_rows import first_forward
+from nanoserve.adapters.shared_rows import first_forward, prefix_salt
 from nanoserve.adapters.sizing import (
     PoolOptions,
     PoolSize,
@@ -402,16 +401,6 @@ def _may_share(kwargs: dict, option) -> bool:
     return not any(isinstance(v, torch.Tensor) and k not in rows for k, v in kwargs.items())
 
 
-def _prefix_salt(model, user_salt) -> bytes:
-    """What names this call's cached prefixes beside their tokens: the weights (addresses
-    and in-place versions of every parameter and buffer, so an optimizer step or a
-    ``model.to`` invalidates them), the dtype and the caller's ``cache_salt``."""
-    tensors = (*model.parameters(), *model.buffers())
-    weights = [(t.data_ptr(), t._version, str(t.dtype), tuple(t.shape)) for t in tensors]
-    text = repr((weights, str(model.dtype), user_salt)).encode()
-    return hashlib.blake2b(text, digest_size=16).digest()
-
-
 def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs) -> None:
     """A returned cache passed back to generate grows its pool to fit the call, as stock's
     cache would, unless the pool size was fixed (``num_blocks`` / ``max_memory``: then
@@ -503,7 +492,7 @@ def _paged_generate(self, *args, **kwargs):
         paged = _new_store(state, size, num_blocks, pools, allocators)
         cache = PagedCache(paged)
         if state.prefix_sharing and not option("prefill_chunk_size"):  # else none looked up
-            cache.prefix_salt = _prefix_salt(self, user_salt)
+            cache.prefix_salt = prefix_salt(self, user_salt, state)
         if share and not state.pool.fixed:
             unshared = pool_size(state.pool, self, args, kwargs)
             unshared = list(unshared.group_blocks) or [unshared.num_blocks]

@@ -20,6 +20,7 @@ Two things are known before a call's first forward (nothing of the call cached y
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ class _Plan:
     groups: list[int]  # the group of each row
     columns: list[np.ndarray]  # each leader's real-token columns
     digests: list[list[bytes]]  # each leader's full-block digests (none without a salt)
+    mask: np.ndarray | None = None  # the attention mask [B, columns] on the host
 
 
 def first_forward(stock_forward, backend: str, cache, kwargs: dict):
@@ -54,7 +56,12 @@ def first_forward(stock_forward, backend: str, cache, kwargs: dict):
     if plan is None:
         return None
     paged, ids = cache.paged, kwargs["input_ids"]
-    every_row = new_token_mask(kwargs, paged.seq_lens)  # refuses right padding first
+    given = kwargs.get("attention_mask")
+    if given is None or given.shape == ids.shape:  # the host copy _plan made: no sync
+        rows = {"input_ids": ids, "attention_mask": torch.from_numpy(plan.mask)}
+    else:
+        rows = kwargs  # (a mask of other rows: new_token_mask says what is wrong)
+    every_row = new_token_mask(rows, paged.seq_lens)  # refuses right padding first
     trim = kwargs.get("logits_to_keep") == 1  # else every column's logits are wanted
     computed = _prefill_common_prefixes(stock_forward, backend, cache, kwargs, plan) if trim else 0
     paged.add_sequences(len(plan.leaders))
@@ -79,7 +86,7 @@ def first_forward(stock_forward, backend: str, cache, kwargs: dict):
     shared = dict(
         rows=len(plan.groups) - len(plan.leaders),
         hits=sum(1 for n in cached if n),
-        tokens=int(every_row.sum()) - int(meta.cu_seqlens_q[-1]) - computed,
+        tokens=int(every_row.sum()) - int(new.sum()) - computed,  # host values: no sync
     )
     cache.note_shared(**shared)
     _log.info(
@@ -124,6 +131,7 @@ def _prefill_common_prefixes(stock_forward, backend: str, cache, kwargs: dict, p
         if all(n == len(c) for n, c in zip(cached, prefixes.columns, strict=True)):
             return 0  # an earlier call stored them all
         sub, new = _leader_inputs(kwargs, prefixes, cached, paged.seq_lens, trim=True)
+        computed = int(new.sum())
         meta = cache.begin_step(new, kwargs["input_ids"].device)
         with paged_step(cache, meta, backend):
             stock_forward(**sub)
@@ -134,7 +142,32 @@ def _prefill_common_prefixes(stock_forward, backend: str, cache, kwargs: dict, p
         raise
     finally:
         cache.discard_step()  # the prefix rows go; their published blocks stay findable
-    return int(meta.cu_seqlens_q[-1])
+    return computed
+
+
+def prefix_salt(model, user_salt, state) -> bytes:
+    """What names a call's cached prefixes beside their tokens (16 bytes): the weights
+    (address, in-place version, dtype and shape of every parameter and buffer, so an
+    optimizer step, a ``load_state_dict`` or a ``model.to`` invalidates them), the model's
+    dtype and the caller's ``cache_salt``. The digest of the last key is kept on ``state``
+    (a ``PatchState``): a call whose weights did not change hashes nothing."""
+    weights = []
+    seen, stack = set(), [model]
+    while stack:  # every module once; parameters() and buffers() would walk them twice
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for tensors in (module._parameters, module._buffers):
+            for t in tensors.values():
+                if t is not None:
+                    weights.append((t.data_ptr(), t._version, t.dtype, t.shape))
+        stack.extend(m for m in module._modules.values() if m is not None)
+    key = (tuple(weights), model.dtype, user_salt)
+    if state.salt_key != key:
+        state.salt_key = key
+        state.salt = hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
+    return state.salt
 
 
 def _plan(cache, kwargs: dict) -> _Plan | None:
@@ -178,7 +211,7 @@ def _plan(cache, kwargs: dict) -> _Plan | None:
         digests.append(block_digests(tokens, cache.paged.block_size, row_salt))
     if len(leaders) == batch and not any(digests):
         return None
-    return _Plan(leaders, groups, columns, digests)
+    return _Plan(leaders, groups, columns, digests, mask.copy())
 
 
 def _leader_inputs(kwargs: dict, plan: _Plan, cached: list[int], seq_lens, trim: bool = False):

@@ -136,14 +136,22 @@ def system_prompt_batch(seed: int, rows: int = 2, user: int = 4):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_later_call_skips_the_system_prompt_an_earlier_one_stored(backend):
+    """The rows have no padding, so every forward's attention reads the query in place
+    (no packing). Each step's logits are stock's: with that path planted to unflatten its
+    output in the wrong order the tokens still agreed, and the logits did not."""
     model = tiny_model("llama")
     calls = [system_prompt_batch(seed) for seed in (1, 2, 3)]
-    opts = dict(max_new_tokens=5, **GREEDY)
+    opts = dict(max_new_tokens=5, output_logits=True, return_dict_in_generate=True, **GREEDY)
+
+    def generate(call):  # (tokens, logits): the output's cache is let go, the pool kept
+        out = model.generate(**call, **opts)
+        return out.sequences, out.logits
+
     with torch.no_grad():
-        stock = [model.generate(**c, **opts) for c in calls]
+        stock = [generate(c) for c in calls]
     widths = forward_shapes(model, 1)
     with patched(model, block_size=4, backend=backend), torch.no_grad():
-        first = model.generate(**calls[0], **opts)
+        first = generate(calls[0])
         stats = nanoserve.cache_stats(model)
         # within the first call: the 16 shared system-prompt tokens ran once, as a row of
         # their own (width 16), then each row its 5 others
@@ -152,10 +160,12 @@ def test_a_later_call_skips_the_system_prompt_an_earlier_one_stored(backend):
         # 21 tokens a row, 5 full blocks: the 4 system-prompt blocks once, each row's fifth
         assert stats["cached_blocks"] == 4 + 2
         widths.clear()
-        later = [model.generate(**c, **opts) for c in calls[1:]]
+        later = [generate(c) for c in calls[1:]]
         stats = nanoserve.cache_stats(model)
-    assert torch.equal(first, stock[0])
-    assert all(torch.equal(a, b) for a, b in zip(later, stock[1:], strict=True))
+    for (tokens, logits), (stock_tokens, stock_logits) in zip([first, *later], stock, strict=True):
+        assert torch.equal(tokens, stock_tokens)
+        for step, (a, b) in enumerate(zip(logits, stock_logits, strict=True)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}")
     # 16 system-prompt tokens (4 full blocks) found; the first forward ran the 5 others
     assert widths[0] == 21 - 16 and stats["prefix_hits"] == 2
     assert stats["tokens_not_recomputed"] == 2 * 16
@@ -194,6 +204,34 @@ def test_new_weights_a_salt_or_a_release_find_nothing():
     with patched(model, block_size=4, prefix_sharing=False):
         hits()
         assert hits()[0] == 0
+
+
+def test_a_replaced_weight_or_a_changed_buffer_finds_nothing():
+    """The prefix salt covers every parameter and buffer of every module, whether it changed
+    in place or was replaced: a new tensor for a weight, rotary frequencies scaled in place.
+    (Planted to walk the parameters only, the buffer case found the stale prefix.)"""
+    model = tiny_model("llama")
+    call = system_prompt_batch(1, rows=1)
+    opts = dict(max_new_tokens=4, **GREEDY)
+
+    def hits():
+        with torch.no_grad():
+            out = model.generate(**call, **opts)
+        return nanoserve.cache_stats(model)["prefix_hits"], out
+
+    with patched(model, block_size=4, num_blocks=64):
+        hits()
+        assert hits()[0] == 1
+        down = model.model.layers[-1].mlp.down_proj
+        down.weight = torch.nn.Parameter(down.weight.detach() * 1.5)  # not in place
+        assert hits()[0] == 0
+        assert hits()[0] == 1  # the new weights' prefix is found again
+        with torch.no_grad():
+            model.model.rotary_emb.inv_freq.mul_(0.5)
+        found, out = hits()
+        assert found == 0
+    with torch.no_grad():
+        assert torch.equal(out, model.generate(**call, **opts))
 
 
 def test_cached_prefixes_with_copies_padding_beams_and_graphs():
