@@ -198,6 +198,7 @@ def _plan(cache, kwargs: dict) -> _Plan | None:
         groups.append(group)
     salt = cache.prefix_salt
     columns, digests = [], []
+    done: list[tuple[bytes, np.ndarray, list[bytes]]] = []  # (row salt, tokens, digests)
     for row in leaders:
         cols = np.flatnonzero(mask[row])
         columns.append(cols)
@@ -208,10 +209,28 @@ def _plan(cache, kwargs: dict) -> _Plan | None:
             continue
         row_salt = salt + pos[:1].tobytes()  # K/V depend on the positions too
         tokens = host["input_ids"][row, cols]
-        digests.append(block_digests(tokens, cache.paged.block_size, row_salt))
+        known = _known_digests(done, row_salt, tokens, cache.paged.block_size)
+        digests.append(block_digests(tokens, cache.paged.block_size, row_salt, known))
+        done.append((row_salt, tokens, digests[-1]))
     if len(leaders) == batch and not any(digests):
         return None
     return _Plan(leaders, groups, columns, digests, mask.copy())
+
+
+def _known_digests(done, row_salt: bytes, tokens: np.ndarray, block_size: int) -> list[bytes]:
+    """The digests of ``tokens``' leading full blocks that an earlier row of ``done`` (row
+    salt, tokens, digests) already computed: the longest run of whole blocks in which its
+    salt and tokens equal these (a shared system prompt is hashed once, not once a row)."""
+    best: list[bytes] = []
+    for salt, other, other_digests in done:
+        n = min(len(tokens), len(other)) // block_size * block_size
+        if salt != row_salt or n // block_size <= len(best):
+            continue
+        differ = np.flatnonzero(tokens[:n] != other[:n])
+        same = (differ[0] if len(differ) else n) // block_size
+        if same > len(best):
+            best = other_digests[:same]
+    return best
 
 
 def _leader_inputs(kwargs: dict, plan: _Plan, cached: list[int], seq_lens, trim: bool = False):

@@ -3,6 +3,7 @@ table that is cut back into a published block."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from nanoserve import BlockAllocator, BlockTable, OutOfBlocks
@@ -16,6 +17,19 @@ def test_digests_chain_over_everything_before():
     assert block_digests([9, 2, 3, 4, 5, 6, 7, 8], 4)[1] != a[1]  # same tokens, other prefix
     assert block_digests([1, 2, 3, 4], 4, salt=b"tenant") != a[:1]
     assert len(a[0]) == 16 and len(set(a)) == 2
+
+
+@pytest.mark.parametrize("same_blocks", [0, 1, 2, 3])
+def test_digests_resumed_from_known_ones_equal_the_whole_chain(same_blocks):
+    """A row that shares leading blocks with another resumes after that row's digests and
+    gets exactly the digests it would compute alone (planted to resume one block early, the
+    later digests differed)."""
+    gen = np.random.default_rng(same_blocks)
+    other = gen.integers(0, 1000, 17)
+    tokens = np.concatenate([other[: 4 * same_blocks], gen.integers(1000, 2000, 14)])
+    known = block_digests(other, 4, salt=b"s")[:same_blocks]
+    assert block_digests(tokens, 4, salt=b"s", known=known) == block_digests(tokens, 4, salt=b"s")
+    assert block_digests(tokens[:3], 4, known=known) == []  # no full block: none of them
 
 
 def test_publish_lookup_and_evict_oldest_first():
