@@ -90,6 +90,9 @@ def paged_attention(
             query[:, :, 0].contiguous(), key, value, step.block_tables, step.seq_lens, **opts
         )
         return out.unsqueeze(1), None
+    # The padded width bounds every row's new tokens: few of them (verify steps of assisted
+    # generation, short turns) take the memory-bound split-KV kernel.
+    opts.update(max_query_len=q_len)
     flat = query.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
     if step.token_index.shape[0] == flat.shape[0]:
         # No padding column (a shape fact: no device read): the real tokens are every row

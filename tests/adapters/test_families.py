@@ -221,6 +221,44 @@ def test_metadata_built_once_per_forward(monkeypatch):
     assert len(steps) == len(forwards) == 6
 
 
+@NEEDS_INTERPRETER
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_few_new_tokens_take_the_packed_kernel(name, monkeypatch):
+    """Steps of at most PACKED_MAX_QUERY_LEN new tokens a row (a 12-token prompt; the verify
+    steps of prompt-lookup decoding, the first being the prompt with its candidates) pass the
+    padded width as ``max_query_len`` and run the GQA-packed split-KV kernel: per-step logits
+    and tokens are stock's. Planted: attention passing no ``max_query_len``: the packed
+    kernel never ran, both cases failed."""
+    from nanoserve.kernels import triton_verify
+
+    model = tiny_model(name)
+    inputs = padded_batch([12, 5], 12)
+    bounds = []
+    packed = triton_verify.paged_extend_attention_packed
+
+    def spied(*args, **kwargs):
+        bounds.append(kwargs["max_query_len"])
+        return packed(*args, **kwargs)
+
+    monkeypatch.setattr(triton_verify, "paged_extend_attention_packed", spied)
+    opts = dict(max_new_tokens=6, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    patch = {"block_size": 4, "backend": "triton"}
+    stock, paged = stock_and_paged(model, **inputs, **opts, patch_options=patch)
+    assert bounds and max(bounds) == 12, bounds
+    assert torch.equal(stock.sequences, paged.sequences)
+    for step, (a, b) in enumerate(zip(stock.logits, paged.logits, strict=True)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+    bounds.clear()
+    lookup = dict(max_new_tokens=8, prompt_lookup_num_tokens=3, **GREEDY)
+    # assisted decoding takes one row; a repeating prompt gives the lookup its candidates
+    ids = inputs["input_ids"][:1, 8:].repeat(1, 3)
+    one_row = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    stock, paged = stock_and_paged(model, **one_row, **lookup, patch_options=patch)
+    # the prompt with the first candidates, then any later verify steps
+    assert bounds and max(bounds) <= 12 + 3, bounds
+    assert torch.equal(stock, paged)
+
+
 @pytest.mark.parametrize(
     "chunk, backend",
     [(3, "auto"), (8, "auto"), (16, "auto")]
@@ -229,11 +267,13 @@ def test_metadata_built_once_per_forward(monkeypatch):
 def test_chunked_prefill_matches_stock(chunk, backend, monkeypatch):
     """transformers' ``prefill_chunk_size``: the prompt comes in several forwards, the first
     ones all padding for the short rows; the block size (4) falls inside and across chunks.
-    "triton" runs the later chunks through the Triton extend kernel over the paged history.
-    Planted there q_pos = rows (a later chunk's causal positions counted from 0): both
-    triton cases failed. (No triton case for chunk 16: its second forward is one token, a
-    decode step, so it adds no extend over a history.) patch_model dropping ``backend``:
-    every triton case failed on its launch count."""
+    "triton" runs the later chunks through a Triton kernel over the paged history: chunks of
+    at most 16 tokens (both here) take the GQA-packed kernel since attention passes the
+    width as max_query_len. Planted in the tiled extend kernel, when it still ran them,
+    q_pos = rows (a later chunk's causal positions counted from 0): both triton cases
+    failed. (No triton case for chunk 16: its second forward is one token, a decode step, so
+    it adds no extend over a history.) patch_model dropping ``backend``: every triton case
+    failed on its launch count."""
     model = tiny_model("llama")
     inputs = padded_batch([2, 11, 17, 5], 17)
     opts = dict(max_new_tokens=7, do_sample=False, eos_token_id=None)
