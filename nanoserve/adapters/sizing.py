@@ -119,11 +119,14 @@ def coarse_width(n: int) -> int:
 class PoolSize:
     """A generate call's pool: ``num_blocks``, and ``table_width`` (block-table columns
     enough for the longest row, so every step's metadata has one shape). A layout of layer
-    groups gives each group's blocks in ``group_blocks`` (``num_blocks`` is their sum)."""
+    groups gives each group's blocks in ``group_blocks`` (``num_blocks`` is their sum) and,
+    under ``max_memory``, what the call needs of each in ``group_needed`` (a kept pool split
+    otherwise serves when it holds that much)."""
 
     num_blocks: int
     table_width: int
     group_blocks: tuple[int, ...] = ()
+    group_needed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,9 @@ def pool_size(
             options.max_memory,
             "+".join(map(str, sizes)),
         )
-        return PoolSize(sum(blocks), table_width, tuple(blocks) if grouped else ())
+        if not grouped:
+            return PoolSize(sum(blocks), table_width)
+        return PoolSize(sum(blocks), table_width, tuple(blocks), tuple(needed))
     new, spare = shape.new_tokens, shape.spare
     blocks = [coarse_blocks(n) for n in needed]
     _log.info(
@@ -289,15 +294,26 @@ def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) ->
     """Blocks a generate call that continues ``paged`` (a returned cache passed back, which
     has seen ``columns`` columns) may need beyond those its rows hold, in each of its layer
     groups (``paged.groups``): each row grows by at most the columns not cached yet plus the
-    new tokens, and may copy its last block."""
+    new tokens, and may copy its last block. A group that releases blocks past its window
+    (``sliding_window``) needs at most that window's blocks a row, as ``_blocks_held``
+    bounds a new pool's."""
     shape = call_shape(model, args, kwargs)
-    grow = max(shape.width - columns, 0) + shape.new_tokens
+    extend = max(shape.width - columns, 0)
+    grow = extend + shape.new_tokens
     bs = paged.block_size
-    return [
-        shape.copies
-        * sum(
-            math.ceil((t.num_tokens + grow) / bs) - t.num_blocks + 1 + shape.spare
-            for t in group.tables
-        )
-        for group in paged.groups
-    ]
+    need = []
+    for group in paged.groups:
+        window = None if shape.multi_token_steps else group.sliding_window
+        more = 0
+        for t in group.tables:
+            held = t.num_blocks - t.dropped
+            peak = math.ceil((t.num_tokens + grow) / bs) - t.dropped
+            if window is not None:
+                # the window's blocks after each step, and the first forward's whole extension
+                # past the window's first position
+                decode = math.ceil((window + group.window_slack) / bs) + 1
+                first = math.ceil((window - 1 + group.window_slack + extend) / bs) + 1
+                peak = min(peak, max(decode, first))
+            more += max(peak - held, 0) + 1 + shape.spare
+        need.append(shape.copies * more)
+    return need

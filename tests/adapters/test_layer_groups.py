@@ -184,3 +184,56 @@ def test_calls_whose_groups_grow_in_turn_share_one_kept_pool():
         model.generate(**padded_batch([3], 3), max_new_tokens=60, **GREEDY)
         paged = model.generate(**padded_batch([40], 40), max_new_tokens=4, **GREEDY)
     assert torch.equal(stock, paged)
+
+
+def test_a_continued_cache_grows_the_sliding_group_by_its_window():
+    """A returned cache (prompts of 11 and 5 tokens, 6 new) passed back for 60 more tokens:
+    stock's tokens, and the sliding group's pool grows only to its window's blocks a row
+    while the global group's grows to every block. Planted (found in review): each group
+    grown by every new token's blocks, as a global pool: the sliding pool grew as large as
+    the global one."""
+    model = tiny_model("gemma3")
+    inputs = padded_batch([11, 5], 11)
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=66, **GREEDY)
+    with patched(model, block_size=BLOCK), torch.no_grad():
+        first = model.generate(**inputs, max_new_tokens=6, return_dict_in_generate=True, **GREEDY)
+        mask = torch.cat([inputs["attention_mask"], torch.ones(2, 6, dtype=torch.long)], 1)
+        more = model.generate(
+            input_ids=first.sequences,
+            attention_mask=mask,
+            past_key_values=first.past_key_values,
+            max_new_tokens=60,
+            **GREEDY,
+        )
+        stats = first.past_key_values.stats()
+    assert torch.equal(more, stock)
+    rows = 2
+    assert stats["group0_num_blocks"] >= -(-77 // BLOCK) + -(-71 // BLOCK)
+    # per row: the window's blocks, one for a copy on write, and what the first call left
+    assert stats["group1_num_blocks"] <= rows * (SLIDING_BOUND + 1) + 8
+    assert stats["group1_blocks_dropped_by_window"] > 0
+
+
+def test_max_memory_keeps_one_split_for_calls_that_fit_it():
+    """Under ``max_memory``, calls whose groups' needs differ in proportion (a long prompt
+    with few new tokens, a short one with many) reuse the first call's kept split while it
+    holds what each needs, and give stock's tokens. Planted (found in review): a kept pool
+    served only a call asking for exactly its split: every call dropped it and made a new
+    one (and would recapture its decode graphs)."""
+    model = tiny_model("gemma3")
+    calls = (([40], 4), ([3], 30), ([40, 9], 4))
+    pools = []
+    with patched(model, block_size=BLOCK, max_memory=400_000), torch.no_grad():
+        state = state_of(model)
+        for lens, new in calls:
+            out = model.generate(**padded_batch(lens, max(lens)), max_new_tokens=new, **GREEDY)
+            kept = state.kept_pools
+            pools.append([k.pools[0][0] for k in (kept, *kept.others)])
+            stats = nanoserve.cache_stats(model)
+            assert stats["bytes_reserved"] <= 400_000
+    with torch.no_grad():
+        stock = model.generate(**padded_batch([40, 9], 40), max_new_tokens=4, **GREEDY)
+    assert torch.equal(out, stock)
+    for later in pools[1:]:
+        assert all(a is b for a, b in zip(pools[0], later, strict=True))
