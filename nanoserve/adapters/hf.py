@@ -351,9 +351,10 @@ def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype):
     the kept ones (the allocators carry the cached prefixes) or (size's blocks, None, None).
     The kept pool of an earlier call serves when nothing can reach the store that used it
     (its ``PagedCache``, or the store inside, both let go), its dtype matches and it has at
-    least the blocks this call needs in every group (exactly as many when the size is
-    fixed): the same memory keeps the captured decode graphs valid. Otherwise the kept pool
-    is let go before a new one is made. (A pool tensor taken out of a cache by hand is the
+    least the blocks this call needs in every group (exactly as many under ``num_blocks``;
+    under ``max_memory``, a split between layer groups serves every call whose needs it
+    holds): the same memory keeps the captured decode graphs valid. Otherwise the kept
+    pool is let go before a new one is made. (A pool tensor taken out of a cache by hand is the
     caller's to copy.)"""
     kept, state.kept_pools = state.kept_pools, None
     wanted = list(size.group_blocks) or [size.num_blocks]
@@ -366,6 +367,10 @@ def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype):
     held = list(kept.group_blocks) or [kept.num_blocks]
     if len(held) != len(wanted):
         fits = False
+    elif size.group_needed:
+        # max_memory split between layer groups: a kept split that holds what this call needs
+        # in every group serves, rather than a new split for each call's proportions
+        fits = all(h >= n for h, n in zip(held, size.group_needed, strict=True))
     elif state.pool.fixed:
         fits = held == wanted
     else:
