@@ -78,16 +78,29 @@ class GroupedKVCache:
         its layers sorted). The other arguments are every group's."""
         groups = check_layer_groups(layer_groups)
         count = len(groups)
-        num_blocks = list(num_blocks)
-        pools = list(pools) if pools is not None else [None] * count
-        allocators = list(allocators) if allocators is not None else [None] * count
-        for name, values in (
-            ("num_blocks", num_blocks),
-            ("pools", pools),
-            ("allocators", allocators),
-        ):
-            if len(values) != count:
-                raise ValueError(f"{name}: {len(values)} entries for {count} layer groups")
+        num_blocks = _per_group("num_blocks", num_blocks, count)
+        pools = _per_group("pools", pools, count)
+        allocators = _per_group("allocators", allocators, count)
+        # every group's arguments checked before a group is made: making one releases the
+        # kept allocator it is given, which a later group's bad argument must not leave done
+        num_blocks = [as_index(n, "num_blocks", minimum=1) for n in num_blocks]
+        for g, (allocator, blocks) in enumerate(zip(allocators, num_blocks, strict=True)):
+            if allocator is None:
+                continue
+            if not isinstance(allocator, BlockAllocator):
+                raise ValueError(f"allocators: entry {g} is a {type(allocator).__name__}")
+            if allocator.num_blocks != blocks:
+                raise ValueError(
+                    f"allocators: entry {g} has {allocator.num_blocks} blocks, num_blocks {blocks}"
+                )
+        for g, ((layers, _), group_pools) in enumerate(zip(groups, pools, strict=True)):
+            if group_pools is None:
+                continue
+            if len(group_pools) not in (2, 4) or any(len(p) != len(layers) for p in group_pools):
+                raise ValueError(
+                    f"pools: entry {g} must be two (or four) lists of {len(layers)} entries "
+                    "(the group's layers)"
+                )
         self.layer_groups = groups
         self._groups = tuple(
             PagedKVCache(
@@ -116,6 +129,9 @@ class GroupedKVCache:
         self.block_size = self._groups[0].block_size
         self.table_width = self._groups[0].table_width
         self.backend = backend
+        self.kv_dtype = self._groups[0].kv_dtype
+        self.kv_scale = self._groups[0].kv_scale
+        self.window_slack = self._groups[0].window_slack
         self.sliding_window = None  # per group: see layer_window
         self._step: StepMetadata | None = None
 
@@ -126,6 +142,8 @@ class GroupedKVCache:
     def scales_for(self, key_pool: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """(k_scale, v_scale) of the layer whose key pool is ``key_pool``; (None, None)
         unless the pools are FP8 (see ``PagedKVCache.scales_for``)."""
+        if not isinstance(key_pool, torch.Tensor):
+            raise ValueError(f"key_pool: expected a tensor, got {type(key_pool).__name__}")
         if key_pool.dtype != FP8_DTYPE:
             return None, None
         for group in self._groups:
@@ -134,7 +152,40 @@ class GroupedKVCache:
         raise ValueError("key_pool: not a pool of this cache")
 
     def layer_window(self, layer_idx: int) -> int | None:
-        return self._groups[self._where[layer_idx][0]].sliding_window
+        """The window past which layer ``layer_idx``'s group releases blocks (None: none)."""
+        return self._groups[self._where[self._layer(layer_idx)][0]].sliding_window
+
+    def _layer(self, layer_idx: object) -> int:
+        if type(layer_idx) is not int or not 0 <= layer_idx < self.num_layers:
+            layer_idx = as_index(layer_idx, "layer_idx")
+            if not 0 <= layer_idx < self.num_layers:
+                raise ValueError(f"layer_idx: {layer_idx} outside [0, {self.num_layers})")
+        return layer_idx
+
+    def _seq(self, seq: object) -> int:
+        seq = as_index(seq, "seq")
+        if not 0 <= seq < self.num_seqs:
+            raise ValueError(f"seq: {seq} outside [0, {self.num_seqs})")
+        return seq
+
+    # What a PagedKVCache has once and a GroupedKVCache once per group: a clear error
+    # rather than one group's (a group's block ids mean nothing in another's pools).
+    @property
+    def tables(self):
+        raise _per_group_only("tables", "block tables")
+
+    @property
+    def allocator(self):
+        raise _per_group_only("allocator", "allocator")
+
+    @property
+    def pool_lists(self):
+        raise _per_group_only("pool_lists", "pool lists")
+
+    @property
+    def blocks_dropped(self) -> int:
+        """Blocks the sliding groups released over the cache's life."""
+        return sum(group.blocks_dropped for group in self._groups)
 
     # -- rows: the same in every group -----------------------------------------------------
 
@@ -146,11 +197,14 @@ class GroupedKVCache:
         return self._groups[0].seq_lens()
 
     def add_sequences(self, n: int) -> None:
+        n = as_index(n, "n", minimum=0)
         for group in self._groups:
             group.add_sequences(n)
 
     def reorder(self, indices: list[int]) -> None:
-        for i in indices:  # checked before any group changes
+        """Row i becomes a fork of old row ``indices[i]`` in every group."""
+        indices = _int_list("indices", indices)  # checked before any group changes
+        for i in indices:
             if not 0 <= i < self.num_seqs:
                 raise ValueError(f"indices: {i} outside [0, {self.num_seqs})")
         for group in self._groups:
@@ -164,6 +218,12 @@ class GroupedKVCache:
 
     def truncate_rows(self, lengths: list[int]) -> None:
         """Cut row i back to ``lengths[i]`` tokens in every group."""
+        lengths = _int_list("lengths", lengths)  # checked before any group changes
+        if len(lengths) != self.num_seqs:
+            raise ValueError(f"lengths: {len(lengths)} entries for {self.num_seqs} rows")
+        for i, (length, held) in enumerate(zip(lengths, self.seq_lens(), strict=True)):
+            if not 0 <= length <= held:
+                raise ValueError(f"lengths: row {i} to {length} tokens, outside [0, {held}]")
         for group in self._groups:
             group.truncate_rows(lengths)
 
@@ -175,6 +235,8 @@ class GroupedKVCache:
     def attach_prefix(self, seq: int, digests: list[bytes]) -> int:
         """``PagedKVCache.attach_prefix`` in every group: the leading blocks found in all of
         them (a group may have evicted some the others still hold)."""
+        seq = self._seq(seq)
+        digests = _digests(digests)
         for group in self._groups:  # checked before any reference is taken
             if group.tables[seq].num_blocks:
                 raise ValueError("seq: only an empty sequence takes cached blocks")
@@ -195,21 +257,35 @@ class GroupedKVCache:
         return n * self.block_size
 
     def publish(self, seq: int, digests: list[bytes]) -> None:
+        """``PagedKVCache.publish`` in every group."""
+        seq = self._seq(seq)
+        digests = _digests(digests)
         for group in self._groups:
             group.publish(seq, digests)
 
     def grow(self, n: Sequence[int]) -> None:
         """Give group g ``n[g]`` more blocks (``PagedKVCache.grow``)."""
-        n = list(n)
-        if len(n) != len(self._groups):
-            raise ValueError(f"n: {len(n)} entries for {len(self._groups)} layer groups")
-        for group, more in zip(self._groups, n, strict=True):
-            group.grow(more)
+        n = _per_group("n", n, len(self._groups))
+        n = [as_index(more, "n", minimum=0) for more in n]
+        # every group's larger pools allocated before any is swapped in: a failed
+        # allocation leaves every group as it was
+        larger = [group._larger_pools(more) for group, more in zip(self._groups, n, strict=True)]
+        for group, more, pools in zip(self._groups, n, larger, strict=True):
+            group._swap_in(pools, more)
 
     # -- the step ----------------------------------------------------------------------------
 
     def begin_step(self, new_token_mask: torch.Tensor, device: torch.device) -> StepMetadata:
         """``PagedKVCache.begin_step`` for every group: all grow or none does."""
+        if not isinstance(new_token_mask, torch.Tensor):
+            raise ValueError(
+                f"new_token_mask: expected a bool tensor [num_seqs, q], got "
+                f"{type(new_token_mask).__name__}"
+            )
+        try:
+            device = torch.device(device)
+        except (TypeError, RuntimeError) as error:
+            raise ValueError(f"device: {device!r} is not a device ({error})") from None
         prepared = [group._prepare_step(new_token_mask) for group in self._groups]
         metas = []
         for group, (tables, counts, mask) in zip(self._groups, prepared, strict=True):
@@ -225,6 +301,8 @@ class GroupedKVCache:
     @step.setter
     def step(self, meta: StepMetadata | None) -> None:
         """Set the step every group's ``write`` uses (a grouped metadata, or None)."""
+        if meta is not None and not isinstance(meta, StepMetadata):
+            raise ValueError(f"meta: expected a StepMetadata or None, got {type(meta).__name__}")
         if meta is not None and len(meta.group_metas) != len(self._groups):
             raise ValueError(
                 f"meta: metadata of {len(meta.group_metas)} groups for {len(self._groups)}"
@@ -237,11 +315,7 @@ class GroupedKVCache:
         self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, *, check: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``PagedKVCache.write`` into layer ``layer_idx``'s group; returns its pools."""
-        if type(layer_idx) is not int or not 0 <= layer_idx < self.num_layers:
-            layer_idx = as_index(layer_idx, "layer_idx")
-            if not 0 <= layer_idx < self.num_layers:
-                raise ValueError(f"layer_idx: {layer_idx} outside [0, {self.num_layers})")
-        group, local = self._where[layer_idx]
+        group, local = self._where[self._layer(layer_idx)]
         return self._groups[group].write(local, key, value, check=check)
 
     # -- pools and figures -------------------------------------------------------------------
@@ -254,6 +328,20 @@ class GroupedKVCache:
     @property
     def value_pools(self) -> list[torch.Tensor | None]:
         return [self._groups[g].value_pools[i] for g, i in self._where]
+
+    @property
+    def key_scales(self) -> list[torch.Tensor | None]:
+        """Every layer's FP8 key scales, in layer order (a new list)."""
+        return [self._groups[g].key_scales[i] for g, i in self._where]
+
+    @property
+    def value_scales(self) -> list[torch.Tensor | None]:
+        return [self._groups[g].value_scales[i] for g, i in self._where]
+
+    def scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``PagedKVCache.scales`` of layer ``layer_idx`` (in its group)."""
+        group, local = self._where[self._layer(layer_idx)]
+        return self._groups[group].scales(local)
 
     def stats(self) -> dict[str, float]:
         """``PagedKVCache.stats`` summed over the groups (``block_size``, ``sequences``
@@ -282,3 +370,42 @@ class GroupedKVCache:
                     total[f"group{g}_{name}"] = value
         total["layer_groups"] = len(self._groups)
         return total
+
+
+def _per_group_only(name: str, what: str) -> AttributeError:
+    return AttributeError(
+        f"{name}: a GroupedKVCache has its {what} per layer group; read groups[g].{name} "
+        "(rows and their tokens are the same in every group: seq_lens())"
+    )
+
+
+def _per_group(name: str, values, count: int) -> list:
+    """``values`` (one entry per layer group, or None for None in each) as a list."""
+    if values is None:
+        return [None] * count
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ValueError(f"{name}: expected one entry per layer group, got {values!r}")
+    if len(values) != count:
+        raise ValueError(f"{name}: {len(values)} entries for {count} layer groups")
+    return list(values)
+
+
+def _int_list(name: str, values) -> list[int]:
+    """``values`` (a sequence of ints, or a 1-d integer tensor) as a list of ints."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.is_floating_point() or values.dtype == torch.bool:
+            raise ValueError(f"{name}: expected a 1-d integer tensor, got {values!r}")
+        return [int(v) for v in values.tolist()]
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ValueError(f"{name}: expected a sequence of ints, got {values!r}")
+    return [as_index(v, name) for v in values]
+
+
+def _digests(digests) -> list[bytes]:
+    """``digests`` (a sequence of bytes, one per leading block) as a list."""
+    if isinstance(digests, (str, bytes)) or not isinstance(digests, Sequence):
+        raise ValueError(f"digests: expected a list of bytes, got {digests!r}")
+    digests = list(digests)
+    if not all(isinstance(d, bytes) for d in digests):
+        raise ValueError("digests: every entry must be bytes (block_digests gives them)")
+    return digests

@@ -328,18 +328,27 @@ class PagedKVCache:
         """Give the pool ``n`` more blocks: every allocated pool is copied into a larger one
         (its tokens and block ids stay), so memory addresses change."""
         n = as_index(n, "n", minimum=0)
+        self._swap_in(self._larger_pools(n), n)
+
+    def _larger_pools(self, n: int) -> list:
+        """Copies of the allocated pools with ``n`` more blocks (all made before any is
+        swapped in by ``_swap_in``: a failed allocation changes nothing)."""
+        larger = []
         if n == 0:
-            return
-        larger = []  # all pools first, then swapped in: a failed allocation changes nothing
+            return larger
         for pools in (self.key_pools, self.value_pools):
             for layer, pool in enumerate(pools):
                 if pool is not None:
                     copy = pool.new_zeros((pool.shape[0] + n, *pool.shape[1:]))
                     copy[: pool.shape[0]] = pool
                     larger.append((pools, layer, copy))
+        return larger
+
+    def _swap_in(self, larger: list, n: int) -> None:
         for pools, layer, copy in larger:
             pools[layer] = copy
-        self.allocator.grow(n)
+        if n:
+            self.allocator.grow(n)
 
     # -- the step boundary -------------------------------------------------------------------
 

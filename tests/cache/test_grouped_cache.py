@@ -147,3 +147,97 @@ def test_per_group_arguments_must_match_the_groups():
     with pytest.raises(ValueError, match="indices"):
         grouped.reorder([0])  # no sequence yet
     assert grouped.num_seqs == 0
+
+
+def _filled_cache() -> GroupedKVCache:
+    """Two rows of 9 and 6 tokens, written into every layer (so the pools exist)."""
+    grouped = GroupedKVCache(GROUPS, num_blocks=[16, 16], block_size=BLOCK)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :3] = False
+    grouped.begin_step(mask, "cpu")
+    for layer in range(4):
+        k, v = torch.randn(2, 18, KV_HEADS, DIM)
+        grouped.write(layer, k, v)
+    return grouped
+
+
+def _state(grouped: GroupedKVCache):
+    return (
+        grouped.seq_lens(),
+        [[(t.block_ids, t.num_tokens) for t in g.tables] for g in grouped.groups],
+        [g.allocator.num_free for g in grouped.groups],
+        [g.allocator.num_blocks for g in grouped.groups],
+        [tuple(p.shape) for p in grouped.key_pools],
+        grouped.step,
+    )
+
+
+MISUSE = {
+    "add_sequences('2')": ("n", lambda c: c.add_sequences("2")),
+    "add_sequences(-1)": ("n", lambda c: c.add_sequences(-1)),
+    "reorder float": ("indices", lambda c: c.reorder([0, 1.5])),
+    "reorder out of range": ("indices", lambda c: c.reorder([0, 5])),
+    "reorder a string": ("indices", lambda c: c.reorder("01")),
+    "truncate_rows short": ("lengths", lambda c: c.truncate_rows([3])),
+    "truncate_rows past a row": ("lengths", lambda c: c.truncate_rows([3, 99])),
+    "truncate_rows float": ("lengths", lambda c: c.truncate_rows([3, 2.0])),
+    "attach_prefix seq": ("seq", lambda c: c.attach_prefix(5, [])),
+    "publish digests": ("digests", lambda c: c.publish(0, "abc")),
+    "publish seq": ("seq", lambda c: c.publish(-1, [])),
+    "grow one negative": ("n", lambda c: c.grow([1, -1])),
+    "grow a scalar": ("n", lambda c: c.grow(3)),
+    "begin_step a list": ("new_token_mask", lambda c: c.begin_step([[True], [True]], "cpu")),
+    "begin_step device": ("device", lambda c: c.begin_step(torch.ones(2, 1, dtype=torch.bool), 7)),
+    "step a string": ("meta", lambda c: setattr(c, "step", "x")),
+    "layer_window": ("layer_idx", lambda c: c.layer_window(7)),
+    "scales": ("layer_idx", lambda c: c.scales(-1)),
+    "scales_for": ("key_pool", lambda c: c.scales_for(None)),
+}
+
+
+@pytest.mark.parametrize("case", list(MISUSE))
+def test_misuse_is_refused_before_any_group_changes(case):
+    """Each public method given a wrong type or value raises ValueError naming the argument
+    and leaves every group (tables, allocators, pools, step) as it was. Planted (found in
+    review): without the up-front checks, truncate_rows and grow changed group 0 before
+    failing on group 1, and most others raised TypeError / IndexError from inside."""
+    name, misuse = MISUSE[case]
+    grouped = _filled_cache()
+    before = _state(grouped)
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        misuse(grouped)
+    assert _state(grouped) == before
+
+
+def test_bad_per_group_argument_leaves_a_kept_allocator_as_it_was():
+    """An allocator handed back for group 0 and a bad ``num_blocks`` for group 1: ValueError,
+    and the allocator still holds its references (making group 0 would release them)."""
+    grouped = _filled_cache()
+    kept = grouped.groups[0].allocator
+    used = kept.num_used
+    assert used > 0
+    with pytest.raises(ValueError, match="^num_blocks:"):
+        GroupedKVCache(GROUPS, num_blocks=[16, 0], allocators=[kept, None], block_size=BLOCK)
+    with pytest.raises(ValueError, match="^pools:"):
+        GroupedKVCache(GROUPS, [16, 16], pools=[None, ([None], [None])], allocators=[kept, None])
+    assert kept.num_used == used
+
+
+def test_same_public_surface_as_one_pool_or_a_clear_error():
+    """What a PagedKVCache has once: per layer (``key_scales``, ``scales``) or summed over
+    the groups (``blocks_dropped``); what each group has its own of (``tables``,
+    ``allocator``, ``pool_lists``) is an AttributeError naming ``groups[g]``."""
+    grouped = _filled_cache()
+    for layer in range(4):
+        group, local = grouped._where[layer]
+        assert grouped.key_pools[layer] is grouped.groups[group].key_pools[local]
+        assert grouped.scales(layer) == (None, None) == grouped.groups[group].scales(local)
+    assert grouped.key_scales == grouped.value_scales == [None] * 4
+    assert grouped.kv_dtype is None and grouped.window_slack == BLOCK
+    mask = torch.ones(2, 1, dtype=torch.bool)
+    for _ in range(8):
+        grouped.begin_step(mask, "cpu")
+    assert grouped.blocks_dropped == sum(g.blocks_dropped for g in grouped.groups) > 0
+    for name in ("tables", "allocator", "pool_lists"):
+        with pytest.raises(AttributeError, match=rf"groups\[g\]\.{name}"):
+            getattr(grouped, name)
