@@ -18,8 +18,9 @@ Memory: one prompt of 8k and of 32k tokens (prefill in chunks of 4096 for both, 
 tokens); the KV bytes each cache holds afterwards: the tensors of HF's cache, nanoserve's
 ``cache_stats`` (the pool reserved, the bytes holding tokens, the blocks in use). Gemma's
 sliding and global layers have a pool each (layer groups): ``global_MiB`` / ``sliding_MiB``
-are each pool's reserved bytes, ``vs_stock`` nanoserve's reserved bytes over HF's cache,
-``vs_full_cache`` the bytes holding tokens over what every layer holding every token takes.
+are each pool's reserved bytes (on stock's rows: its cache's global and sliding layers'),
+``vs_stock`` nanoserve's reserved bytes over HF's cache, ``vs_full_cache`` the bytes
+holding tokens over what every layer holding every token takes.
 
 Usage: python3 benchmarks/bench_families.py [--only gemma2,gemma3] [--new-tokens 128]
     [--calls 3] [--static-ragged] [--no-memory] [--no-speed] [--tiny]
@@ -160,10 +161,13 @@ def speed_rows(model, family: str, device: str, args, tiny: bool) -> list[dict]:
     return rows
 
 
-def hf_cache_bytes(cache) -> int:
-    """Bytes of the K/V tensors an HF cache holds (every layer, K and V)."""
+def hf_cache_bytes(cache, sliding: bool | None = None) -> int:
+    """Bytes of the K/V tensors an HF cache holds (K and V of every layer, or of its sliding
+    layers only, or of the others only)."""
     total = 0
     for layer in getattr(cache, "layers", []):
+        if sliding is not None and bool(getattr(layer, "is_sliding", False)) != sliding:
+            continue
         for name in ("keys", "values"):
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor):
@@ -199,6 +203,12 @@ def memory_rows(model, family: str, device: str, tiny: bool) -> list[dict]:
                 else:
                     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
                     row["kv_held_MiB"] = round(hf_cache_bytes(cache) / MIB, 1)
+                    if getattr(model.config, "layer_types", None) and "sliding_attention" in set(
+                        model.config.layer_types
+                    ):  # the same columns as nanoserve's layer groups, from HF's layers
+                        for kind, sliding in (("global", False), ("sliding", True)):
+                            held = hf_cache_bytes(cache, sliding) / MIB
+                            row[f"{kind}_MiB"] = round(held, 1)
                 del out
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:80]}"

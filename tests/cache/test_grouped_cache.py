@@ -187,7 +187,10 @@ MISUSE = {
     "grow one negative": ("n", lambda c: c.grow([1, -1])),
     "grow a scalar": ("n", lambda c: c.grow(3)),
     "begin_step a list": ("new_token_mask", lambda c: c.begin_step([[True], [True]], "cpu")),
-    "begin_step device": ("device", lambda c: c.begin_step(torch.ones(2, 1, dtype=torch.bool), 7)),
+    "begin_step device": (
+        "device",
+        lambda c: c.begin_step(torch.ones(2, 1, dtype=torch.bool), "no-such-device"),
+    ),
     "step a string": ("meta", lambda c: setattr(c, "step", "x")),
     "layer_window": ("layer_idx", lambda c: c.layer_window(7)),
     "scales": ("layer_idx", lambda c: c.scales(-1)),
