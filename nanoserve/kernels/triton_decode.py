@@ -122,8 +122,8 @@ def _decode_kernel(
     if FP8 and not FP32:
         # e4m3 converts to float16 in one instruction, to bfloat16 only through more: the
         # tiles meet in float16. The query joins them divided by a power of two that puts its
-        # largest entry in [2^13, 2^14) (exact: no overflow, none of bfloat16's bits lost),
-        # and the scores take the power back through the scale.
+        # largest entry in [2^13, 2^14): no overflow, and every entry down to 2^-27 of the
+        # largest keeps all of bfloat16's bits; the scores take the power back in the scale.
         q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
         exponent = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
         q_pow = (tl.maximum(exponent - 13, 1) << 23).to(tl.float32, bitcast=True)
