@@ -360,9 +360,10 @@ def decode_plan(
     block_n, num_warps, num_stages = config or decode_config(head_dim, block_size, query.dtype)
     if fp8_tiles:
         # one-byte K/V: twice the tokens per step for the bytes of a 16-bit tile, three stages
-        # deep in every launch (see benchmarks/RESULTS.md)
+        # deep in every launch while a tile holds no more bytes than a 16-bit one of 64
+        # tokens (see benchmarks/RESULTS.md)
         block_n = max(min(2 * block_n, 128), next_pow2(block_size))
-        num_stages = 3 if next_pow2(head_dim) <= 128 else 2
+        num_stages = 3 if next_pow2(head_dim) <= 128 and block_n <= 128 else 2
     items = 0
     if balanced:
         items = work_items or choose_work_items(num_seqs, num_kv_heads, query.device)

@@ -168,6 +168,22 @@ def test_decode_fp8_bfloat16_query_of_any_magnitude(magnitude, poison_outputs):
     assert row_errors(out, ref).max() < 1e-2
 
 
+def test_decode_plan_for_fp8_pools():
+    """FP8 pools (16-bit query) step 128 tokens three stages deep, the bytes of a 16-bit tile
+    of 64 tokens; pages of 256 tokens make 256-token tiles, which stay two stages deep (three
+    would hold 1.5x the shared memory); float32 queries and a given config keep their plans.
+    Planted, reverted: three stages whatever the tile: failed on the 256-token pages."""
+    from nanoserve.kernels.triton_decode import decode_plan
+
+    for block_size, expected in ((16, (128, 4, 3)), (128, (128, 4, 3)), (256, (256, 4, 2))):
+        kc = torch.zeros(4, block_size, 2, 128, dtype=FP8_DTYPE)
+        tables = torch.zeros(1, 4, dtype=torch.int32)
+        query = torch.zeros(1, 8, 128, dtype=torch.float16)
+        assert decode_plan(query, kc, tables)[:3] == expected, block_size
+        assert decode_plan(query.float(), kc, tables)[2] == 2
+        assert decode_plan(query, kc, tables, config=(64, 4, 2))[:3] == (64, 4, 2)
+
+
 # (num_kv_heads, group, head_dim, block_size, history_lens, new_lens, window, softcap)
 EXTEND_CASES = {
     "prefill-edges": (2, 4, 64, 16, [0, 0, 0, 0], [1, 15, 16, 17], None, None),
