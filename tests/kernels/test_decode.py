@@ -115,19 +115,27 @@ def test_decode_planted_key_dominates(window, splits, items, poison_outputs):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("items", [1, 2, 7, 64, None])
-def test_decode_balanced_ragged_rows(items, poison_outputs):
-    """Rows of very different lengths (0, 1, block edges, long) in one balanced launch, with
-    the work cut into 1 .. 64 target items: every (row, head) matches the reference alone."""
-    lens = [0, 1, 15, 16, 17, 700, 3, 260]
-    key_cache, value_cache, tables, seq_lens = make_paged_kv(lens, 2, 64, 16, torch.float32)
-    query = torch.randn(len(lens), 8, 64)
+def _balanced_launch(lens, num_kv_heads, group, work_items):
+    """The balanced decode launch over fresh float32 rows of ``lens`` (head dim 64, pages of
+    16) and the float64 reference: (out, ref)."""
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(
+        lens, num_kv_heads, 64, 16, torch.float32
+    )
+    query = torch.randn(len(lens), num_kv_heads * group, 64)
     ref = paged_decode_attention_ref(query.double(), key_cache.double(), value_cache.double(),
                                      tables, seq_lens)  # fmt: skip
     out = paged_decode_attention_triton(
         query, key_cache, value_cache, tables, seq_lens, scale=64**-0.5,
-        sliding_window=None, softcap=None, work_items=items,
+        sliding_window=None, softcap=None, work_items=work_items,
     )  # fmt: skip
+    return out, ref
+
+
+@pytest.mark.parametrize("items", [1, 2, 7, 64, None])
+def test_decode_balanced_ragged_rows(items, poison_outputs):
+    """Rows of very different lengths (0, 1, block edges, long) in one balanced launch, with
+    the work cut into 1 .. 64 target items: every (row, head) matches the reference alone."""
+    out, ref = _balanced_launch([0, 1, 15, 16, 17, 700, 3, 260], 2, 4, items)
     assert torch.equal(out[0], torch.zeros(8, 64))
     errors = row_errors(out[1:], ref[1:])
     assert errors.max() < 1e-5, errors
@@ -138,15 +146,7 @@ def test_decode_balanced_merge_over_many_items(poison_outputs):
     item: 71 here, against a step of at most 64) merges over several steps, beside rows of
     one and two items. Planted bug, reverted: merging only the first step's items
     (``range(0, tl.minimum(to_merge, ITEMS_STEP), ITEMS_STEP)``) failed the long row here."""
-    lens = [64 * 70 + 5, 3, 65]
-    key_cache, value_cache, tables, seq_lens = make_paged_kv(lens, 1, 64, 16, torch.float32)
-    query = torch.randn(len(lens), 2, 64)
-    ref = paged_decode_attention_ref(query.double(), key_cache.double(), value_cache.double(),
-                                     tables, seq_lens)  # fmt: skip
-    out = paged_decode_attention_triton(
-        query, key_cache, value_cache, tables, seq_lens, scale=64**-0.5,
-        sliding_window=None, softcap=None, work_items=10**6,
-    )  # fmt: skip
+    out, ref = _balanced_launch([64 * 70 + 5, 3, 65], 1, 2, 10**6)
     errors = row_errors(out, ref)
     assert errors.max() < 1e-5, errors
 
