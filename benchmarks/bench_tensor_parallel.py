@@ -22,7 +22,9 @@ Multicast stays off (NCCL_NVLS_ENABLE=0): the shared hosts forbid it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -108,22 +110,28 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def timed_generate(model, ids, mask, new: int, device) -> tuple[torch.Tensor, dict]:
-    """(new tokens, figures) of one greedy call after a warm-up call of the same shape:
-    the whole call's seconds, the first token's (a call of one new token: the prefill),
-    the decode step's milliseconds between them, and the graphs the timed call captured."""
+def timed_generate(model, ids, mask, new: int, device, calls: int = 3) -> tuple[torch.Tensor, dict]:
+    """(new tokens, figures) of greedy calls after warm-up calls of the same shape: the
+    median seconds of ``calls`` whole calls, the first token's (a call of one new token: the
+    prefill), the decode step's milliseconds between them, and the graphs the timed calls
+    captured. Two warm-up calls: the first stores the prompts' blocks, the second is the
+    first to read them back; each compiles kernels of its own."""
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, **GREEDY)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, **GREEDY)
     sync(device)
     start = time.perf_counter()
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, **GREEDY)
     sync(device)
     first = time.perf_counter() - start
     captures = nanoserve.decode_graph_stats(model)["captures"]
-    start = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                         min_new_tokens=new, **GREEDY)  # fmt: skip
-    sync(device)
-    total = time.perf_counter() - start
+    seconds = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                             min_new_tokens=new, **GREEDY)  # fmt: skip
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+    total = statistics.median(seconds)
     tokens = out[:, ids.shape[1] :]
     return tokens, dict(
         tok_s=tokens.numel() / total,
@@ -131,6 +139,29 @@ def timed_generate(model, ids, mask, new: int, device) -> tuple[torch.Tensor, di
         step_ms=(total - first) / (new - 1) * 1e3,
         captures=nanoserve.decode_graph_stats(model)["captures"] - captures,
     )
+
+
+def profile_call(model, ids, mask, new: int, label: str, log) -> None:
+    """Print rank 0's kernels (on CPU: operators) of one greedy call by device time; every
+    rank runs the call, only rank 0 profiles it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = ids.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    profiling = dist.get_rank() == 0
+    with profile(activities=activities) if profiling else contextlib.nullcontext() as prof:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                       min_new_tokens=new, **GREEDY)  # fmt: skip
+        sync(ids.device)
+    if not profiling:
+        return
+
+    def spent(event) -> float:
+        return event.self_device_time_total if cuda else event.self_cpu_time_total
+
+    say(f"{label}: {'kernels' if cuda else 'operators'} by time over {new} steps (rank 0)", log)
+    for event in sorted(prof.key_averages(), key=spent, reverse=True)[:14]:
+        say(f"  {spent(event) / 1e3:9.2f} ms  x{event.count:<6d} {event.key[:100]}", log)
 
 
 def logits_of(model, ids, mask, new: int, forced=None):
@@ -206,6 +237,8 @@ def speed(shape: str, args, device, dtype, log) -> list[dict]:
         for name, (ids, mask) in data.items():
             tokens, figures = timed_generate(sharded, ids, mask, args.new_tokens, device)
             results[(name, run)] = tokens
+            if args.profile and run == "graphs":
+                profile_call(sharded, ids, mask, args.new_tokens, f"{shape} {name} TP", log)
             loop = nanoserve.decode_graph_stats(sharded)["decode_loop"]
             rows.append(dict(shape=shape, batch=name, run=f"TP x{dist.get_world_size()} {run}",
                              loop=loop, **figures))  # fmt: skip
@@ -234,6 +267,8 @@ def speed(shape: str, args, device, dtype, log) -> list[dict]:
             tokens, figures = timed_generate(alone, ids, mask, args.new_tokens, device)
             loop = nanoserve.decode_graph_stats(alone)["decode_loop"]
             rows.append(dict(shape=shape, batch=name, run="one GPU graphs", loop=loop, **figures))
+            if args.profile:
+                profile_call(alone, ids, mask, args.new_tokens, f"{shape} {name} one GPU", log)
             same = (tokens == results[(name, "graphs")]).float().mean().item()
             say(f"{shape} {name}: bf16 greedy tokens equal to one GPU's: {same:.1%}", log)
         del alone
@@ -284,6 +319,11 @@ def main() -> None:
     parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "nanoserve_tp"))
     parser.add_argument("--quick", action="store_true",
                         help="skip the float32 check and the eager runs")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the kernels of one graphs call per batch by device time",
+    )
     parser.add_argument("--report", default=None, help="also write the report to this file")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
