@@ -176,10 +176,12 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 
 
 def write_csv(rows: list[dict], name: str) -> str | None:
-    """Write ``rows`` to $OUT/name (if OUT is set); return the path."""
+    """Write ``rows`` to $OUT/name (if OUT is set; the folder is made if missing); return the
+    path."""
     out_dir = os.environ.get("OUT")
     if not out_dir or not rows:
         return None
+    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
     fields = list(dict.fromkeys(k for row in rows for k in row))  # every column, first seen first
     with open(path, "w", newline="") as f:
