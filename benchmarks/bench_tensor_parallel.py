@@ -8,7 +8,9 @@ tp_plan="auto"; rank 0 also loads it alone on its own GPU):
 - llama3-70b-slice: 8 of Llama-3-70B's 80 layers (hidden 8192, 64 / 8 heads, MLP 28672).
 It times greedy generate at batch 1 (prompt 512) and on a left-padded ragged batch of 32
 (prompts 128..1024), 128 new tokens each: tensor parallel with decode graphs, tensor parallel
-eager (cuda_graphs=False) and one GPU with graphs. Checks, printed beside the table:
+eager (cuda_graphs=False) and one GPU with graphs; each the median of three calls after two
+warm-up calls (``--profile`` also prints each graphs run's kernels by device time). Checks,
+printed beside the table:
 - replay against eager on each rank: the graph run's tokens and logits equal the eager run's
   bit for bit;
 - float32 exactness (a 4-layer Llama-3-8B-shaped model): per-step logits of the tensor-parallel
