@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_generate import left_padded  # noqa: E402
-from harness import print_table, write_csv  # noqa: E402
+from harness import WARM_UP_CALLS, print_table, write_csv  # noqa: E402
 
 import nanoserve  # noqa: E402
 
@@ -106,13 +106,9 @@ def run_generate(model, ids, mask, new: int, device: str, **kwargs):
     return out, time.perf_counter() - start
 
 
-WARM_UP_CALLS = 2
-
-
 def timed(model, ids, mask, new: int, device: str, calls: int, **kwargs):
-    """New tokens [B, new] of the warm-up calls, and the median seconds of ``calls`` calls.
-    Two warm-up calls: on a patched model the first stores the prompt's blocks and the second
-    is the first to read them back, and each compiles (and autotunes) kernels of its own."""
+    """New tokens [B, new] of the warm-up calls (``WARM_UP_CALLS``), and the median seconds
+    of ``calls`` calls."""
     for _ in range(WARM_UP_CALLS):
         out, _ = run_generate(model, ids, mask, new, device, **kwargs)
     secs = [run_generate(model, ids, mask, new, device, **kwargs)[1] for _ in range(calls)]

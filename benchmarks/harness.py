@@ -24,6 +24,9 @@ ROTATE_BYTES = 200 * 2**20  # rotate input sets until this much is touched per r
 WARMUP_MS, REP_MS = 25, 60  # do_bench warm-up and measuring time per timing
 QUICK_REP_MS = 20  # --quick: shorter measuring per timing (do_bench_cudagraph replays 10x this)
 QUICK_ENV = "NANOSERVE_BENCH_QUICK"  # "1": the kernel benchmarks run their --quick shapes
+# Untimed generate calls before a patched model is timed: the first stores the prompts' blocks,
+# the second is the first to read them back, and each compiles (and autotunes) its own kernels.
+WARM_UP_CALLS = 2
 
 
 def quick() -> bool:
