@@ -12,7 +12,8 @@ Speed (tokens/s): batch 1 with a 512-token prompt, and a ragged batch of 8 promp
 cache, whose sliding layers keep only their window; eager attention for Gemma 2, as 5.24
 runs it, sdpa for Gemma 3), stock static cache + torch.compile (batch 1 only unless
 ``--static-ragged``: each batch shape compiles anew), and nanoserve (decode graphs, its own
-decode loop). Fast providers are timed after a warm-up call, the median of ``--calls``.
+decode loop). Fast providers are timed after warm-up calls, the median of ``--calls``; each
+timed nanoserve call has a fresh ``cache_salt``, so it prefills its prompts as stock does.
 
 Memory: one prompt of 8k and of 32k tokens (prefill in chunks of 4096 for both, 8 new
 tokens); the KV bytes each cache holds afterwards: the tensors of HF's cache, nanoserve's
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_generate import left_padded  # noqa: E402
-from harness import WARM_UP_CALLS, print_table, write_csv  # noqa: E402
+from harness import WARM_UP_CALLS, fresh_salt, print_table, write_csv  # noqa: E402
 
 import nanoserve  # noqa: E402
 
@@ -106,12 +107,16 @@ def run_generate(model, ids, mask, new: int, device: str, **kwargs):
     return out, time.perf_counter() - start
 
 
-def timed(model, ids, mask, new: int, device: str, calls: int, **kwargs):
+def timed(model, ids, mask, new: int, device: str, calls: int, salted=False, **kwargs):
     """New tokens [B, new] of the warm-up calls (``WARM_UP_CALLS``), and the median seconds
-    of ``calls`` calls."""
+    of ``calls`` calls; ``salted`` (a patched model) gives each timed call a
+    ``fresh_salt``, so none skips its prefill."""
     for _ in range(WARM_UP_CALLS):
         out, _ = run_generate(model, ids, mask, new, device, **kwargs)
-    secs = [run_generate(model, ids, mask, new, device, **kwargs)[1] for _ in range(calls)]
+    secs = []
+    for _ in range(calls):
+        salt = {"cache_salt": fresh_salt()} if salted else {}
+        secs.append(run_generate(model, ids, mask, new, device, **kwargs, **salt)[1])
     return out[:, ids.shape[1] :], statistics.median(secs)
 
 
@@ -142,6 +147,7 @@ def speed_rows(model, family: str, device: str, args, tiny: bool) -> list[dict]:
             try:
                 if name == "nanoserve":
                     nanoserve.patch_model(model)
+                    opts["salted"] = True
                 out, secs = timed(model, ids, mask, args.new_tokens, device, calls, **opts)
                 if name == "nanoserve":
                     row["loop"] = nanoserve.decode_graph_stats(model)["decode_loop"]

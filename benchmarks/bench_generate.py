@@ -6,8 +6,11 @@ prompt, and a ragged batch of 32 prompts of lengths spread evenly over 128..2048
 Providers: stock default (sdpa, DynamicCache), stock static cache (auto torch.compile), HF's
 own paged mode (`generate_batch`), and nanoserve's patched model, eager, with decode steps
 replayed as CUDA graphs, and with graphs over torch.compile'd decoder layers
-(`compile_decode=True`). The static cache and the patched model are timed after a warm-up call,
-as the median of three calls; the slow providers once. Columns: tokens/s, peak GPU memory, KV
+(`compile_decode=True`). The static cache and the patched model are timed after warm-up calls,
+as the median of three calls; the slow providers once. Each timed call of a patched model has
+a fresh ``cache_salt`` (``harness.fresh_salt``): it finds none of the blocks earlier calls
+stored and prefills its prompts as stock does (except ``--system-prompt``, which measures the
+reuse). Columns: tokens/s, peak GPU memory, KV
 bytes reserved against KV bytes the tokens need, and how many generated tokens equal stock
 default's.
 
@@ -56,7 +59,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import WARM_UP_CALLS, print_table, write_csv  # noqa: E402
+from harness import WARM_UP_CALLS, fresh_salt, print_table, write_csv  # noqa: E402
 from plot import plot_rows  # noqa: E402
 
 import nanoserve  # noqa: E402
@@ -142,10 +145,19 @@ def provider_stock(model, ids, mask, lens, new, device):
     return out, secs, reserved
 
 
-def timed(model, ids, mask, new, device, **kwargs):
-    """Generated tokens and the median seconds of TIMED_CALLS calls."""
-    runs = [run_generate(model, ids, mask, new, device, **kwargs) for _ in range(TIMED_CALLS)]
+def timed(model, ids, mask, new, device, salted=False, **kwargs):
+    """Generated tokens and the median seconds of TIMED_CALLS calls; ``salted`` (a patched
+    model) gives each call a ``fresh_salt``, so none skips its prefill."""
+    runs = [
+        run_generate(model, ids, mask, new, device, **kwargs, **salt(salted))
+        for _ in range(TIMED_CALLS)
+    ]
     return runs[0][0], statistics.median(secs for _, secs in runs)
+
+
+def salt(salted: bool) -> dict:
+    """generate's ``cache_salt`` keyword with a ``fresh_salt`` when ``salted``, else none."""
+    return {"cache_salt": fresh_salt()} if salted else {}
 
 
 def provider_static(model, ids, mask, lens, new, device):
@@ -178,7 +190,7 @@ def provider_patched(model, ids, mask, lens, new, device, **patch_kwargs):
         # warm-up on the same prompts: Triton compiles and the extend kernel autotunes here
         for _ in range(WARM_UP_CALLS):
             run_generate(model, ids, mask, 2, device)
-        out, secs = timed(model, ids, mask, new, device)
+        out, secs = timed(model, ids, mask, new, device, salted=True)
         stats = nanoserve.cache_stats(model)
         graphs = nanoserve.decode_graph_stats(model)
         if patch_kwargs.get("cuda_graphs") and graphs["disabled"]:
@@ -339,8 +351,9 @@ def group_rollout(model, device: str, tiny: bool) -> list[dict]:
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             calls = 1 if patch is None else TIMED_CALLS
+            salted = patch is not None  # rows share a prompt within a call, not across calls
             seconds = statistics.median(
-                run_generate(model, ids, mask, new, device, **sample, **extra)[1]
+                run_generate(model, ids, mask, new, device, **sample, **extra, **salt(salted))[1]
                 for _ in range(calls)
             )
             row = {"provider": name, "tok/s": round(ids.shape[0] * new / seconds, 1),
@@ -352,7 +365,7 @@ def group_rollout(model, device: str, tiny: bool) -> list[dict]:
                 row["kv_reserved/unique"] = round(stats["bytes_reserved"] / unique, 3)
                 row["rows_shared"] = stats["rows_shared"]
             ttft = statistics.median(
-                run_generate(model, ids, mask, 1, device, **sample, **extra)[1]
+                run_generate(model, ids, mask, 1, device, **sample, **extra, **salt(salted))[1]
                 for _ in range(calls)
             )
             row["first_token_s"] = round(ttft, 3)
@@ -488,6 +501,8 @@ def eos_spread(model, device: str, tiny: bool) -> list[dict]:
     sample = dict(do_sample=True, top_k=50, eos_token_id=eos, pad_token_id=0, min_new_tokens=low)
 
     def call(new, **extra):
+        if "cache_implementation" not in extra:  # a patched model: no stored prompt
+            extra["cache_salt"] = fresh_salt()
         torch.manual_seed(11)
         sync(device)
         start = time.perf_counter()
@@ -563,7 +578,7 @@ def step_profile(model, device: str, tiny: bool) -> list[dict]:
         try:
             run_generate(model, ids, mask, new, device)  # compiles, captures
             with profile(activities=activities) as prof:
-                out, secs = run_generate(model, ids, mask, new, device)
+                out, secs = run_generate(model, ids, mask, new, device, **salt(True))
             check_loop(nanoserve.decode_graph_stats(model), loop)
         finally:
             nanoserve.release_memory(model)

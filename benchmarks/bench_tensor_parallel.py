@@ -41,6 +41,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_generate import left_padded  # noqa: E402
+from harness import fresh_salt  # noqa: E402
 
 import nanoserve  # noqa: E402
 
@@ -117,12 +118,14 @@ def timed_generate(model, ids, mask, new: int, device, calls: int = 3) -> tuple[
     median seconds of ``calls`` whole calls, the first token's (a call of one new token: the
     prefill), the decode step's milliseconds between them, and the graphs the timed calls
     captured. Two warm-up calls: the first stores the prompts' blocks, the second is the
-    first to read them back; each compiles kernels of its own."""
+    first to read them back; each compiles kernels of its own. Each timed call has a
+    ``fresh_salt``: it prefills its prompts as a call with new prompts does."""
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, **GREEDY)
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, **GREEDY)
     sync(device)
     start = time.perf_counter()
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, **GREEDY)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, cache_salt=fresh_salt(),
+                   **GREEDY)  # fmt: skip
     sync(device)
     first = time.perf_counter() - start
     captures = nanoserve.decode_graph_stats(model)["captures"]
@@ -130,7 +133,7 @@ def timed_generate(model, ids, mask, new: int, device, calls: int = 3) -> tuple[
     for _ in range(calls):
         start = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                             min_new_tokens=new, **GREEDY)  # fmt: skip
+                             min_new_tokens=new, cache_salt=fresh_salt(), **GREEDY)  # fmt: skip
         sync(device)
         seconds.append(time.perf_counter() - start)
     total = statistics.median(seconds)
@@ -153,7 +156,7 @@ def profile_call(model, ids, mask, new: int, label: str, log) -> None:
     profiling = dist.get_rank() == 0
     with profile(activities=activities) if profiling else contextlib.nullcontext() as prof:
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                       min_new_tokens=new, **GREEDY)  # fmt: skip
+                       min_new_tokens=new, cache_salt=fresh_salt(), **GREEDY)  # fmt: skip
         sync(ids.device)
     if not profiling:
         return

@@ -11,6 +11,7 @@ bench_families.
 from __future__ import annotations
 
 import csv
+import itertools
 import math
 import os
 import sys
@@ -27,6 +28,17 @@ QUICK_ENV = "NANOSERVE_BENCH_QUICK"  # "1": the kernel benchmarks run their --qu
 # Untimed generate calls before a patched model is timed: the first stores the prompts' blocks,
 # the second is the first to read them back, and each compiles (and autotunes) its own kernels.
 WARM_UP_CALLS = 2
+_SALTS = itertools.count()
+
+
+def fresh_salt() -> str:
+    """A ``cache_salt`` no earlier call of this process used. A patched model's call given
+    one finds none of the prompt blocks the benchmark's earlier calls stored, so it prefills
+    its prompts as a call with new prompts does: timing repeated calls on the same prompts
+    would skip that prefill and flatter nanoserve beside providers without a prefix cache.
+    Counted, not random: a process never draws one twice, so tensor-parallel ranks all miss
+    alike (their cache decisions must agree)."""
+    return f"nanoserve-benchmark-{next(_SALTS)}"
 
 
 def quick() -> bool:

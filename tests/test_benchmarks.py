@@ -142,3 +142,24 @@ def test_quick_mode_follows_the_variable_run_all_sets(monkeypatch):
     assert not harness.quick() and harness.rep_ms() == harness.REP_MS
     monkeypatch.setenv(harness.QUICK_ENV, "1")
     assert harness.quick() and harness.rep_ms() == harness.QUICK_REP_MS < harness.REP_MS
+
+
+def test_timed_patched_calls_prefill_their_prompts():
+    """bench_generate's timed calls of a patched model find none of the prompt blocks its
+    earlier calls stored (each has a fresh cache_salt), while repeating the prompts unsalted
+    does find them: the benchmark times the prefill stock providers pay too."""
+    import nanoserve
+
+    bench = import_benchmark_module("bench_generate")
+    model = bench.build_model(tiny=True, device="cpu")
+    ids, mask, _ = bench.make_batches(True, "cpu", model.config.vocab_size)["batch1_prompt32"]
+    nanoserve.patch_model(model, cuda_graphs=False)
+    try:
+        bench.run_generate(model, ids, mask, 2, "cpu")
+        bench.run_generate(model, ids, mask, 2, "cpu")
+        assert nanoserve.cache_stats(model)["prefix_hits"] == 1  # unsalted: found again
+        out, _ = bench.timed(model, ids, mask, 2, "cpu", salted=True)
+        assert out.shape == (1, 2)
+        assert nanoserve.cache_stats(model)["prefix_hits"] == 0
+    finally:
+        nanoserve.unpatch_model(model)
