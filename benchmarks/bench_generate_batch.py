@@ -4,11 +4,13 @@ call on a patched model runs one left-padded generate on the paged pool), on the
 bench_generate's model (random-weight Llama-3.2-1B shape, bf16) and workloads (batch 1 with a
 512-token prompt; 32 prompts of 128..2048 tokens), greedy, EOS off, 256 new tokens, the
 prompts given unpadded as transformers' API takes them. transformers' call is timed once (it
-builds its manager and captures its graphs inside the call, as a user meets it); nanoserve's as
-the median of three calls after a warm-up. Columns: tokens/s, seconds, speed-up over
-transformers, how many generated tokens equal transformers' (bf16: the two compute attention
-differently, so near-ties may differ), and, to tell which side drifts, how many equal stock
-``generate``'s (greedy, the model unpatched, the prompts left-padded in one call) and the
+builds its manager and captures its graphs inside the call, as a user meets it); nanoserve's
+as the median of three calls after a warm-up, each with a fresh ``cache_salt`` so it
+prefills its prompts (none is found in the prefix cache the warm-up filled). Columns:
+tokens/s, seconds, speed-up over transformers, how many generated tokens equal transformers'
+(bf16: the two compute attention differently, so near-ties may differ), and, to tell which
+side drifts, how many equal stock ``generate``'s (greedy, the model unpatched, the prompts
+left-padded in one call) and the
 median step at which a request first differs from it ("-": none differs). Usage:
     python3 benchmarks/bench_generate_batch.py [--new-tokens 256] [--tiny]
 (``--tiny``: a 2-layer model on any device, a smoke test, not a benchmark.)
@@ -34,7 +36,7 @@ if "--tiny" not in sys.argv:
     require_cuda("bench_generate_batch")
 
 from bench_generate import build_model, make_batches, sync  # noqa: E402
-from harness import show_table  # noqa: E402
+from harness import fresh_salt, show_table  # noqa: E402
 
 import nanoserve  # noqa: E402
 from nanoserve.adapters.generate_batch import eos_ids, left_padded  # noqa: E402
@@ -71,11 +73,12 @@ def agreement(ours: dict[str, list], stock: dict[str, list]) -> tuple[str, str]:
     return f"{equal}/{total}", str(int(statistics.median(differing))) if differing else "-"
 
 
-def timed_batch(model, prompts: list[list[int]], config, device: str):
-    """({request id: generated tokens}, seconds) of one generate_batch call."""
+def timed_batch(model, prompts: list[list[int]], config, device: str, **kwargs):
+    """({request id: generated tokens}, seconds) of one generate_batch call (``kwargs``:
+    a patched model's ``cache_salt``)."""
     sync(device)
     start = time.perf_counter()
-    results = model.generate_batch(inputs=prompts, generation_config=config)
+    results = model.generate_batch(inputs=prompts, generation_config=config, **kwargs)
     sync(device)
     return {k: list(r.generated_tokens) for k, r in results.items()}, time.perf_counter() - start
 
@@ -108,7 +111,11 @@ def main() -> None:
         nanoserve.patch_model(model)
         try:
             timed_batch(model, prompts, config, device)  # compiles, captures, sizes the pool
-            calls = [timed_batch(model, prompts, config, device) for _ in range(3)]
+            # each timed call prefills its prompts, as transformers' does (harness.fresh_salt)
+            calls = [
+                timed_batch(model, prompts, config, device, cache_salt=fresh_salt())
+                for _ in range(3)
+            ]
         finally:
             nanoserve.unpatch_model(model)
         ours = calls[0][0]
