@@ -54,6 +54,12 @@ def paged_attention(
         return _original_attention(module)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    if dropout > 0:
+        raise ValueError(
+            f"dropout: {type(module).__name__} asks for attention dropout {dropout} (the model "
+            "is in training mode), which the paged kernels do not apply; call model.eval() "
+            "before generate, or nanoserve.unpatch_model(model) to generate with dropout"
+        )
     layer = getattr(module, "layer_idx", None)
     meta = current.meta
     if meta.group_metas:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn.modules import module as _module_hooks
 
 from nanoserve.adapters.step import CACHE_KWARGS, new_token_mask, paged_step
 from nanoserve.cache import block_digests
@@ -145,29 +146,104 @@ def _prefill_common_prefixes(stock_forward, backend: str, cache, kwargs: dict, p
     return computed
 
 
-def prefix_salt(model, user_salt, state) -> bytes:
-    """What names a call's cached prefixes beside their tokens (16 bytes): the weights
-    (address, in-place version, dtype and shape of every parameter and buffer, so an
-    optimizer step, a ``load_state_dict`` or a ``model.to`` invalidates them), the model's
-    dtype and the caller's ``cache_salt``. The digest of the last key is kept on ``state``
-    (a ``PatchState``): a call whose weights did not change hashes nothing."""
-    weights = []
+def prefix_salt(model, user_salt, state) -> bytes | None:
+    """What names a call's cached prefixes beside their tokens (16 bytes), or None when K/V
+    cannot be named across calls (``unnameable``: then only copies within the call share).
+
+    The key: every parameter and buffer (address, in-place version, dtype, shape, and the
+    float64 sum and the norm of its values, read once a call: fused optimizers and writes
+    through ``.data`` change values without a new version), the forward hooks registered
+    on any module (handle ids: adding or removing one changes the key; what a hook does
+    from call to call cannot be seen), the adapters each tuner layer has on (peft), the
+    model's dtype and the caller's ``cache_salt``. The digest of the last key is kept on
+    ``state`` (a ``PatchState``)."""
+    reason = unnameable(model)
+    if reason is not None:
+        if state.salt_key != reason:
+            state.salt_key = reason
+            _log.info("prefix cache: no prefix found across calls (%s)", reason)
+        return None
+    tensors, layout, switches = [], [], []
     seen, stack = set(), [model]
     while stack:  # every module once; parameters() and buffers() would walk them twice
         module = stack.pop()
         if id(module) in seen:
             continue
         seen.add(id(module))
-        for tensors in (module._parameters, module._buffers):
-            for t in tensors.values():
+        for tensors_of in (module._parameters, module._buffers):
+            for t in tensors_of.values():
                 if t is not None:
-                    weights.append((t.data_ptr(), t._version, t.dtype, t.shape))
+                    tensors.append(t)
+                    layout.append((t.data_ptr(), _version(t), t.dtype, t.shape))
+        hooks = (*module._forward_pre_hooks, *module._forward_hooks)
+        if hooks or hasattr(module, "active_adapters"):
+            switches.append((len(seen), hooks, _adapters_on(module)))
         stack.extend(m for m in module._modules.values() if m is not None)
-    key = (tuple(weights), model.dtype, user_salt)
+    global_hooks = (*_module_hooks._global_forward_pre_hooks, *_module_hooks._global_forward_hooks)
+    key = (tuple(layout), _fingerprint(tensors), tuple(switches), global_hooks, model.dtype,
+           user_salt)  # fmt: skip
     if state.salt_key != key:
         state.salt_key = key
         state.salt = hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
     return state.salt
+
+
+def unnameable(model) -> str | None:
+    """Why K/V of this model cannot be named by tokens and weights alone (a phrase), or None:
+    rotary frequencies that depend on the call's length (``dynamic``, ``longrope``: a later
+    call of another length computes other K for the same prefix), or a module that drops
+    out at random (training mode)."""
+    for module in model.modules():
+        kind = getattr(module, "rope_type", None)
+        kinds = kind.values() if isinstance(kind, dict) else [kind]
+        for kind in kinds:
+            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+                return f"rope_type {kind!r}: its frequencies depend on the call's length"
+        rate = module.p if isinstance(module, torch.nn.Dropout) else _attention_dropout(module)
+        if module.training and rate > 0:
+            return f"{type(module).__name__} drops out at random in training mode"
+    return None
+
+
+def _attention_dropout(module) -> float:
+    rate = getattr(module, "attention_dropout", 0.0)
+    return float(rate) if isinstance(rate, (int, float)) else 0.0
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version: their values are compared
+        return None
+
+
+def _adapters_on(module) -> tuple:
+    """A tuner layer's (peft) switches: adapters disabled, active and merged."""
+    active = getattr(module, "active_adapters", ())
+    merged = getattr(module, "merged_adapters", ())
+    return (
+        bool(getattr(module, "disable_adapters", False)),
+        tuple(active) if isinstance(active, (list, tuple)) else (active,),
+        tuple(merged) if isinstance(merged, (list, tuple)) else (merged,),
+    )
+
+
+def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
+    """The float64 sum and the norm of each tensor's values (raw bytes summed for
+    one-byte and non-float dtypes), read back with one copy per device."""
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        t = t.detach()
+        if t.is_floating_point() and t.element_size() >= 2:
+            moments = (t.sum(dtype=torch.float64), torch.linalg.vector_norm(t).double())
+        else:
+            raw = t.view(torch.uint8) if t.element_size() == 1 else t
+            moments = (raw.sum(dtype=torch.float64),)
+        per_device.setdefault(t.device, []).extend(moments)
+    return tuple(tuple(torch.stack(values).cpu().tolist()) for values in per_device.values())
 
 
 def _plan(cache, kwargs: dict) -> _Plan | None:

@@ -94,7 +94,7 @@ class PatchState:
     last_stats: dict = field(default_factory=dict)  # its figures as that call left them
     kept_pools: KeptPools | None = None
     # the latest prefix salt and what it was computed from (shared_rows.prefix_salt)
-    salt_key: tuple | None = None
+    salt_key: tuple | str | None = None
     salt: bytes = b""
     # one paged call at a time per model: a second thread waits for the first to finish
     lock: threading.RLock = field(default_factory=threading.RLock)

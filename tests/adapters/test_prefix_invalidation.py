@@ -1,0 +1,193 @@
+"""Blocks an earlier call stored are never served once what computed them changed, however it
+changed: values written without a new tensor version (a fused optimizer step, ``.data``), a
+forward hook, an adapter switched, rotary frequencies that follow the call's length; and a
+model in training mode with attention dropout is refused, not silently run without it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import patched
+from test_families import padded_batch, tiny_model
+
+import nanoserve
+from nanoserve.adapters.decode_loop import _CACHE_FIELD as CACHE_FIELD
+from nanoserve.adapters.shared_rows import unnameable
+
+OPTS = dict(max_new_tokens=3, do_sample=False, eos_token_id=None, output_logits=True,
+            return_dict_in_generate=True)  # fmt: skip
+
+
+def sharp_model(**overrides):
+    """A tiny Llama whose logits are far from flat (so stale K/V shows in the tokens too)."""
+    model = tiny_model("llama", **overrides)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 1.5 / p.shape[1] ** 0.5)
+    return model
+
+
+def generate(model, call):
+    """(output, prefix hits of the call) on the patched ``model``; (output, None) unpatched."""
+    with torch.no_grad():
+        out = model.generate(**call, **OPTS)
+    hits = nanoserve.cache_stats(model)["prefix_hits"] if is_patched(model) else None
+    return out, hits
+
+
+def is_patched(model) -> bool:
+    try:
+        nanoserve.decode_graph_stats(model)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+def assert_same(out, stock):
+    assert torch.equal(out.sequences, stock.sequences)
+    for ours, theirs in zip(out.logits, stock.logits, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def check_change_invalidates(model, call, change):
+    """A call stores the prompt, a second finds it; after ``change`` (applied to the patched
+    model and to an unpatched copy alike) the next call finds nothing and gives the copy's
+    output. Returns the unpatched copy."""
+    reference = copy.deepcopy(model)
+    nanoserve.patch_model(model, block_size=4, num_blocks=64)
+    generate(model, call)
+    assert generate(model, call)[1] == 1  # unchanged: found again
+    change(model)
+    change(reference)
+    out, hits = generate(model, call)
+    assert hits == 0
+    assert_same(out, generate(reference, call)[0])
+    return reference
+
+
+def fused_adamw_step(model):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    batch = padded_batch([12], 12, seed=9)
+    model.train()
+    model(**batch, labels=batch["input_ids"]).loss.backward()
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def test_values_changed_without_a_new_version_find_nothing():
+    """Fused optimizers and writes through ``.data`` leave every tensor's version as it was;
+    the salt compares the values too. (Planted: the salt without the values' sums and norms
+    served the stale prefix in each case.)"""
+    call = padded_batch([13], 13, seed=3)
+    for change in (
+        fused_adamw_step,
+        lambda m: m.model.layers[0].self_attn.k_proj.weight.data.mul_(1.3),
+        lambda m: m.model.embed_tokens.weight.data[call["input_ids"][0, 0]].copy_(
+            m.model.embed_tokens.weight.data[5]
+        ),
+    ):
+        model = sharp_model()
+        versions = [p._version for p in model.parameters()]
+        check_change_invalidates(model, call, change)
+        nanoserve.unpatch_model(model)
+        assert [p._version for p in model.parameters()] == versions  # none saw a new version
+
+
+def test_a_forward_hook_added_or_removed_between_calls():
+    """A hook that changes a layer's output is part of what names the blocks; once it is
+    removed, the blocks stored before it are valid again."""
+    model = sharp_model()
+    call = padded_batch([13], 13, seed=3)
+    handles = []
+
+    def add_hook(m):
+        proj = m.model.layers[0].self_attn.k_proj
+        handles.append(proj.register_forward_hook(lambda module, args, out: out * 1.5))
+
+    reference = check_change_invalidates(model, call, add_hook)
+    for handle in handles:
+        handle.remove()
+    out, hits = generate(model, call)
+    assert hits == 1
+    assert_same(out, generate(reference, call)[0])
+    nanoserve.unpatch_model(model)
+
+
+class _Adapter(torch.nn.Module):
+    """A peft-style tuner layer: a low-rank delta on a projection, switched by attributes."""
+
+    def __init__(self, base: torch.nn.Linear):
+        super().__init__()
+        self.base = base
+        self.delta = torch.nn.Linear(base.in_features, base.out_features, bias=False)
+        torch.nn.init.normal_(self.delta.weight, std=0.5)
+        self.disable_adapters = False
+        self.active_adapters = ["default"]
+        self.merged_adapters = []
+
+    def forward(self, x):
+        out = self.base(x)
+        return out if self.disable_adapters else out + self.delta(x)
+
+
+def test_an_adapter_switched_off_between_calls():
+    model = sharp_model()
+    attention = model.model.layers[0].self_attn
+    attention.k_proj = _Adapter(attention.k_proj)
+    call = padded_batch([13], 13, seed=3)
+
+    def switch_off(m):
+        m.model.layers[0].self_attn.k_proj.disable_adapters = True
+
+    check_change_invalidates(model, call, switch_off)
+    nanoserve.unpatch_model(model)
+
+
+def test_dynamic_rope_shares_no_prefix_across_calls():
+    """Dynamic rotary scaling picks its frequencies from the call's length: a later call of
+    another length computes other K for the same prefix. (Before: the fifth call below found
+    blocks stored under the 40-token call's scaling, logits 0.35 off.)"""
+    model = sharp_model(max_position_embeddings=32,
+                        rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                         "rope_theta": 10000.0})  # fmt: skip
+    assert "'dynamic'" in unnameable(model)
+    assert unnameable(sharp_model()) is None
+    reference = copy.deepcopy(model)
+    prompt = torch.randint(3, 97, (1, 60), generator=torch.Generator().manual_seed(2))
+    with patched(model, block_size=4, num_blocks=128):
+        for length in (40, 20, 40, 20, 36):
+            call = dict(input_ids=prompt[:, :length])
+            out, hits = generate(model, call)
+            assert hits == 0 and out[CACHE_FIELD].prefix_salt is None
+            assert_same(out, generate(reference, call)[0])
+
+
+def test_attention_dropout_in_training_mode_is_refused():
+    model = sharp_model(attention_dropout=0.3)
+    reference = copy.deepcopy(model)
+    call = padded_batch([9], 9, seed=3)
+    model.train()
+    assert "training mode" in unnameable(model)  # and no prefix is shared across calls
+    with patched(model):
+        with pytest.raises(ValueError, match="^dropout: .* training mode"):
+            generate(model, call)
+        model.eval()
+        out, _ = generate(model, call)
+    assert_same(out, generate(reference, call)[0])
+
+
+def test_inference_tensors_in_the_model():
+    """Tensors made under inference_mode keep no version; the salt compares their values."""
+    with torch.inference_mode():
+        model = sharp_model()
+        reference = copy.deepcopy(model)
+    call = padded_batch([13], 13, seed=3)
+    with patched(model, block_size=4, num_blocks=64):
+        generate(model, call)
+        out, hits = generate(model, call)
+        assert hits == 1
+    assert_same(out, generate(reference, call)[0])
