@@ -29,6 +29,7 @@ import torch
 from torch.nn.modules import module as _module_hooks
 
 from nanoserve.adapters.step import CACHE_KWARGS, new_token_mask, paged_step
+from nanoserve.adapters.tensor_parallel import agreed_salt
 from nanoserve.cache import block_digests
 from nanoserve.log import get_logger
 
@@ -156,7 +157,8 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
     on any module (handle ids: adding or removing one changes the key; what a hook does
     from call to call cannot be seen), the adapters each tuner layer has on (peft), the
     model's dtype and the caller's ``cache_salt``. The digest of the last key is kept on
-    ``state`` (a ``PatchState``)."""
+    ``state`` (a ``PatchState``); under tensor parallelism the ranks' digests are joined
+    into one (``agreed_salt``)."""
     reason = unnameable(model)
     if reason is not None:
         if state.salt_key != reason:
@@ -185,7 +187,7 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
     if state.salt_key != key:
         state.salt_key = key
         state.salt = hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
-    return state.salt
+    return agreed_salt(model, state.salt)
 
 
 def unnameable(model) -> str | None:

@@ -12,6 +12,7 @@ are each rank's own), are settled across them (``capture_agreement``).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -60,3 +61,20 @@ def capture_agreement(model) -> Callable[[bool], bool] | None:
         return bool(flag.item())
 
     return agree
+
+
+def agreed_salt(model, salt: bytes) -> bytes:
+    """One prefix salt for every rank from each rank's own (16 bytes each: one all-gather).
+    Each rank salts its own weight shards: a change to one rank's shard alone must make every
+    rank miss, or the ranks would run forwards of different lengths. The model on one device
+    gets ``salt`` back."""
+    if tp_size(model) == 1:
+        return salt
+    group = process_group(model)
+    on_nccl = torch.distributed.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else "cpu"
+    mine = torch.frombuffer(bytearray(salt), dtype=torch.uint8).to(device)
+    every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(every, mine, group=group)
+    joined = b"".join(bytes(t.cpu().tolist()) for t in every)
+    return hashlib.blake2b(joined, digest_size=len(salt)).digest()

@@ -91,6 +91,10 @@ def test_shared_rows_and_cached_prefixes_under_tensor_parallelism(run):
         assert rank["sampled_rows_shared"] == 2  # 3 copies of the prompt, prefilled once
         assert [rank["prefix_first"], rank["prefix_second"]] == expected
         assert rank["prefix_hits"] == 1  # the second call found the shared blocks
+        # one rank's shard changed: every rank misses (the ranks' salts are joined), so the
+        # forwards stay of one length; planted to salt each rank alone, the run failed
+        assert rank["changed_hits"] == 0
+    assert ranks[0]["changed_second"] == ranks[1]["changed_second"]
     assert ranks[0]["paged_sampled"] == ranks[1]["paged_sampled"]
 
 

@@ -91,6 +91,12 @@ def main(folder: str, out: str) -> None:
         seen["prefix_first"] = model.generate(input_ids=first, **greedy).tolist()
         seen["prefix_second"] = model.generate(input_ids=second, **greedy).tolist()
         seen["prefix_hits"] = nanoserve.cache_stats(model)["prefix_hits"]
+        if rank == 0:  # this rank's shard alone changes, through .data: no new version
+            weight = model.model.layers[0].mlp.down_proj.weight
+            weight = weight.to_local() if hasattr(weight, "to_local") else weight
+            weight.data[0, 0] += 1e-3
+        seen["changed_second"] = model.generate(input_ids=second, **greedy).tolist()
+        seen["changed_hits"] = nanoserve.cache_stats(model)["prefix_hits"]
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
 
