@@ -24,12 +24,25 @@ from nanoserve.log import get_logger
 _log = get_logger(__name__)
 
 
-def _check_inputs(inputs) -> None:
+def _check_inputs(inputs, vocab_size: int | None) -> None:
     if not isinstance(inputs, (list, tuple)) or not all(
         isinstance(row, (list, tuple)) and row and all(isinstance(t, int) for t in row)
         for row in inputs
     ):
         raise ValueError("inputs: expected a list of non-empty lists of token ids (ints)")
+    if vocab_size is None:
+        return
+    for i, row in enumerate(inputs):
+        bad = next((t for t in row if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"inputs: row {i} holds token id {bad}, outside the vocabulary [0, {vocab_size})"
+            )
+
+
+def _vocab_size(model) -> int | None:
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None)
+    return vocab if isinstance(vocab, int) and vocab > 0 else None
 
 
 def eos_ids(config) -> set[int]:
@@ -79,7 +92,7 @@ def paged_generate_batch(
     batching manager's options (``persistent_manager``, ``warmup``, ``progress_bar``,
     ``continuous_batching_config`` other than ``return_logprobs``) have nothing to set here.
     """
-    _check_inputs(inputs)
+    _check_inputs(inputs, _vocab_size(model))
     if not inputs:
         return {}
     if record_timestamps:

@@ -29,6 +29,7 @@ from nanoserve.adapters.sizing import (
     PoolOptions,
     PoolSize,
     blocks_to_continue,
+    call_inputs,
     generate_option,
     pool_size,
 )
@@ -114,6 +115,7 @@ def patch_model(
     family = family_for(model.config)  # NotImplementedError names the supported families
     layout = local_layout(family.layout(model.config), model)  # this rank's KV heads
     options = PoolOptions(layout, block_size, num_blocks, max_memory, kv_dtype, kv_scale)
+    options.check_max_memory(model.dtype)
     for name, value in (
         ("cuda_graphs", cuda_graphs),
         ("compile_decode", compile_decode),
@@ -406,6 +408,20 @@ def _may_share(kwargs: dict, option) -> bool:
     return not any(isinstance(v, torch.Tensor) and k not in rows for k, v in kwargs.items())
 
 
+def _check_continuation(cache: PagedCache, args: tuple, kwargs: dict) -> None:
+    """ValueError naming ``input_ids`` when a returned cache passed back to generate already
+    holds every column of the call's inputs: there is no token it has not seen to start
+    from (stock then feeds and stores every column a second time)."""
+    inputs = call_inputs(args, kwargs)
+    cached = cache.get_seq_length()
+    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] <= cached:
+        raise ValueError(
+            f"input_ids: {inputs.shape[1]} columns, and the cache passed back already holds "
+            f"{cached}; pass the sequences it returned (they end with a token it has not "
+            "seen), or generate without the cache"
+        )
+
+
 def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs) -> None:
     """A returned cache passed back to generate grows its pool to fit the call, as stock's
     cache would, unless the pool size was fixed (``num_blocks`` / ``max_memory``: then
@@ -465,6 +481,7 @@ def _paged_generate(self, *args, **kwargs):
     passed = find_cache(kwargs)
     if isinstance(passed, PagedCache):
         with state.lock:
+            _check_continuation(passed, args, kwargs)
             _room_to_continue(state, passed, self, args, kwargs)
             passed.mask_checked = False
             return stock(*args, **kwargs)

@@ -63,6 +63,25 @@ class PoolOptions:
         """The dtype of the pools of a model computing in ``model_dtype``."""
         return self.kv_dtype or model_dtype
 
+    def group_block_bytes(self, model_dtype: torch.dtype) -> list[int]:
+        """Bytes of one block in each pool (layer group) of a model in ``model_dtype``."""
+        dtype = self.pool_dtype(model_dtype)
+        return [
+            block_bytes(self.layout, self.block_size, dtype, layers)
+            for layers, _ in group_windows(self.layout)
+        ]
+
+    def check_max_memory(self, model_dtype: torch.dtype) -> None:
+        """ValueError naming ``max_memory`` when it holds less than one block of each pool."""
+        if self.max_memory is None:
+            return
+        one_block = sum(self.group_block_bytes(model_dtype))
+        if self.max_memory < one_block:
+            raise ValueError(
+                f"max_memory: {self.max_memory} bytes is less than one block ({one_block} "
+                f"bytes: {self.block_size} tokens of K and V in every layer)"
+            )
+
 
 def check_fp8_scale(value) -> None:
     """``kv_scale`` must be a finite positive number that float32 holds as one."""
@@ -157,12 +176,18 @@ def generate_option(model, kwargs: dict, name: str):
     return getattr(config, name, None)
 
 
-def call_shape(model, args: tuple, kwargs: dict) -> CallShape:
-    """The ``CallShape`` of ``model.generate(*args, **kwargs)``."""
+def call_inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The ids (or embeddings) of ``model.generate(*args, **kwargs)``: [B, columns, ...]."""
     inputs = args[0] if args else None
     for name in ("input_ids", "inputs", "inputs_embeds"):
         if inputs is None:
             inputs = kwargs.get(name)
+    return inputs
+
+
+def call_shape(model, args: tuple, kwargs: dict) -> CallShape:
+    """The ``CallShape`` of ``model.generate(*args, **kwargs)``."""
+    inputs = call_inputs(args, kwargs)
     batch, width = inputs.shape[:2] if inputs is not None else (1, 1)
 
     def get(name):
@@ -220,15 +245,8 @@ def pool_size(
     chunk = generate_option(model, kwargs, "prefill_chunk_size") or None
     needed = [_blocks_held(shape, bs, window, share_rows, chunk) for _, window in groups]
     if options.max_memory is not None:
-        sizes = [
-            block_bytes(options.layout, bs, options.pool_dtype(model.dtype), layers)
-            for layers, _ in groups
-        ]
-        if options.max_memory < sum(sizes):
-            raise ValueError(
-                f"max_memory: {options.max_memory} bytes is less than one block "
-                f"({sum(sizes)} bytes)"
-            )
+        options.check_max_memory(model.dtype)  # again: the model's dtype may have changed
+        sizes = options.group_block_bytes(model.dtype)
         # one block for each group, the rest split in proportion to what the call needs
         spare = options.max_memory - sum(sizes)
         wanted = [n * size for n, size in zip(needed, sizes, strict=True)]

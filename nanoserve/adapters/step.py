@@ -99,6 +99,14 @@ class PatchState:
     # one paged call at a time per model: a second thread waits for the first to finish
     lock: threading.RLock = field(default_factory=threading.RLock)
 
+    def __reduce__(self):
+        raise TypeError(
+            "pickle: a patched model holds nanoserve's runtime (pools, CUDA graphs, a lock) "
+            "and cannot be pickled; nanoserve.unpatch_model(model) before pickle or "
+            "torch.save and patch again after loading, or save model.state_dict() or "
+            "save_pretrained()"
+        )
+
     def __deepcopy__(self, memo) -> PatchState:
         config = copy.deepcopy(self.config, memo)  # the copy's own config (memo: same object)
         remember_original_attn(config, self.original_attn)

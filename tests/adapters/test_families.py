@@ -375,15 +375,24 @@ def test_bidirectional_config_is_refused():
     assert "generate" not in model.__dict__ and "forward" not in model.__dict__
 
 
-def test_max_memory_below_one_block_is_refused_at_generate():
-    """max_memory under one block (2048 bytes here) is a ValueError naming max_memory when
-    generate sizes the pool. Planted: the check in sizing.pool_size removed (a pool of 0
-    blocks then failed elsewhere): failed on the message."""
+def test_max_memory_below_one_block_is_refused_at_patch_and_generate():
+    """max_memory under one block (2048 bytes of float32 here) is a ValueError naming
+    max_memory at patch_model, the model left unpatched; a model cast to a wider dtype
+    after patching is refused when generate sizes the pool. Planted: the patch-time check
+    removed: the first case failed (no error); the check in sizing.pool_size removed: the
+    float64 case failed on the message."""
     model = tiny_model("llama")
     inputs = padded_batch([6, 3], 6)
-    refused = pytest.raises(ValueError, match=r"^max_memory: 2047 bytes .* one block \(2048")
-    with patched(model, block_size=4, max_memory=2047), torch.no_grad(), refused:
-        model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    with pytest.raises(ValueError, match=r"^max_memory: 2047 bytes .* one block \(2048"):
+        nanoserve.patch_model(model, block_size=4, max_memory=2047)
+    assert "forward" not in model.__dict__ and "generate" not in model.__dict__
+    refused = pytest.raises(ValueError, match=r"^max_memory: 2048 bytes .* one block \(4096")
+    with patched(model, block_size=4, max_memory=2048), torch.no_grad(), refused:
+        model.to(torch.float64)
+        try:
+            model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        finally:
+            model.to(torch.float32)
     # one block is accepted as a size, then too small for this call: OutOfBlocks names it
     too_small = pytest.raises(nanoserve.OutOfBlocks, match="max_memory")
     with patched(model, block_size=4, max_memory=2048), torch.no_grad(), too_small:

@@ -75,13 +75,21 @@ def test_copies_are_named_as_transformers_names_them():
 
 
 def test_bad_calls_are_refused():
+    """Token ids outside the vocabulary are a ValueError naming the row and the id (they
+    were an IndexError from the embedding, a device assert on CUDA). Planted: the vocabulary
+    check removed: the first id case failed with the IndexError."""
     model = tiny_model("llama")
+    vocab = model.config.vocab_size
     with patched(model):
         assert model.generate_batch([]) == {}
         with pytest.raises(ValueError, match="^inputs"):
             model.generate_batch([[5, 6], []])
         with pytest.raises(ValueError, match="^inputs"):
             model.generate_batch(torch.tensor([[5, 6]]))
+        for bad in (vocab, -1):
+            with pytest.raises(ValueError, match=rf"^inputs: row 1 holds token id {bad}, "):
+                model.generate_batch([[5, 6], [7, bad]], max_new_tokens=2)
+        assert len(model.generate_batch([[5, vocab - 1]], max_new_tokens=2)) == 1
         with pytest.raises(ValueError, match="^record_timestamps"):
             model.generate_batch([[5, 6]], record_timestamps=True)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import io
+import pickle
 import threading
 
 import pytest
@@ -76,6 +78,25 @@ def test_deepcopy_of_a_patched_model_runs_its_own_weights():
     finally:
         nanoserve.unpatch_model(model)
     assert torch.equal(original, stock_generate(model, **inputs, **opts))
+
+
+def test_pickling_a_patched_model_is_refused_and_changes_nothing():
+    """pickle / torch.save of a patched model is a TypeError naming pickle and what to do
+    (it was an AttributeError about a local object); the model still gives stock's tokens,
+    and once unpatched it pickles and loads as stock. Planted: PatchState.__reduce__
+    removed: failed on the message."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4], 9)
+    opts = dict(max_new_tokens=5, **GREEDY)
+    stock = stock_generate(model, **inputs, **opts)
+    nanoserve.patch_model(model, block_size=4)
+    for save in (pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+        with pytest.raises(TypeError, match="^pickle: .*unpatch_model"):
+            save(model)
+        assert torch.equal(stock_generate(model, **inputs, **opts), stock)
+    nanoserve.unpatch_model(model)
+    loaded = pickle.loads(pickle.dumps(model))
+    assert torch.equal(stock_generate(loaded, **inputs, **opts), stock)
 
 
 @pytest.mark.parametrize("run", range(3))
@@ -254,6 +275,33 @@ def test_a_returned_cache_refuses_a_dtype_change_and_loses_nothing():
         assert cache.paged.seq_lens() == lens and cache.get_seq_length() == columns
         model.to(torch.float32)
         out = model.generate(**following)
+    assert torch.equal(first.sequences, stock.sequences)
+    assert torch.equal(out, stock_next)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_returned_cache_given_no_new_column_is_refused(fixed):
+    """Passing a returned cache back with input_ids no longer than what it holds (every
+    column already cached: stock feeds and stores them all again) is a ValueError naming
+    input_ids, raised before anything changes; the cache then continues to stock's tokens.
+    Planted: the check in _paged_generate removed: both cases failed on the message (a
+    misleading right-padding error)."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4], 9)
+    opts = dict(max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
+    stock, stock_next = stock_and_continued(model, inputs, opts, 5)
+    pool = dict(num_blocks=12) if fixed else {}
+    with patched(model, block_size=4, **pool), torch.no_grad():
+        first = model.generate(**inputs, **opts)
+        cache = first.past_key_values
+        lens, columns = cache.paged.seq_lens(), cache.get_seq_length()
+        following = continued(inputs, first.sequences)
+        for width in (columns, columns - 2):
+            stale = {name: value[:, :width] for name, value in following.items()}
+            with pytest.raises(ValueError, match=rf"^input_ids: {width} columns, .* {columns}"):
+                model.generate(**stale, max_new_tokens=5, **{cache_name(model): cache}, **GREEDY)
+            assert cache.paged.seq_lens() == lens and cache.get_seq_length() == columns
+        out = model.generate(**following, max_new_tokens=5, **{cache_name(model): cache}, **GREEDY)
     assert torch.equal(first.sequences, stock.sequences)
     assert torch.equal(out, stock_next)
 
