@@ -516,7 +516,7 @@ def _paged_generate(self, *args, **kwargs):
         if state.prefix_sharing and not option("prefill_chunk_size"):  # else none looked up
             cache.prefix_salt = prefix_salt(self, user_salt, state)
         if share and not state.pool.fixed:
-            unshared = pool_size(state.pool, self, args, kwargs)
+            unshared = pool_size(state.pool, self, args, kwargs, quiet=True)
             unshared = list(unshared.group_blocks) or [unshared.num_blocks]
             grows = any(u > n for u, n in zip(unshared, num_blocks, strict=True))
             cache.unshared_blocks = unshared if grows else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -225,14 +226,19 @@ def _groups(inputs, mask, batch: int) -> list[tuple[int, int]]:
 
 
 def pool_size(
-    options: PoolOptions, model, args: tuple, kwargs: dict, share_rows: bool = False
+    options: PoolOptions,
+    model,
+    args: tuple,
+    kwargs: dict,
+    share_rows: bool = False,
+    quiet: bool = False,
 ) -> PoolSize:
     """``num_blocks``; else what fits in ``max_memory``; else what this call needs, rounded up
     by ``coarse_blocks``: for each row, blocks for its real prompt tokens plus the new
     tokens, and with beam search one spare block per beam for copy-on-write. With
     ``share_rows`` the copies of one prompt hold its blocks once, each with a block of its
     own for the partly filled last one. The table width fits the longest row, rounded up by
-    ``coarse_width``."""
+    ``coarse_width``. ``quiet``: no log line (a second sizing of the same call)."""
     shape = call_shape(model, args, kwargs)
     bs = options.block_size
     table_width = coarse_width(math.ceil((shape.width + shape.new_tokens) / bs) + 1)
@@ -268,7 +274,8 @@ def pool_size(
         return PoolSize(sum(blocks), table_width, tuple(blocks), tuple(needed))
     new, spare = shape.new_tokens, shape.spare
     blocks = [coarse_blocks(n) for n in needed]
-    _log.info(
+    _log.log(
+        logging.DEBUG if quiet else logging.INFO,
         "pool: %s blocks of %d tokens: %s needed (%d rows, %d prompt tokens, up to %d new "
         "tokens a row%s%s%s), rounded up to a coarse size",
         "+".join(map(str, blocks)),

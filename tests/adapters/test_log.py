@@ -49,14 +49,18 @@ def test_pool_size_and_why(caplog):
 
 
 def test_shared_rows_and_prefix_hits(caplog):
-    """Two copies of a 21-token prompt: one row copies the other; the next call finds the
-    first 16 tokens (one full block) in the kept pool."""
+    """Two copies of a 21-token prompt: one row copies the other, and the pool's size is
+    logged once; the next call finds the first 16 tokens (one full block) in the kept pool.
+    Planted: the unshared sizing logged at INFO again: failed on the count."""
     caplog.set_level(logging.INFO, logger=ROOT)
     model = tiny_model("llama")
     prompt = padded_batch([21], 21)["input_ids"]
     with patched(model), torch.no_grad():
         model.generate(prompt.repeat(2, 1), max_new_tokens=2, **GREEDY)
         assert "first forward: 1 rows copy another, 0 rows found 0 cached" in messages(caplog)
+        # one pool line a call (the unshared size, sized too, is not logged at INFO)
+        pool_lines = [line for line in messages(caplog).splitlines() if line.startswith("pool:")]
+        assert len(pool_lines) == 1 and "copies of a prompt stored once" in pool_lines[0]
         caplog.clear()
         model.generate(prompt, max_new_tokens=2, **GREEDY)
         assert "first forward: 0 rows copy another, 1 rows found 16 cached" in messages(caplog)
