@@ -24,7 +24,7 @@ from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.read_back import READ_BACK_LAG
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.sample_hook import hook, unhook
-from nanoserve.adapters.shared_rows import first_forward, prefix_salt
+from nanoserve.adapters.shared_rows import drops_out, first_forward, prefix_salt
 from nanoserve.adapters.sizing import (
     PoolOptions,
     PoolSize,
@@ -507,12 +507,15 @@ def _paged_generate(self, *args, **kwargs):
     with state.lock:
         for name in CACHE_KWARGS:
             kwargs.pop(name, None)
-        share = state.prefix_sharing and _may_share(kwargs, option)
+        # a model that drops out at random computes each copy of a prompt differently
+        random = drops_out(self) if state.prefix_sharing else None
+        share = state.prefix_sharing and random is None and _may_share(kwargs, option)
         size = pool_size(state.pool, self, args, kwargs, share)
         pool_dtype = state.pool.pool_dtype(self.dtype)
         num_blocks, pools, allocators = _pools_for(state, size, pool_dtype)
         paged = _new_store(state, size, num_blocks, pools, allocators)
         cache = PagedCache(paged)
+        cache.share_rows = random is None
         if state.prefix_sharing and not option("prefill_chunk_size"):  # else none looked up
             cache.prefix_salt = prefix_salt(self, user_salt, state)
         if share and not state.pool.fixed:

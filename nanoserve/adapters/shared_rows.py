@@ -194,13 +194,21 @@ def unnameable(model) -> str | None:
     """Why K/V of this model cannot be named by tokens and weights alone (a phrase), or None:
     rotary frequencies that depend on the call's length (``dynamic``, ``longrope``: a later
     call of another length computes other K for the same prefix), or a module that drops
-    out at random (training mode)."""
+    out at random (training mode, ``drops_out``)."""
     for module in model.modules():
         kind = getattr(module, "rope_type", None)
         kinds = kind.values() if isinstance(kind, dict) else [kind]
         for kind in kinds:
             if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
                 return f"rope_type {kind!r}: its frequencies depend on the call's length"
+    return drops_out(model)
+
+
+def drops_out(model) -> str | None:
+    """Which module of ``model`` drops out at random (training mode, a rate above 0), as a
+    phrase, or None. Such a model computes other K/V and logits for each copy of a prompt,
+    so no row may take another's."""
+    for module in model.modules():
         rate = module.p if isinstance(module, torch.nn.Dropout) else _attention_dropout(module)
         if module.training and rate > 0:
             return f"{type(module).__name__} drops out at random in training mode"
@@ -249,7 +257,9 @@ def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
 
 
 def _plan(cache, kwargs: dict) -> _Plan | None:
-    if cache.paged.num_seqs or not set(kwargs) <= _SHAREABLE or kwargs.get("return_dict") is False:
+    if not cache.share_rows or cache.paged.num_seqs:
+        return None
+    if not set(kwargs) <= _SHAREABLE or kwargs.get("return_dict") is False:
         return None  # (a tuple output has no logits field to give every row)
     ids = kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] < 1:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import patched
 from test_families import padded_batch, tiny_model
+from test_new_families import tiny_model as new_family_model
 
 import nanoserve
 from nanoserve.adapters.decode_loop import _CACHE_FIELD as CACHE_FIELD
@@ -178,6 +179,28 @@ def test_attention_dropout_in_training_mode_is_refused():
         model.eval()
         out, _ = generate(model, call)
     assert_same(out, generate(reference, call)[0])
+
+
+def test_copies_of_a_prompt_draw_their_own_dropout_in_training_mode():
+    """A model in training mode with a dropout module (Phi-3's residual dropout) computes
+    each copy of a prompt differently, as stock does: no row takes another's prefill, so
+    the copies' first logits differ. Planted: the first forward sharing copies regardless
+    (cache.share_rows left True): failed, a row took the other's prefill."""
+    model = new_family_model("phi3", resid_pdrop=0.5).train()
+    prompt = padded_batch([9], 9, seed=3)["input_ids"].repeat(2, 1)
+    with patched(model, block_size=4), torch.no_grad():
+        torch.manual_seed(0)
+        out = model.generate(prompt, **OPTS)
+        assert nanoserve.cache_stats(model)["rows_shared"] == 0
+    torch.manual_seed(0)
+    with torch.no_grad():
+        stock = model.generate(prompt, **OPTS)
+    assert not torch.equal(stock.logits[0][0], stock.logits[0][1])  # stock's copies differ
+    assert not torch.equal(out.logits[0][0], out.logits[0][1])
+    model.eval()
+    with patched(model, block_size=4), torch.no_grad():  # in eval mode the copies share again
+        model.generate(prompt, **OPTS)
+        assert nanoserve.cache_stats(model)["rows_shared"] == 1
 
 
 def test_inference_tensors_in_the_model():
