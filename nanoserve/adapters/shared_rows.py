@@ -239,14 +239,17 @@ def _adapters_on(module) -> tuple:
 
 
 def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
-    """The float64 sum and the norm of each tensor's values (raw bytes summed for
-    one-byte and non-float dtypes), read back with one copy per device."""
+    """The float64 sum and the norm of each tensor's values (complex ones as pairs of
+    reals; raw bytes summed for one-byte and non-float dtypes), read back with one copy per
+    device."""
     per_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
         if t.device.type == "meta" or t.numel() == 0:
             continue
         t = t.detach()
+        if t.is_complex():
+            t = torch.view_as_real(t)  # (rotary tables kept as complex numbers)
         if t.is_floating_point() and t.element_size() >= 2:
             moments = (t.sum(dtype=torch.float64), torch.linalg.vector_norm(t).double())
         else:

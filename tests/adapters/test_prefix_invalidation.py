@@ -203,6 +203,22 @@ def test_copies_of_a_prompt_draw_their_own_dropout_in_training_mode():
         assert nanoserve.cache_stats(model)["rows_shared"] == 1
 
 
+def test_a_complex_buffer_is_fingerprinted():
+    """A complex buffer (rotary tables some models keep as complex numbers) is part of the
+    salt, imaginary parts too: conjugating one entry makes the next call miss. Planted:
+    complex tensors summed as they are (torch keeps the real parts, with a warning): the
+    third call found the stale block."""
+    model = sharp_model()
+    model.model.register_buffer("table", torch.polar(torch.ones(8), torch.arange(8.0)))
+    call = padded_batch([13], 13, seed=3)
+    with patched(model, block_size=4, num_blocks=64):
+        generate(model, call)
+        assert generate(model, call)[1] == 1
+        with torch.no_grad():
+            model.model.table.data[3] = model.model.table[3].conj()  # no new version
+        assert generate(model, call)[1] == 0
+
+
 def test_inference_tensors_in_the_model():
     """Tensors made under inference_mode keep no version; the salt compares their values."""
     with torch.inference_mode():
