@@ -102,8 +102,11 @@ def stock_reason(
     for name in ("output_attentions", "output_hidden_states"):
         if getattr(generation_config, name, False):
             return name
-    if not isinstance(find_cache(model_kwargs), PagedCache):
+    cache = find_cache(model_kwargs)
+    if not isinstance(cache, PagedCache):
         return "a cache other than nanoserve's PagedCache"
+    if cache.drops_out is not None:
+        return cache.drops_out  # rows leaving the batch would shift its dropout draws
     if model_kwargs.get("use_cache") is False:
         return "use_cache=False"
     for name, value in model_kwargs.items():

@@ -88,7 +88,9 @@ def paged_generate_batch(
     """transformers' ``generate_batch`` contract on the patched ``model``'s paged pool.
 
     ``inputs``: token ids of each prompt. Returns {request id: GenerationOutput} in input
-    order. ``kwargs`` go to ``generate`` (``max_new_tokens`` among them). The continuous
+    order. ``kwargs`` that name a generation-config field (``max_new_tokens``,
+    ``num_return_sequences``, ``eos_token_id``, ...) update a copy of the config; the rest go
+    to ``generate``. The continuous
     batching manager's options (``persistent_manager``, ``warmup``, ``progress_bar``,
     ``continuous_batching_config`` other than ``return_logprobs``) have nothing to set here.
     """
@@ -101,6 +103,8 @@ def paged_generate_batch(
             "per-token timestamps (nanoserve.unpatch_model(model) for transformers' own)"
         )
     config = copy.deepcopy(generation_config or model.generation_config)
+    # the rows' copies, EOS and pad below must be the ones generate uses
+    kwargs = config.update(**kwargs)
     logprobs = bool(getattr(continuous_batching_config, "return_logprobs", False))
     eos = eos_ids(config)
     # transformers' -1 ("disabled") and None mean no EOS; an empty list keeps generate from
@@ -111,6 +115,11 @@ def paged_generate_batch(
     pad = config.pad_token_id if config.pad_token_id is not None else min(eos, default=0)
     ids, mask = left_padded(inputs, pad, model.device)
     copies = config.num_return_sequences or 1
+    if (config.num_beams or 1) > 1 and not eos and not pad:
+        raise ValueError(
+            "num_beams: beam search with no EOS id needs a pad_token_id other than 0 "
+            "(transformers' beam search then reads eos_token_id[0]); give either"
+        )
     _log.info("generate_batch: %d requests as one generate call on the paged pool", len(inputs))
 
     start = time.perf_counter()

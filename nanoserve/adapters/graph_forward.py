@@ -27,8 +27,8 @@ def graph_step_possible(state: PatchState, cache, kwargs: dict, new: torch.Tenso
     """True when this forward (new-token mask ``new`` [B, q]) is a decode step a captured
     graph runs exactly."""
     graphs = state.graphs
-    if graphs is None or graphs.disabled_reason is not None:
-        return False
+    if graphs is None or graphs.disabled_reason is not None or cache.drops_out is not None:
+        return False  # (a replay would not draw dropout as an eager step does)
     if not set(kwargs) <= _GRAPH_KWARGS or False in (
         kwargs.get("use_cache"),
         kwargs.get("return_dict"),

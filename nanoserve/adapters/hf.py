@@ -285,6 +285,7 @@ def _paged_forward(self, *args, **kwargs):
     cache = find_cache(kwargs)
     if not isinstance(cache, PagedCache):
         return stock(**kwargs)  # attention and mask run as before patching
+    _check_attention(self)
     if kwargs.get("output_attentions"):
         raise ValueError(
             "output_attentions: the paged kernels compute no attention weights; generate "
@@ -408,6 +409,18 @@ def _may_share(kwargs: dict, option) -> bool:
     return not any(isinstance(v, torch.Tensor) and k not in rows for k, v in kwargs.items())
 
 
+def _check_attention(model) -> None:
+    """ValueError when the attention implementation was switched after patching
+    (``set_attn_implementation``): stock attention would read the paged pools as its cache."""
+    current = model.config._attn_implementation
+    if current != ATTN_NAME:
+        raise ValueError(
+            f"attn_implementation: {current!r} was set after patch_model, but the paged cache "
+            "needs nanoserve's attention; call nanoserve.patch_model(model) again, or "
+            "nanoserve.unpatch_model(model) to run stock"
+        )
+
+
 def _check_continuation(cache: PagedCache, args: tuple, kwargs: dict) -> None:
     """ValueError naming ``input_ids`` when a returned cache passed back to generate already
     holds every column of the call's inputs: there is no token it has not seen to start
@@ -481,6 +494,7 @@ def _paged_generate(self, *args, **kwargs):
     passed = find_cache(kwargs)
     if isinstance(passed, PagedCache):
         with state.lock:
+            _check_attention(self)
             _check_continuation(passed, args, kwargs)
             _room_to_continue(state, passed, self, args, kwargs)
             passed.mask_checked = False
@@ -501,6 +515,7 @@ def _paged_generate(self, *args, **kwargs):
             "model is patched by nanoserve and generates on its paged cache; leave "
             f"cache_implementation unset, or call nanoserve.unpatch_model(model) first{batch}"
         )
+    _check_attention(self)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         check_left_padded(mask)
@@ -508,14 +523,14 @@ def _paged_generate(self, *args, **kwargs):
         for name in CACHE_KWARGS:
             kwargs.pop(name, None)
         # a model that drops out at random computes each copy of a prompt differently
-        random = drops_out(self) if state.prefix_sharing else None
+        random = drops_out(self)
         share = state.prefix_sharing and random is None and _may_share(kwargs, option)
         size = pool_size(state.pool, self, args, kwargs, share)
         pool_dtype = state.pool.pool_dtype(self.dtype)
         num_blocks, pools, allocators = _pools_for(state, size, pool_dtype)
         paged = _new_store(state, size, num_blocks, pools, allocators)
         cache = PagedCache(paged)
-        cache.share_rows = random is None
+        cache.drops_out = random
         if state.prefix_sharing and not option("prefill_chunk_size"):  # else none looked up
             cache.prefix_salt = prefix_salt(self, user_salt, state)
         if share and not state.pool.fixed:

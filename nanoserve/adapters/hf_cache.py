@@ -50,8 +50,10 @@ class PagedCache(Cache):
         # blocks this call needs unless its first forward shares copies (hf.py grows the
         # pool to it if that forward does not share); None when the pool needs no growth
         self.unshared_blocks: list[int] | None = None  # one entry per layer group
-        # False: the first forward shares nothing (a model that drops out at random)
-        self.share_rows = True
+        # why the model's forward is random (a module drops out in training mode), or None:
+        # then no row takes another's prefill, no decode step replays a graph and HF's loop
+        # runs (rows leaving the batch would shift the dropout draws)
+        self.drops_out: str | None = None
         # False until the first forward of a generate call has checked its whole mask
         self.mask_checked = False
 

@@ -260,7 +260,7 @@ def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
 
 
 def _plan(cache, kwargs: dict) -> _Plan | None:
-    if not cache.share_rows or cache.paged.num_seqs:
+    if cache.drops_out is not None or cache.paged.num_seqs:
         return None
     if not set(kwargs) <= _SHAREABLE or kwargs.get("return_dict") is False:
         return None  # (a tuple output has no logits field to give every row)

@@ -138,6 +138,29 @@ def test_graphs_follow_the_signature_of_a_cache_passed_back():
     assert not graphs.graphs
 
 
+def test_no_graph_step_while_the_model_drops_out():
+    """A model in training mode with dropout decodes eagerly (a replay would not draw its
+    dropout as stock's eager step does) and gives stock's seeded tokens; in eval mode the
+    graph runner serves the steps again. Planted: graph_step_possible ignoring
+    cache.drops_out: the replay count was not 0."""
+    from test_new_families import tiny_model as new_family_model
+
+    model = new_family_model("phi3", resid_pdrop=0.1).train()
+    inputs = padded_batch([7, 3], 7)
+    opts = dict(max_new_tokens=4, do_sample=False, eos_token_id=None)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+    torch.manual_seed(3)
+    out, stats = generate_patched(model, inputs, {"block_size": 4}, DecodeGraphs(capture=False),
+                                  **opts)  # fmt: skip
+    assert stats["replays"] == 0 and torch.equal(out, stock)
+    model.eval()
+    _, stats = generate_patched(model, inputs, {"block_size": 4}, DecodeGraphs(capture=False),
+                                **opts)  # fmt: skip
+    assert stats["replays"] > 0
+
+
 def test_each_generate_call_asks_for_a_recheck(monkeypatch):
     model = tiny_model("llama")
     inputs = padded_batch([7, 3], 7)

@@ -65,6 +65,32 @@ def test_tokens_and_logprobs_equal_stock_per_prompt():
     assert results["req_1"].generated_tokens[-1] == eos
 
 
+def test_generation_options_given_as_keywords_shape_the_results():
+    """num_return_sequences, num_beams and eos_token_id passed as keywords (not in the
+    config) give each prompt its own copies and cut at its EOS, as in the config. Found by
+    review: 3 results instead of 6, prompts given other prompts' beams, pads after an EOS
+    reported as tokens. Planted: the keywords passed to generate only: failed."""
+    model = tiny_model("llama")
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22]]
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None)
+    beams = dict(num_return_sequences=2, num_beams=2, pad_token_id=3)
+    expected = {}
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
+                                 eos_token_id=None, **beams)  # fmt: skip
+        names = [f"req_{i}__child#0", f"req_{i}"]
+        expected |= {n: row[len(prompt) :].tolist() for n, row in zip(names, out, strict=True)}
+    free, _ = stock_alone(model, prompts[0], max_new_tokens=6, do_sample=False, eos_token_id=None)
+    with patched(model):
+        results = model.generate_batch(prompts, config, **beams)
+        assert {k: r.generated_tokens for k, r in results.items()} == expected
+        eos = free[2]
+        results = model.generate_batch(prompts, config, eos_token_id=eos, max_new_tokens=6)
+    assert results["req_0"].generated_tokens[-1] == eos
+    assert len(results["req_0"].generated_tokens) <= 3
+
+
 def test_copies_are_named_as_transformers_names_them():
     model = tiny_model("llama")
     config = GenerationConfig(max_new_tokens=3, do_sample=True, num_return_sequences=2)
@@ -77,7 +103,8 @@ def test_copies_are_named_as_transformers_names_them():
 def test_bad_calls_are_refused():
     """Token ids outside the vocabulary are a ValueError naming the row and the id (they
     were an IndexError from the embedding, a device assert on CUDA). Planted: the vocabulary
-    check removed: the first id case failed with the IndexError."""
+    check removed: the first id case failed with the IndexError; the beams check removed:
+    an IndexError from transformers."""
     model = tiny_model("llama")
     vocab = model.config.vocab_size
     with patched(model):
@@ -90,6 +117,11 @@ def test_bad_calls_are_refused():
             with pytest.raises(ValueError, match=rf"^inputs: row 1 holds token id {bad}, "):
                 model.generate_batch([[5, 6], [7, bad]], max_new_tokens=2)
         assert len(model.generate_batch([[5, vocab - 1]], max_new_tokens=2)) == 1
+        # beams with no EOS and a pad of 0: transformers' beam search would index an empty list
+        no_eos = GenerationConfig(max_new_tokens=2, num_beams=2, eos_token_id=None, pad_token_id=0)
+        with pytest.raises(ValueError, match="^num_beams: .* pad_token_id"):
+            model.generate_batch([[5, 6]], no_eos)
+        assert len(model.generate_batch([[5, 6]], no_eos, pad_token_id=3)) == 1
         with pytest.raises(ValueError, match="^record_timestamps"):
             model.generate_batch([[5, 6]], record_timestamps=True)
 

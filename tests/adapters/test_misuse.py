@@ -306,6 +306,37 @@ def test_a_returned_cache_given_no_new_column_is_refused(fixed):
     assert torch.equal(out, stock_next)
 
 
+def test_attention_switched_after_patching_is_refused():
+    """set_attn_implementation("sdpa"/"eager") on a patched model: generate, a returned
+    cache passed back, and a forward with a PagedCache raise a ValueError naming
+    attn_implementation before anything is stored (stock attention read the pools as its
+    own cache: shape errors, or wrong tokens with a one-block pool, found by review);
+    patching again gives stock's tokens. Planted: the check removed: failed (RuntimeError
+    from stock attention, or no error)."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4], 9)
+    opts = dict(max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
+    stock, stock_next = stock_and_continued(model, inputs, opts, 5)
+    refused = pytest.raises(ValueError, match="^attn_implementation: 'sdpa' was set after")
+    with patched(model, block_size=4), torch.no_grad():
+        first = model.generate(**inputs, **opts)
+        cache = first.past_key_values
+        lens = cache.paged.seq_lens()
+        following = dict(**continued(inputs, first.sequences), max_new_tokens=5,
+                         **{cache_name(model): cache}, **GREEDY)  # fmt: skip
+        model.set_attn_implementation("sdpa")
+        with refused:
+            model.generate(**inputs, **opts)
+        with refused:
+            model.generate(**following)
+        with refused:
+            model(input_ids=first.sequences[:, -1:], **{cache_name(model): cache})
+        assert cache.paged.seq_lens() == lens
+        nanoserve.patch_model(model, block_size=4)
+        assert torch.equal(model.generate(**inputs, **opts).sequences, stock.sequences)
+        assert torch.equal(model.generate(**following), stock_next)
+
+
 def test_a_forward_that_fails_midway_is_rolled_back():
     """A layer raising in the middle of a decode step (after layer 0 stored its K/V) leaves
     the returned cache as it was: a retry continues with stock's tokens."""

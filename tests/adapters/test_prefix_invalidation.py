@@ -185,7 +185,7 @@ def test_copies_of_a_prompt_draw_their_own_dropout_in_training_mode():
     """A model in training mode with a dropout module (Phi-3's residual dropout) computes
     each copy of a prompt differently, as stock does: no row takes another's prefill, so
     the copies' first logits differ. Planted: the first forward sharing copies regardless
-    (cache.share_rows left True): failed, a row took the other's prefill."""
+    (cache.drops_out left None): failed, a row took the other's prefill."""
     model = new_family_model("phi3", resid_pdrop=0.5).train()
     prompt = padded_batch([9], 9, seed=3)["input_ids"].repeat(2, 1)
     with patched(model, block_size=4), torch.no_grad():
@@ -201,6 +201,33 @@ def test_copies_of_a_prompt_draw_their_own_dropout_in_training_mode():
     with patched(model, block_size=4), torch.no_grad():  # in eval mode the copies share again
         model.generate(prompt, **OPTS)
         assert nanoserve.cache_stats(model)["rows_shared"] == 1
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_dropout_in_training_mode_runs_hfs_loop_with_stocks_draws(do_sample):
+    """Training mode with dropout: rows ending at different steps and seeded draws give
+    stock's tokens and leave the random generator where stock leaves it, because HF's loop
+    runs (nanoserve's loop drops finished rows from the forward, which shifts the dropout
+    draws, and runs steps past a stop). Found by review: tokens differed after the first
+    row finished. Planted: the decode loop's dropout reason removed: both cases failed."""
+    model = new_family_model("phi3", resid_pdrop=0.1, embd_pdrop=0.1).train()
+    reference = copy.deepcopy(model)
+    call = padded_batch([1 + (i * 5) % 13 for i in range(5)], 13, seed=5)
+    opts = dict(do_sample=do_sample, eos_token_id=list(range(10, 97, 4)), pad_token_id=1,
+                max_new_tokens=12)  # fmt: skip
+    torch.manual_seed(7)
+    with torch.no_grad():
+        stock = reference.generate(**call, **opts)
+    after_stock = torch.rand(3)
+    with patched(model, block_size=4), torch.no_grad():
+        torch.manual_seed(7)
+        out = model.generate(**call, **opts)
+        after = torch.rand(3)
+        loop = nanoserve.decode_graph_stats(model)["decode_loop"]
+    assert (stock == 1).any()  # some row ended early (then padded)
+    assert torch.equal(out, stock)
+    assert torch.equal(after, after_stock)
+    assert "drops out" in loop
 
 
 def test_a_complex_buffer_is_fingerprinted():
