@@ -175,6 +175,9 @@ def generate(args) -> int:
         nanoserve.patch_model(model, block_size=args.block_size)
         try:
             return cli_prompts.serve(args, model, tokenizer)
+        except ValueError as error:  # a prompt the model cannot take (before --out opens)
+            print(f"generate: error: {error}", file=sys.stderr)
+            return 2
         finally:
             nanoserve.unpatch_model(model)
     inputs = _prompt_ids(tokenizer, args.prompt, device)

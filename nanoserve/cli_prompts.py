@@ -24,8 +24,12 @@ def read_prompts(path: str) -> list[dict]:
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--prompts: no such file: {path}")
-    records = []
-    for number, line in enumerate(file.read_text().splitlines(), start=1):
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--prompts: {path} is not UTF-8 text ({error.reason})") from None
+    records, ids = [], set()
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -43,11 +47,15 @@ def read_prompts(path: str) -> list[dict]:
             "messages": isinstance(value, list) and bool(value),
             "input_ids": isinstance(value, list)
             and bool(value)
-            and all(isinstance(t, int) for t in value),
+            and all(type(t) is int and t >= 0 for t in value),  # (a bool is not an id)
         }[keys[0]]
         if not ok:
             raise ValueError(f"--prompts: line {number}: {keys[0]} has the wrong type")
         record.setdefault("id", len(records))
+        key = json.dumps(record["id"])
+        if key in ids:
+            raise ValueError(f"--prompts: line {number} repeats the id {key}")
+        ids.add(key)
         records.append(record)
     if not records:
         raise ValueError(f"--prompts: {path} holds no prompt")
@@ -72,6 +80,26 @@ def token_ids(tokenizer, record: dict, chat_template: bool) -> list[int]:
         return tokenizer(record["prompt"])["input_ids"]
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
     return list(encoded["input_ids"])
+
+
+def prompt_ids(tokenizer, records: list[dict], chat_template: bool, vocab: int) -> list:
+    """Every record's token ids, checked before anything is generated or written:
+    ValueError naming ``--prompts`` and the record's id for a prompt the tokenizer refuses,
+    one with no tokens, or an id outside the model's vocabulary."""
+    prompts = []
+    for record in records:
+        where = f"--prompts: the prompt with id {json.dumps(record['id'])}"
+        try:
+            ids = token_ids(tokenizer, record, chat_template)
+        except Exception as error:  # a malformed chat, a template's own error
+            raise ValueError(f"{where}: {type(error).__name__}: {error}") from None
+        if not ids:
+            raise ValueError(f"{where} has no tokens")
+        outside = next((t for t in ids if not 0 <= t < vocab), None)
+        if outside is not None:
+            raise ValueError(f"{where} holds token id {outside}, outside [0, {vocab})")
+        prompts.append(ids)
+    return prompts
 
 
 def _summary(records: int, new_tokens: int, seconds: float, peak: dict) -> str:
@@ -101,7 +129,8 @@ def serve(args, model, tokenizer) -> int:
         torch.manual_seed(args.seed)
     eos = eos_ids(model.generation_config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
-    prompts = [token_ids(tokenizer, r, args.chat_template) for r in records]
+    vocab = model.get_input_embeddings().num_embeddings
+    prompts = prompt_ids(tokenizer, records, args.chat_template, vocab)
     peak: dict = {}
     new_tokens = 0
     start = time.perf_counter()

@@ -260,6 +260,9 @@ def test_file_mode_samples_with_a_seed(tiny_model_and_prompts, tmp_path):
         (["hello", "--prompts", "{in}", "--out", "o.jsonl"], ["PROMPT", "--prompts"]),
         (["--prompts", "{in}", "--out", "no/such/dir/o.jsonl"], ["--out"]),
         (["--prompts", "{bad}", "--out", "o.jsonl"], ["--prompts", "line 2"]),
+        (["--prompts", "{latin1}", "--out", "o.jsonl"], ["--prompts", "not UTF-8"]),
+        (["--prompts", "{twice}", "--out", "o.jsonl"], ["--prompts", "line 2", '"a"']),
+        (["--prompts", "{flags}", "--out", "o.jsonl"], ["--prompts", "line 1", "input_ids"]),
         (["--prompts", "{in}", "--out", "o.jsonl", "--batch-size", "0"], ["--batch-size"]),
         (["--do-sample"], ["--do-sample", "--prompts"]),
     ],
@@ -267,5 +270,40 @@ def test_file_mode_samples_with_a_seed(tiny_model_and_prompts, tmp_path):
 def test_file_mode_arguments_fail_in_one_line(no_load, capsys, tmp_path, argv, words):
     (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
     (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{"text": "no prompt key"}\n')
-    argv = [a.format(**{k: str(tmp_path / f"{k}.jsonl") for k in ("in", "bad")}) for a in argv]
+    (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    (tmp_path / "twice.jsonl").write_text(
+        '{"prompt": "x", "id": "a"}\n{"prompt": "y", "id": "a"}\n'
+    )
+    (tmp_path / "flags.jsonl").write_text('{"input_ids": [5, true]}\n')
+    files = ("in", "bad", "latin1", "twice", "flags")
+    argv = [a.format(**{k: str(tmp_path / f"{k}.jsonl") for k in files}) for a in argv]
     fails_in_one_line(capsys, ["generate", *argv], *words)
+
+
+@pytest.mark.parametrize(
+    "record, words",
+    [
+        ({"input_ids": [5, 500], "id": "far"}, ['"far"', "token id 500", "[0, 97)"]),
+        ({"messages": ["not a message"], "id": 3}, ["id 3", "Error"]),
+        ({"prompt": "", "id": "empty"}, ['"empty"', "no tokens"]),
+    ],
+)
+def test_file_mode_refuses_a_prompt_the_model_cannot_take(
+    tiny_model_and_prompts, tmp_path, capsys, record, words
+):
+    """Ids outside the vocabulary, a chat the template cannot read, an empty prompt: exit 2
+    with one line naming --prompts and the record, before --out is written (they were an
+    IndexError from the embedding and a template's traceback, found by review; an empty
+    prompt generated from nothing). Planted: the checks in prompt_ids removed: each failed."""
+    folder, rows, _ = tiny_model_and_prompts
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"input_ids": rows[0]}) + "\n" + json.dumps(record) + "\n")
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(folder), "--prompts", str(prompts), "--out", str(out)]
+    argv += ["--no-chat-template"] if "prompt" in record else []
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("generate: error: --prompts: the prompt with id")
+    for word in words:
+        assert word in err[0]
+    assert not out.exists()

@@ -115,6 +115,11 @@ def paged_generate_batch(
     pad = config.pad_token_id if config.pad_token_id is not None else min(eos, default=0)
     ids, mask = left_padded(inputs, pad, model.device)
     copies = config.num_return_sequences or 1
+    if (config.num_beams or 1) > 1 and logprobs:
+        raise ValueError(
+            "num_beams: return_logprobs takes each row's scores step by step, which beam "
+            "search reorders across beams (transformers' generate_batch has no beams)"
+        )
     if (config.num_beams or 1) > 1 and not eos and not pad:
         raise ValueError(
             "num_beams: beam search with no EOS id needs a pad_token_id other than 0 "

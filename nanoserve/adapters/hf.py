@@ -48,7 +48,7 @@ from nanoserve.adapters.step import (
     remember_original_attn,
     state_of,
 )
-from nanoserve.adapters.tensor_parallel import capture_agreement, local_layout
+from nanoserve.adapters.tensor_parallel import agreed_call, capture_agreement, local_layout
 from nanoserve.adapters.versions import check_transformers_version
 from nanoserve.cache import GroupedKVCache, PagedKVCache
 from nanoserve.kernels.dispatch import check_backend
@@ -409,6 +409,15 @@ def _may_share(kwargs: dict, option) -> bool:
     return not any(isinstance(v, torch.Tensor) and k not in rows for k, v in kwargs.items())
 
 
+def _options(state: PatchState) -> dict:
+    """The patch options every tensor-parallel rank must share (``agreed_call``)."""
+    return dict(
+        pool=state.pool, backend=state.backend, cuda_graphs=state.cuda_graphs,
+        compile_decode=state.compile_decode, keep_pools=state.keep_pools,
+        prefix_sharing=state.prefix_sharing, decode_loop=state.decode_loop,
+    )  # fmt: skip
+
+
 def _check_attention(model) -> None:
     """ValueError when the attention implementation was switched after patching
     (``set_attn_implementation``): stock attention would read the paged pools as its cache."""
@@ -496,6 +505,7 @@ def _paged_generate(self, *args, **kwargs):
         with state.lock:
             _check_attention(self)
             _check_continuation(passed, args, kwargs)
+            agreed_call(self, _options(state), None, [])  # every rank patched alike
             _room_to_continue(state, passed, self, args, kwargs)
             passed.mask_checked = False
             return stock(*args, **kwargs)
@@ -531,8 +541,11 @@ def _paged_generate(self, *args, **kwargs):
         paged = _new_store(state, size, num_blocks, pools, allocators)
         cache = PagedCache(paged)
         cache.drops_out = random
+        salt = None
         if state.prefix_sharing and not option("prefill_chunk_size"):  # else none looked up
-            cache.prefix_salt = prefix_salt(self, user_salt, state)
+            salt = prefix_salt(self, user_salt, state)
+        stores = [group.allocator.store_id for group in paged.groups]
+        cache.prefix_salt = agreed_call(self, _options(state), salt, stores)
         if share and not state.pool.fixed:
             unshared = pool_size(state.pool, self, args, kwargs, quiet=True)
             unshared = list(unshared.group_blocks) or [unshared.num_blocks]

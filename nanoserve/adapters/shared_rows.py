@@ -29,7 +29,6 @@ import torch
 from torch.nn.modules import module as _module_hooks
 
 from nanoserve.adapters.step import CACHE_KWARGS, new_token_mask, paged_step
-from nanoserve.adapters.tensor_parallel import agreed_salt
 from nanoserve.cache import block_digests
 from nanoserve.log import get_logger
 
@@ -151,14 +150,14 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
     """What names a call's cached prefixes beside their tokens (16 bytes), or None when K/V
     cannot be named across calls (``unnameable``: then only copies within the call share).
 
-    The key: every parameter and buffer (address, in-place version, dtype, shape, and the
-    float64 sum and the norm of its values, read once a call: fused optimizers and writes
-    through ``.data`` change values without a new version), the forward hooks registered
+    The key: every parameter and buffer (address, in-place version, dtype, shape, and a
+    position-weighted fingerprint of its values, read once a call: fused optimizers and
+    writes through ``.data`` change values without a new version), the forward hooks registered
     on any module (handle ids: adding or removing one changes the key; what a hook does
     from call to call cannot be seen), the adapters each tuner layer has on (peft), the
     model's dtype and the caller's ``cache_salt``. The digest of the last key is kept on
-    ``state`` (a ``PatchState``); under tensor parallelism the ranks' digests are joined
-    into one (``agreed_salt``)."""
+    ``state`` (a ``PatchState``); under tensor parallelism the caller joins the ranks'
+    digests into one (``tensor_parallel.agreed_call``)."""
     reason = unnameable(model)
     if reason is not None:
         if state.salt_key != reason:
@@ -187,7 +186,7 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
     if state.salt_key != key:
         state.salt_key = key
         state.salt = hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
-    return agreed_salt(model, state.salt)
+    return state.salt
 
 
 def unnameable(model) -> str | None:
@@ -239,9 +238,12 @@ def _adapters_on(module) -> tuple:
 
 
 def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
-    """The float64 sum and the norm of each tensor's values (complex ones as pairs of
-    reals; raw bytes summed for one-byte and non-float dtypes), read back with one copy per
-    device."""
+    """Two position-weighted float64 sums of every tensor's row sums and column sums (a
+    tensor of more dimensions read as [first dim, the rest]; complex values as pairs of
+    reals; one-byte and non-float dtypes by their raw values), per device, read back with
+    one copy each. Any single changed value changes them, and so does a write that keeps
+    each tensor's total and norm, such as reordered rows, heads or columns (the weights
+    differ by position). Not a cryptographic hash: changes made to cancel can pass."""
     per_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
@@ -250,13 +252,20 @@ def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
         t = t.detach()
         if t.is_complex():
             t = torch.view_as_real(t)  # (rotary tables kept as complex numbers)
-        if t.is_floating_point() and t.element_size() >= 2:
-            moments = (t.sum(dtype=torch.float64), torch.linalg.vector_norm(t).double())
-        else:
-            raw = t.view(torch.uint8) if t.element_size() == 1 else t
-            moments = (raw.sum(dtype=torch.float64),)
-        per_device.setdefault(t.device, []).extend(moments)
-    return tuple(tuple(torch.stack(values).cpu().tolist()) for values in per_device.values())
+        if not t.is_floating_point() or t.element_size() == 1:
+            t = t.view(torch.uint8) if t.element_size() == 1 else t
+        grid = t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(1, -1)
+        per_device.setdefault(t.device, []).extend(
+            (grid.sum(dim=1, dtype=torch.float64), grid.sum(dim=0, dtype=torch.float64))
+        )
+    moments = []
+    for device, sums in per_device.items():
+        flat = torch.cat(sums)
+        position = torch.arange(flat.numel(), dtype=torch.float64, device=device)
+        first = (flat * (torch.sin(position * 0.6180339887498949) + 1.5)).sum()
+        second = (flat * (torch.cos(position * 1.4142135623730951) + 1.5)).sum()
+        moments.append(tuple(torch.stack([first, second]).cpu().tolist()))
+    return tuple(moments)
 
 
 def _plan(cache, kwargs: dict) -> _Plan | None:

@@ -63,18 +63,45 @@ def capture_agreement(model) -> Callable[[bool], bool] | None:
     return agree
 
 
-def agreed_salt(model, salt: bytes) -> bytes:
-    """One prefix salt for every rank from each rank's own (16 bytes each: one all-gather).
-    Each rank salts its own weight shards: a change to one rank's shard alone must make every
-    rank miss, or the ranks would run forwards of different lengths. The model on one device
-    gets ``salt`` back."""
+def agreed_call(model, options: dict, salt: bytes | None, stores: list[int]) -> bytes | None:
+    """Settle a generate call across the tensor-parallel ranks with one all-gather (a model
+    on one device gets ``salt`` back).
+
+    - Every rank must be patched alike: a rank that shares prefixes or runs another decode
+      loop runs forwards of other lengths into the collectives, and the ranks hang.
+      ``options`` (name -> value) are compared; ValueError naming those that differ.
+    - One prefix salt (16 bytes) from each rank's own, which salts its own weight shards,
+      and from the identity of the prefix stores its call uses (``stores``: the allocators'
+      ``store_id``; a rank that released its memory or was patched again holds none of the
+      blocks the others cached): a change on one rank alone makes every rank miss. None
+      when any rank has no salt."""
     if tp_size(model) == 1:
         return salt
+    names = sorted(options)
+    record = b"".join(_digest(repr(options[name]), 8) for name in names)
+    record += b"\x01" + salt if salt is not None else b"\x00" + bytes(16)
+    record += _digest(repr(stores), 8)
     group = process_group(model)
     on_nccl = torch.distributed.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else "cpu"
-    mine = torch.frombuffer(bytearray(salt), dtype=torch.uint8).to(device)
+    mine = torch.frombuffer(bytearray(record), dtype=torch.uint8).to(device)
     every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
     torch.distributed.all_gather(every, mine, group=group)
-    joined = b"".join(bytes(t.cpu().tolist()) for t in every)
-    return hashlib.blake2b(joined, digest_size=len(salt)).digest()
+    records = [bytes(t.cpu().tolist()) for t in every]
+    differ = [
+        name for i, name in enumerate(names) if len({r[8 * i : 8 * i + 8] for r in records}) > 1
+    ]
+    if differ:
+        raise ValueError(
+            f"{', '.join(differ)}: the tensor-parallel ranks were patched with other values; "
+            "call patch_model with the same options on every rank"
+        )
+    salts = [r[8 * len(names) :] for r in records]
+    if any(s[0] == 0 for s in salts):
+        return None
+    return _digest(b"".join(salts), 16)
+
+
+def _digest(data, size: int) -> bytes:
+    data = data.encode() if isinstance(data, str) else data
+    return hashlib.blake2b(data, digest_size=size).digest()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import OrderedDict
 from collections.abc import Iterable
+
+_STORE_IDS = itertools.count()
 
 
 def as_index(value: object, name: str, minimum: int | None = None) -> int:
@@ -54,6 +57,8 @@ class BlockAllocator:
         self._digest_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        # no other allocator of this process has it: names the store of these cached blocks
+        self.store_id = next(_STORE_IDS)
 
     @property
     def num_blocks(self) -> int:

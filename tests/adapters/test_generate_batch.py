@@ -104,7 +104,8 @@ def test_bad_calls_are_refused():
     """Token ids outside the vocabulary are a ValueError naming the row and the id (they
     were an IndexError from the embedding, a device assert on CUDA). Planted: the vocabulary
     check removed: the first id case failed with the IndexError; the beams check removed:
-    an IndexError from transformers."""
+    an IndexError from transformers; the beams-with-log-probs check removed: no error (the
+    log-probs came from other rows' beam slots, found by review)."""
     model = tiny_model("llama")
     vocab = model.config.vocab_size
     with patched(model):
@@ -122,6 +123,12 @@ def test_bad_calls_are_refused():
         with pytest.raises(ValueError, match="^num_beams: .* pad_token_id"):
             model.generate_batch([[5, 6]], no_eos)
         assert len(model.generate_batch([[5, 6]], no_eos, pad_token_id=3)) == 1
+        # log-probs of beams: scores are indexed by beam slot, not by returned sequence
+        with pytest.raises(ValueError, match="^num_beams: return_logprobs"):
+            model.generate_batch(
+                [[5, 6]], no_eos, pad_token_id=3,
+                continuous_batching_config=ContinuousBatchingConfig(return_logprobs=True),
+            )  # fmt: skip
         with pytest.raises(ValueError, match="^record_timestamps"):
             model.generate_batch([[5, 6]], record_timestamps=True)
 

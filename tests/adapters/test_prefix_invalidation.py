@@ -98,6 +98,51 @@ def test_values_changed_without_a_new_version_find_nothing():
         assert [p._version for p in model.parameters()] == versions  # none saw a new version
 
 
+def swap_row_pairs(weight: torch.Tensor) -> None:
+    """Rows 0<->1, 2<->3, ... through ``.data``: the same values, sum and norm."""
+    order = torch.arange(weight.shape[0]).view(-1, 2).flip(1).reshape(-1)
+    weight.data.copy_(weight.data[order].clone())
+
+
+def swap_columns(m):
+    weight = m.model.layers[0].self_attn.o_proj.weight.data
+    weight[:, [0, 5]] = weight[:, [5, 0]].clone()
+
+
+def shift_bytes(m):
+    m.model.codes.data[2] += 1
+    m.model.codes.data[7] -= 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [lambda m: swap_row_pairs(m.model.layers[0].self_attn.v_proj.weight), swap_columns,
+     shift_bytes],
+    ids=["rows", "columns", "bytes"],
+)  # fmt: skip
+def test_values_reordered_without_a_new_version_find_nothing(change):
+    """Writes through ``.data`` that keep each tensor's sum and norm: rows swapped in pairs
+    (v_proj), two columns swapped (o_proj: another layout of the heads), and in a one-byte
+    buffer one value up and another down by one. Found by review: the sum and norm salt
+    served the stale prefix (tokens differed from stock). Planted: unweighted row and
+    column sums: each case failed."""
+    call = padded_batch([13], 13, seed=3)
+    model = sharp_model()
+    # (a buffer the forward does not read: only the salt can see it change)
+    model.model.register_buffer("codes", torch.arange(16, dtype=torch.uint8) * 9)
+    before = [m for t in model.state_dict().values() for m in moments(t)]
+    check_change_invalidates(model, call, change)
+    after = [m for t in model.state_dict().values() for m in moments(t)]
+    assert after == pytest.approx(before)  # what the old salt compared did not move
+    nanoserve.unpatch_model(model)
+
+
+def moments(t: torch.Tensor) -> tuple[float, float]:
+    """What the old salt compared: the sum and norm (one-byte tensors: the byte sum)."""
+    norm = t.double().norm().item() if t.is_floating_point() else 0.0
+    return t.double().sum().item(), norm
+
+
 def test_a_forward_hook_added_or_removed_between_calls():
     """A hook that changes a layer's output is part of what names the blocks; once it is
     removed, the blocks stored before it are valid again."""

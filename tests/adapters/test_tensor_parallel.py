@@ -98,6 +98,30 @@ def test_shared_rows_and_cached_prefixes_under_tensor_parallelism(run):
     assert ranks[0]["paged_sampled"] == ranks[1]["paged_sampled"]
 
 
+def test_one_rank_releasing_its_memory_makes_every_rank_miss(run):
+    """Rank 0 alone calls release_memory: its cached prefixes are gone while rank 1's stay,
+    so every rank must miss (the salt joins each rank's prefix-store identity) or their
+    forwards differ in length. Found by review: rank 1 found the prefix, rank 0 did not, and
+    the run crashed. Planted: the store identities left out of the joined salt: failed."""
+    model, ranks = run
+    _, second = shared_prefix_prompts(CONFIG["vocab_size"])
+    with torch.no_grad():
+        expected = model.generate(input_ids=second, **GREEDY).tolist()
+    for rank in ranks:
+        assert rank["again_hits"] == 1 and rank["again_second"] == expected
+        assert rank["released_hits"] == 0 and rank["released_second"] == expected
+        assert rank["worker_file"].startswith(str(Path(__file__).parents[2]))
+
+
+def test_ranks_patched_with_other_options_refuse_the_call(run):
+    """prefix_sharing on one rank only: every rank raises a ValueError naming it (review
+    found such ranks hanging once one of them found a cached prefix). Planted: the options
+    comparison removed: the call ran on both ranks, failed."""
+    _, ranks = run
+    for rank in ranks:
+        assert rank["options_differ"].startswith("prefix_sharing: the tensor-parallel ranks")
+
+
 def test_kv_heads_that_do_not_divide_among_ranks_raise():
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
     model._tp_size = 4  # as a tp_plan model over 4 ranks records it

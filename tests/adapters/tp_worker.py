@@ -5,14 +5,18 @@ stock model and the patched one, and writes what each rank saw to ``OUT/rank<r>.
 greedy tokens on a left-padded batch (eager steps, and the CUDA-graph runner's static-buffer
 path with the ranks' capture agreement; rows ending at different steps in nanoserve's decode
 loop), the agreement itself, seeded sampling with
-``num_return_sequences`` (copies of a prompt prefilled once), and two calls whose prompts
-share leading blocks (the second one's prefix found in the first one's pool).
+``num_return_sequences`` (copies of a prompt prefilled once), two calls whose prompts
+share leading blocks (the second one's prefix found in the first one's pool), a call after
+one rank alone released its memory or had a weight shard changed, and ranks patched with
+other options.
 Usage: torchrun --nproc_per_node N tp_worker.py MODEL_FOLDER OUT_FOLDER
 """
 
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout under test
 
 import torch
 import torch.distributed as dist
@@ -51,7 +55,7 @@ def main(folder: str, out: str) -> None:
     greedy = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
     sampled = dict(max_new_tokens=8, do_sample=True, top_k=20, num_return_sequences=3,
                    eos_token_id=None, pad_token_id=0)  # fmt: skip
-    seen = dict(rank=rank, world=dist.get_world_size())
+    seen = dict(rank=rank, world=dist.get_world_size(), worker_file=nanoserve.__file__)
     with torch.no_grad():
         seen["stock"] = model.generate(input_ids=ids, attention_mask=mask, **greedy).tolist()
         torch.manual_seed(11)
@@ -91,12 +95,27 @@ def main(folder: str, out: str) -> None:
         seen["prefix_first"] = model.generate(input_ids=first, **greedy).tolist()
         seen["prefix_second"] = model.generate(input_ids=second, **greedy).tolist()
         seen["prefix_hits"] = nanoserve.cache_stats(model)["prefix_hits"]
+        seen["again_second"] = model.generate(input_ids=second, **greedy).tolist()
+        seen["again_hits"] = nanoserve.cache_stats(model)["prefix_hits"]
+        if rank == 0:  # this rank alone drops its cached prefixes
+            nanoserve.release_memory(model)
+        seen["released_second"] = model.generate(input_ids=second, **greedy).tolist()
+        seen["released_hits"] = nanoserve.cache_stats(model)["prefix_hits"]
         if rank == 0:  # this rank's shard alone changes, through .data: no new version
             weight = model.model.layers[0].mlp.down_proj.weight
             weight = weight.to_local() if hasattr(weight, "to_local") else weight
             weight.data[0, 0] += 1e-3
         seen["changed_second"] = model.generate(input_ids=second, **greedy).tolist()
         seen["changed_hits"] = nanoserve.cache_stats(model)["prefix_hits"]
+
+        # ranks patched with other options (rank 0 shares no prefix) would run forwards of
+        # other lengths into the collectives: every rank refuses the call instead
+        nanoserve.patch_model(model, block_size=4, prefix_sharing=rank != 0)
+        try:
+            model.generate(input_ids=first, **greedy)
+            seen["options_differ"] = "ran"
+        except ValueError as error:
+            seen["options_differ"] = str(error)
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
 
