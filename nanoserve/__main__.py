@@ -166,18 +166,22 @@ def generate(args) -> int:
     from transformers import TextStreamer
 
     import nanoserve
+    from nanoserve.adapters.generate_batch import vocab_size
 
     dtype = getattr(torch, args.dtype)
     model, tokenizer, name = _load(args.folder, args.options, dtype, args.torch_device)
     device = args.torch_device
     if args.prompts is not None:
         print(f"model: {name} ({model.config.model_type}, {dtype}, {device})")
-        nanoserve.patch_model(model, block_size=args.block_size)
-        try:
-            return cli_prompts.serve(args, model, tokenizer)
-        except ValueError as error:  # a prompt the model cannot take (before --out opens)
+        try:  # every prompt tokenized and checked before --out is opened
+            vocab = vocab_size(model)
+            prompts = cli_prompts.prompt_ids(tokenizer, args.records, args.chat_template, vocab)
+        except ValueError as error:
             print(f"generate: error: {error}", file=sys.stderr)
             return 2
+        nanoserve.patch_model(model, block_size=args.block_size)
+        try:
+            return cli_prompts.serve(args, model, tokenizer, prompts)
         finally:
             nanoserve.unpatch_model(model)
     inputs = _prompt_ids(tokenizer, args.prompt, device)

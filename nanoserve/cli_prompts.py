@@ -54,7 +54,10 @@ def read_prompts(path: str) -> list[dict]:
         record.setdefault("id", len(records))
         key = json.dumps(record["id"])
         if key in ids:
-            raise ValueError(f"--prompts: line {number} repeats the id {key}")
+            raise ValueError(
+                f"--prompts: line {number}: the id {key} is taken (a record without an id "
+                "takes its position, from 0); give each record its own id"
+            )
         ids.add(key)
         records.append(record)
     if not records:
@@ -82,7 +85,7 @@ def token_ids(tokenizer, record: dict, chat_template: bool) -> list[int]:
     return list(encoded["input_ids"])
 
 
-def prompt_ids(tokenizer, records: list[dict], chat_template: bool, vocab: int) -> list:
+def prompt_ids(tokenizer, records: list[dict], chat_template: bool, vocab: int | None) -> list:
     """Every record's token ids, checked before anything is generated or written:
     ValueError naming ``--prompts`` and the record's id for a prompt the tokenizer refuses,
     one with no tokens, or an id outside the model's vocabulary."""
@@ -95,7 +98,7 @@ def prompt_ids(tokenizer, records: list[dict], chat_template: bool, vocab: int) 
             raise ValueError(f"{where}: {type(error).__name__}: {error}") from None
         if not ids:
             raise ValueError(f"{where} has no tokens")
-        outside = next((t for t in ids if not 0 <= t < vocab), None)
+        outside = next((t for t in ids if vocab is not None and not 0 <= t < vocab), None)
         if outside is not None:
             raise ValueError(f"{where} holds token id {outside}, outside [0, {vocab})")
         prompts.append(ids)
@@ -112,9 +115,10 @@ def _summary(records: int, new_tokens: int, seconds: float, peak: dict) -> str:
     )
 
 
-def serve(args, model, tokenizer) -> int:
-    """Generate for every record of ``args.prompts`` in batches of ``args.batch_size`` on the
-    patched ``model``; writes ``args.out`` and prints the summary."""
+def serve(args, model, tokenizer, prompts: list[list[int]]) -> int:
+    """Generate for every record of ``args.prompts`` (its token ids: ``prompts``) in batches
+    of ``args.batch_size`` on the patched ``model``; writes ``args.out`` and prints the
+    summary."""
     import torch
     from tqdm.auto import tqdm
 
@@ -129,8 +133,6 @@ def serve(args, model, tokenizer) -> int:
         torch.manual_seed(args.seed)
     eos = eos_ids(model.generation_config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
-    vocab = model.get_input_embeddings().num_embeddings
-    prompts = prompt_ids(tokenizer, records, args.chat_template, vocab)
     peak: dict = {}
     new_tokens = 0
     start = time.perf_counter()

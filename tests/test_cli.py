@@ -262,6 +262,7 @@ def test_file_mode_samples_with_a_seed(tiny_model_and_prompts, tmp_path):
         (["--prompts", "{bad}", "--out", "o.jsonl"], ["--prompts", "line 2"]),
         (["--prompts", "{latin1}", "--out", "o.jsonl"], ["--prompts", "not UTF-8"]),
         (["--prompts", "{twice}", "--out", "o.jsonl"], ["--prompts", "line 2", '"a"']),
+        (["--prompts", "{taken}", "--out", "o.jsonl"], ["--prompts", "line 2", "position"]),
         (["--prompts", "{flags}", "--out", "o.jsonl"], ["--prompts", "line 1", "input_ids"]),
         (["--prompts", "{in}", "--out", "o.jsonl", "--batch-size", "0"], ["--batch-size"]),
         (["--do-sample"], ["--do-sample", "--prompts"]),
@@ -275,7 +276,8 @@ def test_file_mode_arguments_fail_in_one_line(no_load, capsys, tmp_path, argv, w
         '{"prompt": "x", "id": "a"}\n{"prompt": "y", "id": "a"}\n'
     )
     (tmp_path / "flags.jsonl").write_text('{"input_ids": [5, true]}\n')
-    files = ("in", "bad", "latin1", "twice", "flags")
+    (tmp_path / "taken.jsonl").write_text('{"prompt": "x", "id": 1}\n{"prompt": "y"}\n')
+    files = ("in", "bad", "latin1", "twice", "flags", "taken")
     argv = [a.format(**{k: str(tmp_path / f"{k}.jsonl") for k in files}) for a in argv]
     fails_in_one_line(capsys, ["generate", *argv], *words)
 

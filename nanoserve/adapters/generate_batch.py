@@ -26,7 +26,7 @@ _log = get_logger(__name__)
 
 def _check_inputs(inputs, vocab_size: int | None) -> None:
     if not isinstance(inputs, (list, tuple)) or not all(
-        isinstance(row, (list, tuple)) and row and all(isinstance(t, int) for t in row)
+        isinstance(row, (list, tuple)) and row and all(type(t) is int for t in row)
         for row in inputs
     ):
         raise ValueError("inputs: expected a list of non-empty lists of token ids (ints)")
@@ -40,7 +40,8 @@ def _check_inputs(inputs, vocab_size: int | None) -> None:
             )
 
 
-def _vocab_size(model) -> int | None:
+def vocab_size(model) -> int | None:
+    """The model's vocabulary size from its (text) config, or None when it names none."""
     vocab = getattr(model.config.get_text_config(), "vocab_size", None)
     return vocab if isinstance(vocab, int) and vocab > 0 else None
 
@@ -94,7 +95,7 @@ def paged_generate_batch(
     batching manager's options (``persistent_manager``, ``warmup``, ``progress_bar``,
     ``continuous_batching_config`` other than ``return_logprobs``) have nothing to set here.
     """
-    _check_inputs(inputs, _vocab_size(model))
+    _check_inputs(inputs, vocab_size(model))
     if not inputs:
         return {}
     if record_timestamps:

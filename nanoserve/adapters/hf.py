@@ -48,7 +48,12 @@ from nanoserve.adapters.step import (
     remember_original_attn,
     state_of,
 )
-from nanoserve.adapters.tensor_parallel import agreed_call, capture_agreement, local_layout
+from nanoserve.adapters.tensor_parallel import (
+    agree_options,
+    agreed_salt,
+    capture_agreement,
+    local_layout,
+)
 from nanoserve.adapters.versions import check_transformers_version
 from nanoserve.cache import GroupedKVCache, PagedKVCache
 from nanoserve.kernels.dispatch import check_backend
@@ -409,12 +414,14 @@ def _may_share(kwargs: dict, option) -> bool:
     return not any(isinstance(v, torch.Tensor) and k not in rows for k, v in kwargs.items())
 
 
-def _options(state: PatchState) -> dict:
-    """The patch options every tensor-parallel rank must share (``agreed_call``)."""
+def _options(model, state: PatchState, dropout: str | None) -> dict:
+    """What every tensor-parallel rank must run a call with (``agree_options``): the patch
+    options, the attention implementation and whether the model drops out."""
     return dict(
         pool=state.pool, backend=state.backend, cuda_graphs=state.cuda_graphs,
         compile_decode=state.compile_decode, keep_pools=state.keep_pools,
         prefix_sharing=state.prefix_sharing, decode_loop=state.decode_loop,
+        attn_implementation=model.config._attn_implementation, dropout=dropout,
     )  # fmt: skip
 
 
@@ -434,7 +441,8 @@ def _check_continuation(cache: PagedCache, args: tuple, kwargs: dict) -> None:
     """ValueError naming ``input_ids`` when a returned cache passed back to generate already
     holds every column of the call's inputs: there is no token it has not seen to start
     from (stock then feeds and stores every column a second time)."""
-    inputs = call_inputs(args, kwargs)
+    embeds = kwargs.get("inputs_embeds")  # (generate counts positions by these when given)
+    inputs = embeds if embeds is not None else call_inputs(args, kwargs)
     cached = cache.get_seq_length()
     if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] <= cached:
         raise ValueError(
@@ -503,11 +511,13 @@ def _paged_generate(self, *args, **kwargs):
     passed = find_cache(kwargs)
     if isinstance(passed, PagedCache):
         with state.lock:
+            dropout = drops_out(self)
+            agree_options(self, _options(self, state, dropout))
             _check_attention(self)
             _check_continuation(passed, args, kwargs)
-            agreed_call(self, _options(state), None, [])  # every rank patched alike
             _room_to_continue(state, passed, self, args, kwargs)
             passed.mask_checked = False
+            passed.drops_out = dropout  # (training mode may have changed since)
             return stock(*args, **kwargs)
     if passed is not None or option("use_cache") is False:
         why = "the caller's own cache" if passed is not None else "use_cache=False"
@@ -525,6 +535,9 @@ def _paged_generate(self, *args, **kwargs):
             "model is patched by nanoserve and generates on its paged cache; leave "
             f"cache_implementation unset, or call nanoserve.unpatch_model(model) first{batch}"
         )
+    # a model that drops out at random computes each copy of a prompt differently
+    dropout = drops_out(self)
+    agree_options(self, _options(self, state, dropout))
     _check_attention(self)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
@@ -532,20 +545,18 @@ def _paged_generate(self, *args, **kwargs):
     with state.lock:
         for name in CACHE_KWARGS:
             kwargs.pop(name, None)
-        # a model that drops out at random computes each copy of a prompt differently
-        random = drops_out(self)
-        share = state.prefix_sharing and random is None and _may_share(kwargs, option)
+        share = state.prefix_sharing and dropout is None and _may_share(kwargs, option)
         size = pool_size(state.pool, self, args, kwargs, share)
         pool_dtype = state.pool.pool_dtype(self.dtype)
         num_blocks, pools, allocators = _pools_for(state, size, pool_dtype)
         paged = _new_store(state, size, num_blocks, pools, allocators)
         cache = PagedCache(paged)
-        cache.drops_out = random
+        cache.drops_out = dropout
         salt = None
         if state.prefix_sharing and not option("prefill_chunk_size"):  # else none looked up
             salt = prefix_salt(self, user_salt, state)
         stores = [group.allocator.store_id for group in paged.groups]
-        cache.prefix_salt = agreed_call(self, _options(state), salt, stores)
+        cache.prefix_salt = agreed_salt(self, salt, stores)
         if share and not state.pool.fixed:
             unshared = pool_size(state.pool, self, args, kwargs, quiet=True)
             unshared = list(unshared.group_blocks) or [unshared.num_blocks]

@@ -157,7 +157,7 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
     from call to call cannot be seen), the adapters each tuner layer has on (peft), the
     model's dtype and the caller's ``cache_salt``. The digest of the last key is kept on
     ``state`` (a ``PatchState``); under tensor parallelism the caller joins the ranks'
-    digests into one (``tensor_parallel.agreed_call``)."""
+    digests into one (``tensor_parallel.agreed_salt``)."""
     reason = unnameable(model)
     if reason is not None:
         if state.salt_key != reason:
@@ -238,12 +238,15 @@ def _adapters_on(module) -> tuple:
 
 
 def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
-    """Two position-weighted float64 sums of every tensor's row sums and column sums (a
-    tensor of more dimensions read as [first dim, the rest]; complex values as pairs of
-    reals; one-byte and non-float dtypes by their raw values), per device, read back with
-    one copy each. Any single changed value changes them, and so does a write that keeps
-    each tensor's total and norm, such as reordered rows, heads or columns (the weights
-    differ by position). Not a cryptographic hash: changes made to cancel can pass."""
+    """Two position-weighted sums over every tensor's row sums and column sums (a tensor of
+    more dimensions read as [first dim, the rest]; complex values as pairs of reals;
+    one-byte and non-float dtypes by their raw values), per device, read back with one copy
+    each. A changed value changes them beyond float rounding, and so does a write that
+    keeps each tensor's total and norm, such as reordered rows, heads or columns (the
+    weights differ by position). Each row or column sum enters squashed to a signed
+    logarithm, with NaN and infinities as fixed values, so that a mask of -inf or a huge
+    buffer cannot drown the rest. Not a cryptographic hash: changes made to cancel can
+    pass."""
     per_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
@@ -251,16 +254,21 @@ def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
             continue
         t = t.detach()
         if t.is_complex():
-            t = torch.view_as_real(t)  # (rotary tables kept as complex numbers)
-        if not t.is_floating_point() or t.element_size() == 1:
-            t = t.view(torch.uint8) if t.element_size() == 1 else t
+            t = torch.view_as_real(t.resolve_conj())  # (rotary tables kept as complex)
+        if t.element_size() == 1:
+            t = t.view(torch.uint8)
+        # 16-bit floats sum in float32 without a widened copy of the tensor; a float64 sum
+        # would first copy it to float64
+        wide = t.dtype == torch.float64 or not t.is_floating_point()
+        dtype = torch.float64 if wide else torch.float32
         grid = t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(1, -1)
         per_device.setdefault(t.device, []).extend(
-            (grid.sum(dim=1, dtype=torch.float64), grid.sum(dim=0, dtype=torch.float64))
+            (grid.sum(dim=1, dtype=dtype).double(), grid.sum(dim=0, dtype=dtype).double())
         )
     moments = []
     for device, sums in per_device.items():
-        flat = torch.cat(sums)
+        flat = torch.nan_to_num(torch.cat(sums), nan=0.5, posinf=1e300, neginf=-1e300)
+        flat = torch.sign(flat) * torch.log1p(flat.abs())
         position = torch.arange(flat.numel(), dtype=torch.float64, device=device)
         first = (flat * (torch.sin(position * 0.6180339887498949) + 1.5)).sum()
         second = (flat * (torch.cos(position * 1.4142135623730951) + 1.5)).sum()

@@ -7,7 +7,9 @@ same inputs and makes the same allocation decisions, so the block tables agree w
 communication; nothing in the cache or the kernels talks across ranks. Decode steps replay
 CUDA graphs that hold the step's all-reduces; the decisions that could differ between ranks,
 whether a capture worked and whether a new cache keeps the graphs (their pools' addresses
-are each rank's own), are settled across them (``capture_agreement``).
+are each rank's own), are settled across them (``capture_agreement``), and so, once a
+generate call, are the options every rank must share (``agree_options``) and the salt of
+the call's cached prefixes (``agreed_salt``).
 """
 
 from __future__ import annotations
@@ -63,43 +65,54 @@ def capture_agreement(model) -> Callable[[bool], bool] | None:
     return agree
 
 
-def agreed_call(model, options: dict, salt: bytes | None, stores: list[int]) -> bytes | None:
-    """Settle a generate call across the tensor-parallel ranks with one all-gather (a model
-    on one device gets ``salt`` back).
+def agree_options(model, options: dict) -> None:
+    """Every tensor-parallel rank must run a call alike: a rank that shares prefixes, runs
+    another decode loop or drops out runs forwards of other lengths into the collectives,
+    and the ranks hang. ``options`` (name -> value) are compared with one all-gather, before
+    the call changes anything; ValueError naming those that differ, on every rank. Nothing
+    for a model on one device."""
+    if tp_size(model) == 1:
+        return
+    names = sorted(options)
+    records = _all_gather(model, b"".join(_digest(repr(options[n]), 8) for n in names))
+    differ = [
+        name for i, name in enumerate(names) if len({r[8 * i : 8 * i + 8] for r in records}) > 1
+    ]
+    if differ:
+        raise ValueError(
+            f"{', '.join(differ)}: the tensor-parallel ranks differ (patch_model's options, "
+            "the attention implementation, training mode); make every rank alike"
+        )
 
-    - Every rank must be patched alike: a rank that shares prefixes or runs another decode
-      loop runs forwards of other lengths into the collectives, and the ranks hang.
-      ``options`` (name -> value) are compared; ValueError naming those that differ.
-    - One prefix salt (16 bytes) from each rank's own, which salts its own weight shards,
-      and from the identity of the prefix stores its call uses (``stores``: the allocators'
-      ``store_id``; a rank that released its memory or was patched again holds none of the
-      blocks the others cached): a change on one rank alone makes every rank miss. None
-      when any rank has no salt."""
+
+def agreed_salt(model, salt: bytes | None, stores: list[int]) -> bytes | None:
+    """One prefix salt for every rank (one all-gather; a model on one device gets ``salt``
+    back), from each rank's own, which salts its own weight shards, and from the identity
+    of the prefix stores its call uses (``stores``: the allocators' ``store_id``; a rank
+    that released its memory or was patched again holds none of the blocks the others
+    cached): a change on one rank alone makes every rank miss. None when any rank has no
+    salt."""
     if tp_size(model) == 1:
         return salt
-    names = sorted(options)
-    record = b"".join(_digest(repr(options[name]), 8) for name in names)
-    record += b"\x01" + salt if salt is not None else b"\x00" + bytes(16)
-    record += _digest(repr(stores), 8)
+    record = (b"\x01" + salt if salt is not None else b"\x00" + bytes(16)) + _digest(
+        repr(stores), 8
+    )
+    records = _all_gather(model, record)
+    if any(r[0] == 0 for r in records):
+        return None
+    return _digest(b"".join(records), 16)
+
+
+def _all_gather(model, record: bytes) -> list[bytes]:
+    """Every rank's ``record`` (the same length on each), in rank order."""
     group = process_group(model)
     on_nccl = torch.distributed.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else "cpu"
     mine = torch.frombuffer(bytearray(record), dtype=torch.uint8).to(device)
     every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
     torch.distributed.all_gather(every, mine, group=group)
-    records = [bytes(t.cpu().tolist()) for t in every]
-    differ = [
-        name for i, name in enumerate(names) if len({r[8 * i : 8 * i + 8] for r in records}) > 1
-    ]
-    if differ:
-        raise ValueError(
-            f"{', '.join(differ)}: the tensor-parallel ranks were patched with other values; "
-            "call patch_model with the same options on every rank"
-        )
-    salts = [r[8 * len(names) :] for r in records]
-    if any(s[0] == 0 for s in salts):
-        return None
-    return _digest(b"".join(salts), 16)
+    joined = torch.cat(every).cpu().tolist()
+    return [bytes(joined[i : i + len(record)]) for i in range(0, len(joined), len(record))]
 
 
 def _digest(data, size: int) -> bytes:

@@ -114,6 +114,8 @@ def test_bad_calls_are_refused():
             model.generate_batch([[5, 6], []])
         with pytest.raises(ValueError, match="^inputs"):
             model.generate_batch(torch.tensor([[5, 6]]))
+        with pytest.raises(ValueError, match="^inputs"):
+            model.generate_batch([[5, True]])  # a bool is not a token id
         for bad in (vocab, -1):
             with pytest.raises(ValueError, match=rf"^inputs: row 1 holds token id {bad}, "):
                 model.generate_batch([[5, 6], [7, bad]], max_new_tokens=2)

@@ -110,31 +110,67 @@ def swap_columns(m):
 
 
 def shift_bytes(m):
-    m.model.codes.data[2] += 1
-    m.model.codes.data[7] -= 1
+    m.model.codes.data[0, 2] += 1
+    m.model.codes.data[1, 3] -= 1
+
+
+def swap_byte_rows(m):
+    m.model.codes.data.copy_(m.model.codes.data[[1, 0, 3, 2]].clone())
+
+
+def nudge(m):
+    m.model.layers[1].mlp.down_proj.weight.data[3, 4] += 1e-4
 
 
 @pytest.mark.parametrize(
     "change",
     [lambda m: swap_row_pairs(m.model.layers[0].self_attn.v_proj.weight), swap_columns,
-     shift_bytes],
-    ids=["rows", "columns", "bytes"],
+     shift_bytes, swap_byte_rows, nudge],
+    ids=["rows", "columns", "bytes", "byte-rows", "one-value"],
 )  # fmt: skip
 def test_values_reordered_without_a_new_version_find_nothing(change):
     """Writes through ``.data`` that keep each tensor's sum and norm: rows swapped in pairs
     (v_proj), two columns swapped (o_proj: another layout of the heads), and in a one-byte
-    buffer one value up and another down by one. Found by review: the sum and norm salt
-    served the stale prefix (tokens differed from stock). Planted: unweighted row and
-    column sums: each case failed."""
+    buffer one value up and another down by one, or its rows swapped (sums exact in any
+    order); and one value nudged by 1e-4 beside buffers of -inf, NaN and 1e30. Found by
+    review: the sum and norm salt served the stale prefix (tokens differed from stock), and
+    a -inf buffer hid every change from one total. Planted: unweighted row and column sums:
+    every case here still passed, through rounding alone (the test below, which asks for
+    more than rounding, failed); no squashing of the sums (NaN and infinities kept): every
+    case failed."""
     call = padded_batch([13], 13, seed=3)
     model = sharp_model()
-    # (a buffer the forward does not read: only the salt can see it change)
-    model.model.register_buffer("codes", torch.arange(16, dtype=torch.uint8) * 9)
+    # (buffers the forward does not read: only the salt can see them)
+    model.model.register_buffer("codes", (torch.arange(16, dtype=torch.uint8) * 9).view(4, 4))
+    model.model.register_buffer("masks", torch.tensor([float("-inf"), float("nan"), 1e30]))
     before = [m for t in model.state_dict().values() for m in moments(t)]
     check_change_invalidates(model, call, change)
-    after = [m for t in model.state_dict().values() for m in moments(t)]
-    assert after == pytest.approx(before)  # what the old salt compared did not move
+    if change is not nudge:
+        after = [m for t in model.state_dict().values() for m in moments(t)]
+        assert after == pytest.approx(before, nan_ok=True)  # what the old salt compared
     nanoserve.unpatch_model(model)
+
+
+def test_a_reordering_moves_the_fingerprint_beyond_rounding():
+    """Swapped rows, swapped columns, a reversed vector, integer or float: the fingerprint
+    moves by far more than float rounding (which alone may or may not move a sum of
+    reordered terms). Planted: unweighted sums: failed, a move of rounding size."""
+    from nanoserve.adapters.shared_rows import _fingerprint
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(6, 5, generator=gen)
+    codes = torch.randint(0, 255, (4, 4), generator=gen, dtype=torch.uint8)
+    cases = [
+        (weight, weight[[1, 0, 2, 3, 5, 4]]),
+        (weight, weight[:, [0, 3, 2, 1, 4]]),
+        (weight[0], weight[0].flip(0)),
+        (codes, codes[[1, 0, 3, 2]]),
+    ]
+    for before, after in cases:
+        ((first, second),) = _fingerprint([before])
+        ((first_after, second_after),) = _fingerprint([after.contiguous()])
+        assert abs(first_after - first) > 1e-6 * abs(first)
+        assert abs(second_after - second) > 1e-6 * abs(second)
 
 
 def moments(t: torch.Tensor) -> tuple[float, float]:

@@ -1,8 +1,8 @@
 """Patched generation under transformers' tensor parallelism: two gloo processes on CPU.
 
 Every rank must make the same decisions (blocks, shared rows, cached prefixes, whether a
-decode graph runs) with no communication beyond the model's own, and give one process's
-tokens."""
+decode graph runs), talking only where a decision could differ (the call's options and
+prefix salt, a graph capture), and give one process's tokens."""
 
 import json
 import os
