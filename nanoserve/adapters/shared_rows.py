@@ -257,8 +257,8 @@ def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
             t = torch.view_as_real(t.resolve_conj())  # (rotary tables kept as complex)
         if t.element_size() == 1:
             t = t.view(torch.uint8)
-        # 16-bit floats sum in float32 without a widened copy of the tensor; a float64 sum
-        # would first copy it to float64
+        # a reduction widens its input to the accumulation dtype first, except 16-bit floats
+        # into float32 on CUDA: a float64 sum would copy every weight to float64
         wide = t.dtype == torch.float64 or not t.is_floating_point()
         dtype = torch.float64 if wide else torch.float32
         grid = t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(1, -1)

@@ -56,9 +56,7 @@ def capture_agreement(model) -> Callable[[bool], bool] | None:
     group = process_group(model)
 
     def agree(ok: bool) -> bool:
-        on_nccl = torch.distributed.get_backend(group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else "cpu"
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_collective_device(group))
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
         return bool(flag.item())
 
@@ -106,13 +104,19 @@ def agreed_salt(model, salt: bytes | None, stores: list[int]) -> bytes | None:
 def _all_gather(model, record: bytes) -> list[bytes]:
     """Every rank's ``record`` (the same length on each), in rank order."""
     group = process_group(model)
-    on_nccl = torch.distributed.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else "cpu"
-    mine = torch.frombuffer(bytearray(record), dtype=torch.uint8).to(device)
+    mine = torch.frombuffer(bytearray(record), dtype=torch.uint8).to(_collective_device(group))
     every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
     torch.distributed.all_gather(every, mine, group=group)
     joined = torch.cat(every).cpu().tolist()
     return [bytes(joined[i : i + len(record)]) for i in range(0, len(joined), len(record))]
+
+
+def _collective_device(group):
+    """Where a collective of ``group`` takes its tensors: this rank's GPU under NCCL, else
+    the CPU (gloo)."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _digest(data, size: int) -> bytes:

@@ -23,6 +23,16 @@ def patched(model, **options):
         nanoserve.unpatch_model(model)
 
 
+def sharpen(model):
+    """Redraw ``model``'s matrices larger than HF's default init (std 1.5 / sqrt(fan-in)), so
+    its logits are peaked and differences show in the tokens; returns ``model``."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 1.5 / p.shape[1] ** 0.5)
+    return model
+
+
 def stock_and_paged(model, seed: int | None = None, patch_options=None, **kwargs):
     """(stock output, patched output) of ``model.generate(**kwargs)``; seeds each if asked."""
     if seed is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from helpers import ForceTokens, patched
+from helpers import ForceTokens, patched, sharpen
 from transformers import LogitsProcessorList
 
 pytestmark = [
@@ -53,12 +53,7 @@ def make_model(shape: str, dtype: torch.dtype):
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    # larger weights than the default init give peaked logits (differences show clearly)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 1.5 / p.shape[1] ** 0.5)
+    model = sharpen(transformers.LlamaForCausalLM(config))
     return model.to(DEVICE, dtype).eval()
 
 

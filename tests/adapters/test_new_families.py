@@ -17,6 +17,7 @@ from helpers import (
     check_launches,
     count_triton_launches,
     patched,
+    sharpen,
     stock_and_paged,
 )
 from test_families import SMALL, padded_batch
@@ -55,12 +56,7 @@ def tiny_model(name: str, seed: int = 0, **overrides):
     config_name, model_name, extra = CONFIGS[name]
     config = getattr(transformers, config_name)(**{**SMALL, **extra, **overrides})
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 1.5 / p.shape[1] ** 0.5)
-    return model
+    return sharpen(getattr(transformers, model_name)(config).eval())
 
 
 def assert_logits_equal(stock, paged):

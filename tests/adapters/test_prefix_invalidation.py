@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from helpers import patched
+from helpers import patched, sharpen
 from test_families import padded_batch, tiny_model
 from test_new_families import tiny_model as new_family_model
 
@@ -23,12 +23,7 @@ OPTS = dict(max_new_tokens=3, do_sample=False, eos_token_id=None, output_logits=
 
 def sharp_model(**overrides):
     """A tiny Llama whose logits are far from flat (so stale K/V shows in the tokens too)."""
-    model = tiny_model("llama", **overrides)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 1.5 / p.shape[1] ** 0.5)
-    return model
+    return sharpen(tiny_model("llama", **overrides))
 
 
 def generate(model, call):
