@@ -30,6 +30,7 @@ from torch.nn.modules import module as _module_hooks
 
 from nanoserve.adapters.step import CACHE_KWARGS, new_token_mask, paged_step
 from nanoserve.cache import block_digests
+from nanoserve.kernels.content_hash import content_digest, kernel_runs_on
 from nanoserve.log import get_logger
 
 _log = get_logger(__name__)
@@ -151,7 +152,7 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
     cannot be named across calls (``unnameable``: then only copies within the call share).
 
     The key: every parameter and buffer (address, in-place version, dtype, shape, and a
-    position-weighted fingerprint of its values, read once a call: fused optimizers and
+    fingerprint of its values, ``_fingerprint``, read once a call: fused optimizers and
     writes through ``.data`` change values without a new version), the forward hooks registered
     on any module (handle ids: adding or removing one changes the key; what a hook does
     from call to call cannot be seen), the adapters each tuner layer has on (peft), the
@@ -181,8 +182,8 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
             switches.append((len(seen), hooks, _adapters_on(module)))
         stack.extend(m for m in module._modules.values() if m is not None)
     global_hooks = (*_module_hooks._global_forward_pre_hooks, *_module_hooks._global_forward_hooks)
-    key = (tuple(layout), _fingerprint(tensors), tuple(switches), global_hooks, model.dtype,
-           user_salt)  # fmt: skip
+    values = _fingerprint(tensors, state.backend)
+    key = (tuple(layout), values, tuple(switches), global_hooks, model.dtype, user_salt)
     if state.salt_key != key:
         state.salt_key = key
         state.salt = hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
@@ -237,22 +238,36 @@ def _adapters_on(module) -> tuple:
     )
 
 
-def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
-    """Two position-weighted sums over every tensor's row sums and column sums (a tensor of
-    more dimensions read as [first dim, the rest]; complex values as pairs of reals;
-    one-byte and non-float dtypes by their raw values), per device, read back with one copy
-    each. A changed value changes them beyond float rounding, and so does a write that
-    keeps each tensor's total and norm, such as reordered rows, heads or columns (the
-    weights differ by position). Each row or column sum enters squashed to a signed
-    logarithm, with NaN and infinities as fixed values, so that a mask of -inf or a huge
-    buffer cannot drown the rest. Not a cryptographic hash: changes made to cancel can
-    pass."""
+def _fingerprint(tensors: list[torch.Tensor], backend: str = "auto") -> tuple:
+    """What the values of ``tensors`` are, per device. Where the Triton kernels run (CUDA, or
+    the interpreter with ``backend="triton"``): ``content_digest``, a hash of every byte at
+    its place (any changed byte changes it). Elsewhere (CPU): ``_float_fingerprint``."""
     per_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-        if t.device.type == "meta" or t.numel() == 0:
-            continue
-        t = t.detach()
+        if t.device.type != "meta" and t.numel():
+            per_device.setdefault(t.device, []).append(t.detach())
+    prints = []
+    for device, group in per_device.items():
+        if kernel_runs_on(backend, device):
+            prints.append(content_digest(group, backend=backend))
+        else:
+            prints.append(_float_fingerprint(device, group))
+    return tuple(prints)
+
+
+def _float_fingerprint(device: torch.device, tensors: list[torch.Tensor]) -> tuple:
+    """Two position-weighted sums over every tensor's row sums and column sums (a tensor of
+    more dimensions read as [first dim, the rest]; complex values as pairs of reals;
+    one-byte and non-float dtypes by their raw values), read back with one copy. A changed
+    value changes them beyond float rounding, and so does a write that keeps each tensor's
+    total and norm, such as reordered rows, heads or columns (the weights differ by
+    position). Each row or column sum enters squashed to a signed logarithm, with NaN and
+    infinities as fixed values, so that a mask of -inf or a huge buffer cannot drown the
+    rest. Not a hash: changes made to cancel can pass, and so can a change below float
+    rounding of a large sum."""
+    sums = []
+    for t in tensors:
         if t.is_complex():
             t = torch.view_as_real(t.resolve_conj())  # (rotary tables kept as complex)
         if t.element_size() == 1:
@@ -262,18 +277,13 @@ def _fingerprint(tensors: list[torch.Tensor]) -> tuple:
         wide = t.dtype == torch.float64 or not t.is_floating_point()
         dtype = torch.float64 if wide else torch.float32
         grid = t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(1, -1)
-        per_device.setdefault(t.device, []).extend(
-            (grid.sum(dim=1, dtype=dtype).double(), grid.sum(dim=0, dtype=dtype).double())
-        )
-    moments = []
-    for device, sums in per_device.items():
-        flat = torch.nan_to_num(torch.cat(sums), nan=0.5, posinf=1e300, neginf=-1e300)
-        flat = torch.sign(flat) * torch.log1p(flat.abs())
-        position = torch.arange(flat.numel(), dtype=torch.float64, device=device)
-        first = (flat * (torch.sin(position * 0.6180339887498949) + 1.5)).sum()
-        second = (flat * (torch.cos(position * 1.4142135623730951) + 1.5)).sum()
-        moments.append(tuple(torch.stack([first, second]).cpu().tolist()))
-    return tuple(moments)
+        sums += [grid.sum(dim=1, dtype=dtype).double(), grid.sum(dim=0, dtype=dtype).double()]
+    flat = torch.nan_to_num(torch.cat(sums), nan=0.5, posinf=1e300, neginf=-1e300)
+    flat = torch.sign(flat) * torch.log1p(flat.abs())
+    position = torch.arange(flat.numel(), dtype=torch.float64, device=device)
+    first = (flat * (torch.sin(position * 0.6180339887498949) + 1.5)).sum()
+    second = (flat * (torch.cos(position * 1.4142135623730951) + 1.5)).sum()
+    return tuple(torch.stack([first, second]).cpu().tolist())
 
 
 def _plan(cache, kwargs: dict) -> _Plan | None:

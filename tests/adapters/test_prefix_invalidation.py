@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from helpers import patched, sharpen
+from helpers import BACKENDS, patched, sharpen
 from test_families import padded_batch, tiny_model
 from test_new_families import tiny_model as new_family_model
 
@@ -48,12 +48,12 @@ def assert_same(out, stock):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
-def check_change_invalidates(model, call, change):
+def check_change_invalidates(model, call, change, backend="auto"):
     """A call stores the prompt, a second finds it; after ``change`` (applied to the patched
     model and to an unpatched copy alike) the next call finds nothing and gives the copy's
     output. Returns the unpatched copy."""
     reference = copy.deepcopy(model)
-    nanoserve.patch_model(model, block_size=4, num_blocks=64)
+    nanoserve.patch_model(model, block_size=4, num_blocks=64, backend=backend)
     generate(model, call)
     assert generate(model, call)[1] == 1  # unchanged: found again
     change(model)
@@ -74,7 +74,8 @@ def fused_adamw_step(model):
     model.eval()
 
 
-def test_values_changed_without_a_new_version_find_nothing():
+@BACKENDS  # the salt reads values by the content hash kernel with "triton", float sums with "auto"
+def test_values_changed_without_a_new_version_find_nothing(backend):
     """Fused optimizers and writes through ``.data`` leave every tensor's version as it was;
     the salt compares the values too. (Planted: the salt without the values' sums and norms
     served the stale prefix in each case.)"""
@@ -88,7 +89,7 @@ def test_values_changed_without_a_new_version_find_nothing():
     ):
         model = sharp_model()
         versions = [p._version for p in model.parameters()]
-        check_change_invalidates(model, call, change)
+        check_change_invalidates(model, call, change, backend)
         nanoserve.unpatch_model(model)
         assert [p._version for p in model.parameters()] == versions  # none saw a new version
 
@@ -123,7 +124,8 @@ def nudge(m):
      shift_bytes, swap_byte_rows, nudge],
     ids=["rows", "columns", "bytes", "byte-rows", "one-value"],
 )  # fmt: skip
-def test_values_reordered_without_a_new_version_find_nothing(change):
+@BACKENDS
+def test_values_reordered_without_a_new_version_find_nothing(change, backend):
     """Writes through ``.data`` that keep each tensor's sum and norm: rows swapped in pairs
     (v_proj), two columns swapped (o_proj: another layout of the heads), and in a one-byte
     buffer one value up and another down by one, or its rows swapped (sums exact in any
@@ -139,7 +141,7 @@ def test_values_reordered_without_a_new_version_find_nothing(change):
     model.model.register_buffer("codes", (torch.arange(16, dtype=torch.uint8) * 9).view(4, 4))
     model.model.register_buffer("masks", torch.tensor([float("-inf"), float("nan"), 1e30]))
     before = [m for t in model.state_dict().values() for m in moments(t)]
-    check_change_invalidates(model, call, change)
+    check_change_invalidates(model, call, change, backend)
     if change is not nudge:
         after = [m for t in model.state_dict().values() for m in moments(t)]
         assert after == pytest.approx(before, nan_ok=True)  # what the old salt compared
@@ -306,7 +308,8 @@ def test_dropout_in_training_mode_runs_hfs_loop_with_stocks_draws(do_sample):
     assert "drops out" in loop
 
 
-def test_a_complex_buffer_is_fingerprinted():
+@BACKENDS
+def test_a_complex_buffer_is_fingerprinted(backend):
     """A complex buffer (rotary tables some models keep as complex numbers) is part of the
     salt, imaginary parts too: conjugating one entry makes the next call miss. Planted:
     complex tensors summed as they are (torch keeps the real parts, with a warning): the
@@ -314,7 +317,7 @@ def test_a_complex_buffer_is_fingerprinted():
     model = sharp_model()
     model.model.register_buffer("table", torch.polar(torch.ones(8), torch.arange(8.0)))
     call = padded_batch([13], 13, seed=3)
-    with patched(model, block_size=4, num_blocks=64):
+    with patched(model, block_size=4, num_blocks=64, backend=backend):
         generate(model, call)
         assert generate(model, call)[1] == 1
         with torch.no_grad():
