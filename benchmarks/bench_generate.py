@@ -443,8 +443,10 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
     # Warm-up, unmeasured, on another system prompt of the same shapes: the Triton compiles
     # and extend autotunes of every shape the timed calls run (a full prefill of 4 rows; with
     # sharing the system prompt as a row of its own, then 4 short extends over it, first
-    # after computing it and then over the cached blocks).
+    # after computing it and then over the cached blocks). The extend steps' CUDA graphs
+    # live as long as the patch: each policy's timed calls follow a warm-up call of their own.
     warm = calls_over(3)
+    warm_again = calls_over(1)[0]
     for sharing in (False, True):
         nanoserve.patch_model(model, prefix_sharing=sharing)
         try:
@@ -457,6 +459,7 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
     for name, sharing in (("prefix sharing (default)", True), ("prefix_sharing=False", False)):
         nanoserve.patch_model(model, prefix_sharing=sharing)
         try:
+            run_generate(model, *warm_again, 1, device)
             timer = PrefillTimer(model, device)
             seconds = [timer.call(model, ids, mask) for ids, mask in batches]
             hits = nanoserve.cache_stats(model)["prefix_hits"]

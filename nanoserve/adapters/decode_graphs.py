@@ -8,8 +8,13 @@ replay: token ids, positions, slot mapping, block tables and lengths (one int32 
 filled by one host-to-device copy; a slot mapping and block tables per layer group for a
 ``GroupedKVCache``). New blocks are allocated on the host by ``begin_step``
 before the replay, never inside it. Rows past the batch pad the bucket: slot -1 (nothing is
-stored), length 1, and their logits are dropped. Prefill and other multi-token steps stay
-eager.
+stored), length 1, and their logits are dropped.
+
+Short extend steps (more than 16 and at most 256 new columns: later turns of a chat over a
+cached prompt, the rows' own tokens after a shared prefix, prefill chunks) run as graphs
+too, one per (rows bucket, columns bucket, table width), on the buffers of
+``extend_static.py``. A failed extend capture turns extend graphs off, not decode graphs.
+Longer prefills stay eager.
 
 Graphs point at the pools' and the weights' memory. A new cache (a new ``generate`` call)
 keeps them when the step's ``signature`` (those addresses) is unchanged, as when it took over
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.adapters.extend_static import StaticExtend, column_bucket
 from nanoserve.cache import StepMetadata
 from nanoserve.cache.paged_cache import grouped_metadata
 from nanoserve.log import get_logger
@@ -123,7 +129,7 @@ class StaticStep:
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    static: StaticStep
+    static: StaticStep | StaticExtend
     output_type: type
     fields: dict  # the captured output's fields (logits: the graph rewrites it), cache left out
     cache_field: str | None  # the field that held the cache; each step puts its own there
@@ -153,8 +159,10 @@ class DecodeGraphs:
         # set at each generate call: the same cache may come back over moved weights
         self.recheck = False
         self.disabled_reason: str | None = None
+        self.extend_disabled_reason: str | None = None  # extend captures failed: eager
         self.captures = 0
         self.replays = 0
+        self.extend_replays = 0  # of replays, those of extend steps
 
     def reset(self) -> None:
         """Drop every graph (their memory returns to the allocator once nothing uses it).
@@ -190,23 +198,35 @@ class DecodeGraphs:
         self.cache_signature = signature
 
     def step(self, cache, host: StepMetadata, input_ids, position_ids, run_forward, signature=None):
-        """Run one decode step whose host metadata ``host`` is already built; returns the
-        model output with logits for the real rows only. ``signature`` as in ``follow``."""
+        """Run one decode step (one column) or short extend step (``column_bucket`` columns)
+        whose host metadata ``host`` is already built; returns the model output with logits
+        for the real rows only. ``signature`` as in ``follow``."""
         self.follow(cache, signature)
-        batch = input_ids.shape[0]
-        key = (bucket_for(batch), host.block_tables.shape[1])
+        batch, columns = input_ids.shape
+        width = host.block_tables.shape[1]
+        if columns == 1:
+            key = (bucket_for(batch), width)
+        else:
+            key = (bucket_for(batch), column_bucket(columns), width)
         captured = self.graphs.get(key)
         if captured is None:
-            static = StaticStep.allocate(*key, input_ids.device, host.layer_groups)
+            if columns == 1:
+                static = StaticStep.allocate(*key, input_ids.device, host.layer_groups)
+            else:
+                static = StaticExtend.allocate(*key, input_ids.device)
             static.load(host, input_ids, position_ids)
             if self.capture:
                 return self._capture(key, static, run_forward, cache, batch)
-            self.replays += 1
+            self._count_replay(columns)
             return _eager_answer(run_forward(static), cache, batch)
         captured.static.load(host, input_ids, position_ids)
         captured.graph.replay()
-        self.replays += 1
+        self._count_replay(columns)
         return _trim(captured, cache, batch)
+
+    def _count_replay(self, columns: int) -> None:
+        self.replays += 1
+        self.extend_replays += columns > 1
 
     def _capture(self, key, static: StaticStep, run_forward, cache, batch: int):
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels): this run
@@ -238,10 +258,15 @@ class DecodeGraphs:
         if self.agree is not None and not self.agree(failure is None) and failure is None:
             failure = RuntimeError("another tensor-parallel rank failed to capture this step")
         if failure is not None:
-            self.disabled_reason = f"{type(failure).__name__}: {failure}"
-            _log.info("fallback: decode steps run eagerly (capture failed: %s)", failure)
+            reason = f"{type(failure).__name__}: {failure}"
+            steps = "decode steps" if len(key) == 2 else "extend steps"
+            if len(key) == 2:
+                self.disabled_reason = reason
+            else:
+                self.extend_disabled_reason = reason
+            _log.info("fallback: %s run eagerly (capture failed: %s)", steps, failure)
             warnings.warn(
-                f"nanoserve: CUDA-graph capture failed, decoding eagerly ({self.disabled_reason})",
+                f"nanoserve: CUDA-graph capture failed, {steps} run eagerly ({reason})",
                 stacklevel=3,
             )
             self.reset()
@@ -250,14 +275,16 @@ class DecodeGraphs:
         captured = _Captured(graph, static, *_template(output, cache))
         self.graphs[key] = captured
         _log.info(
-            "decode graph captured: batch bucket %d (batch %d), block table width %d; %d held",
+            "%s graph captured: batch bucket %d (batch %d), %sblock table width %d; %d held",
+            "decode" if len(key) == 2 else "extend",
             key[0],
             batch,
-            key[1],
+            "" if len(key) == 2 else f"{key[1]} columns, ",
+            key[-1],
             len(self.graphs),
         )
         graph.replay()
-        self.replays += 1
+        self._count_replay(static.input_ids.shape[1])
         return _trim(captured, cache, batch)
 
 

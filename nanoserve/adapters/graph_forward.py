@@ -1,9 +1,11 @@
-"""Decode steps of a patched model through the CUDA-graph runner (``decode_graphs.py``).
+"""Decode and short extend steps of a patched model through the CUDA-graph runner
+(``decode_graphs.py``).
 
-A forward that is a decode step the captured graphs reproduce exactly (one new token in
-every row, every row real, only the arguments generate passes, pools on the tokens' device)
-opens its paged step on the host and runs through ``DecodeGraphs``; the caller runs every
-other forward eagerly.
+A forward that is a step the captured graphs reproduce exactly (only the arguments generate
+passes, pools on the tokens' device, and either one new token in every row, every row real,
+or a short extend over tokens already cached: ``column_bucket`` columns, left padded, the
+last column's logits only, one pool group of the model's dtype) opens its paged step on
+the host and runs through ``DecodeGraphs``; the caller runs every other forward eagerly.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import contextlib
 import torch
 
 from nanoserve.adapters.compiled_layers import CompiledLayers
+from nanoserve.adapters.decode_graphs import bucket_for
+from nanoserve.adapters.extend_static import MAX_TOKENS, column_bucket
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step
 
@@ -23,33 +27,48 @@ _GRAPH_KWARGS = {
 }  # fmt: skip
 
 
-def graph_step_possible(state: PatchState, cache, kwargs: dict, new: torch.Tensor) -> bool:
-    """True when this forward (new-token mask ``new`` [B, q]) is a decode step a captured
-    graph runs exactly."""
+def graph_step_kind(state: PatchState, cache, kwargs: dict, new: torch.Tensor) -> str | None:
+    """ "decode" or "extend" when this forward (new-token mask ``new`` [B, q]) is a step a
+    captured graph runs exactly, else None."""
     graphs = state.graphs
-    if graphs is None or graphs.disabled_reason is not None or cache.drops_out is not None:
-        return False  # (a replay would not draw dropout as an eager step does)
+    if graphs is None or cache.drops_out is not None:
+        return None  # (a replay would not draw dropout as an eager step does)
     if not set(kwargs) <= _GRAPH_KWARGS or False in (
         kwargs.get("use_cache"),
         kwargs.get("return_dict"),
     ):
-        return False
+        return None
     ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
-    if ids is None or positions is None or ids.dim() != 2 or ids.shape[1] != 1:
-        return False
-    if not (ids.is_cuda or not graphs.capture) or positions.shape != ids.shape:
-        return False
+    if ids is None or positions is None or ids.dim() != 2 or positions.shape != ids.shape:
+        return None
+    if not (ids.is_cuda or not graphs.capture):
+        return None
     paged = cache.paged
     if paged.num_seqs != ids.shape[0] or any(
         pool is None or pool.device != ids.device for pool in paged.key_pools
     ):
-        return False  # prefill has not run yet, or layers live on several devices
-    return bool(new.all())
+        return None  # the sequences start in this step, or layers live on several devices
+    rows, columns = ids.shape
+    if columns == 1:
+        return "decode" if graphs.disabled_reason is None and bool(new.all()) else None
+    bucket = column_bucket(columns)
+    if (
+        bucket is None
+        or graphs.extend_disabled_reason is not None
+        or kwargs.get("logits_to_keep") != 1  # the graph keeps the last column's logits
+        or len(paged.groups) > 1
+        or paged.kv_dtype is not None  # (FP8 scales are set by a call's first write)
+        or bucket_for(rows) * bucket > MAX_TOKENS
+        or not any(paged.seq_lens())  # a prompt's own prefill stays eager, as without graphs
+    ):
+        return None
+    return "extend"
 
 
-def graph_decode_step(model, state: PatchState, stock_forward, cache, kwargs, new):
-    """Run one decode step through ``state.graphs``: blocks are allocated on the host by
-    ``begin_step``, then the captured graph (or its first capture) runs on static buffers."""
+def graph_step(model, state: PatchState, stock_forward, cache, kwargs, new):
+    """Run one decode or extend step (``graph_step_kind``) through ``state.graphs``: blocks
+    are allocated on the host by ``begin_step``, then the captured graph (or its first
+    capture) runs on static buffers. The caller ends the step (``cache.end_step``)."""
     cache_name = next(k for k in CACHE_KWARGS if kwargs.get(k) is not None)
     extra = {k: kwargs[k] for k in ("logits_to_keep",) if k in kwargs}
 
@@ -62,7 +81,7 @@ def graph_decode_step(model, state: PatchState, stock_forward, cache, kwargs, ne
 
     host = cache.begin_step(new, "cpu")
     try:
-        output = state.graphs.step(
+        return state.graphs.step(
             cache,
             host,
             kwargs["input_ids"],
@@ -73,8 +92,6 @@ def graph_decode_step(model, state: PatchState, stock_forward, cache, kwargs, ne
     except BaseException:
         cache.abort_step()
         raise
-    cache.end_step()
-    return output
 
 
 def _compiled(model, state: PatchState):

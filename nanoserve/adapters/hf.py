@@ -19,7 +19,7 @@ from transformers import GenerationMixin
 
 from nanoserve.adapters.attention import ATTN_NAME, register
 from nanoserve.adapters.decode_graphs import DecodeGraphs
-from nanoserve.adapters.graph_forward import graph_decode_step, graph_step_possible
+from nanoserve.adapters.graph_forward import graph_step, graph_step_kind
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.read_back import READ_BACK_LAG
 from nanoserve.adapters.registry import family_for
@@ -245,20 +245,25 @@ def last_cache(model) -> PagedCache | None:
 
 
 def decode_graph_stats(model) -> dict:
-    """The patched model's CUDA-graph figures: graphs held, captures, replays, why graphs
-    were turned off (None while they are on), and which loop the latest greedy / sampling
-    call ran (``decode_loop``: "nanoserve", "stock: <why>", or None before any)."""
+    """The patched model's CUDA-graph figures: graphs held, captures, replays (of them,
+    ``extend_replays``: short extend steps), why decode graphs (``disabled``) or extend
+    graphs (``extend_disabled``) were turned off (None while they are on), and which loop
+    the latest greedy / sampling call ran (``decode_loop``: "nanoserve", "stock: <why>", or
+    None before any)."""
     state = _state(model)
     graphs, loop = state.graphs, {"decode_loop": state.last_loop}
     if graphs is None:
-        return {"enabled": False, "graphs": 0, "captures": 0, "replays": 0, "disabled": None} | loop
+        off = dict(enabled=False, graphs=0, captures=0, replays=0, extend_replays=0)
+        return off | {"disabled": None, "extend_disabled": None} | loop
     return {
         **loop,
         "enabled": graphs.disabled_reason is None,
         "graphs": len(graphs.graphs),
         "captures": graphs.captures,
         "replays": graphs.replays,
+        "extend_replays": graphs.extend_replays,
         "disabled": graphs.disabled_reason,
+        "extend_disabled": graphs.extend_disabled_reason,
     }
 
 
@@ -300,8 +305,9 @@ def _paged_forward(self, *args, **kwargs):
         if not cache.mask_checked:
             check_whole_mask(kwargs)
             cache.mask_checked = True
+        run_step = functools.partial(_run_step, self, state, stock, cache)
         if state.prefix_sharing:
-            output = first_forward(stock, state.backend, cache, kwargs)
+            output = first_forward(run_step, cache, kwargs)
             if output is not None:
                 return output
         if cache.unshared_blocks is not None and not cache.paged.num_seqs:
@@ -312,20 +318,27 @@ def _paged_forward(self, *args, **kwargs):
                 [max(0, n - h) for n, h in zip(cache.unshared_blocks, have, strict=True)],
             )
             cache.unshared_blocks = None
-        new = new_token_mask(kwargs, cache.paged.seq_lens)
-        if graph_step_possible(state, cache, kwargs, new):
-            return graph_decode_step(self, state, stock, cache, kwargs, new)
-        tokens = kwargs.get("input_ids")
-        device = (tokens if tokens is not None else kwargs["inputs_embeds"]).device
-        meta = cache.begin_step(new, device)  # OutOfBlocks here leaves everything as it was
-        try:
-            with paged_step(cache, meta, state.backend):
-                output = stock(**kwargs)
-        except BaseException:
-            cache.abort_step()  # the step's tokens were never all written: forget them
-            raise
+        output = run_step(kwargs, new_token_mask(kwargs, cache.paged.seq_lens))
         cache.end_step()
         return output
+
+
+def _run_step(model, state: PatchState, stock, cache: PagedCache, kwargs: dict, new):
+    """One paged forward of ``kwargs`` whose new-token mask is ``new`` [B, q]: a captured
+    graph's replay where ``graph_step_kind`` allows, else eagerly. The step is begun here
+    (OutOfBlocks leaves everything as it was) and forgotten if the forward fails; the
+    caller ends it."""
+    if graph_step_kind(state, cache, kwargs, new) is not None:
+        return graph_step(model, state, stock, cache, kwargs, new)
+    tokens = kwargs.get("input_ids")
+    device = (tokens if tokens is not None else kwargs["inputs_embeds"]).device
+    meta = cache.begin_step(new, device)
+    try:
+        with paged_step(cache, meta, state.backend):
+            return stock(**kwargs)
+    except BaseException:
+        cache.abort_step()  # the step's tokens were never all written: forget them
+        raise
 
 
 def _grow(paged, more: list[int]) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.nn.modules import module as _module_hooks
 
-from nanoserve.adapters.step import CACHE_KWARGS, new_token_mask, paged_step
+from nanoserve.adapters.step import CACHE_KWARGS, new_token_mask
 from nanoserve.cache import block_digests
 from nanoserve.kernels.content_hash import content_digest, kernel_runs_on
 from nanoserve.log import get_logger
@@ -50,10 +50,11 @@ class _Plan:
     mask: np.ndarray | None = None  # the attention mask [B, columns] on the host
 
 
-def first_forward(stock_forward, backend: str, cache, kwargs: dict):
+def first_forward(run_step, cache, kwargs: dict):
     """Run a call's first forward sharing what is known (module docstring); returns the
     model output with a logits row for every row, or None when there is nothing to share
-    (the caller then runs the forward as usual)."""
+    (the caller then runs the forward as usual). ``run_step(kwargs, new)`` runs one paged
+    forward of ``kwargs`` whose new-token mask is ``new`` (its step begun, not ended)."""
     plan = _plan(cache, kwargs)
     if plan is None:
         return None
@@ -65,7 +66,7 @@ def first_forward(stock_forward, backend: str, cache, kwargs: dict):
         rows = kwargs  # (a mask of other rows: new_token_mask says what is wrong)
     every_row = new_token_mask(rows, paged.seq_lens)  # refuses right padding first
     trim = kwargs.get("logits_to_keep") == 1  # else every column's logits are wanted
-    computed = _prefill_common_prefixes(stock_forward, backend, cache, kwargs, plan) if trim else 0
+    computed = _prefill_common_prefixes(run_step, cache, kwargs, plan) if trim else 0
     paged.add_sequences(len(plan.leaders))
     try:
         cached = [
@@ -73,9 +74,7 @@ def first_forward(stock_forward, backend: str, cache, kwargs: dict):
             for u, (cols, digests) in enumerate(zip(plan.columns, plan.digests, strict=True))
         ]
         sub, new = _leader_inputs(kwargs, plan, cached, paged.seq_lens)
-        meta = cache.begin_step(new, ids.device)
-        with paged_step(cache, meta, backend):
-            output = stock_forward(**sub)
+        output = run_step(sub, new)
         for u, digests in enumerate(plan.digests):
             paged.publish(u, digests)
         if len(plan.leaders) < len(plan.groups):
@@ -105,7 +104,7 @@ def first_forward(stock_forward, backend: str, cache, kwargs: dict):
     return output
 
 
-def _prefill_common_prefixes(stock_forward, backend: str, cache, kwargs: dict, plan: _Plan) -> int:
+def _prefill_common_prefixes(run_step, cache, kwargs: dict, plan: _Plan) -> int:
     """Compute once, and publish, the leading full blocks that several different prompts of
     the batch share (the longest such run of each prompt, its last token never included);
     returns the tokens computed. Those rows are dropped afterwards: HF never sees them."""
@@ -134,9 +133,7 @@ def _prefill_common_prefixes(stock_forward, backend: str, cache, kwargs: dict, p
             return 0  # an earlier call stored them all
         sub, new = _leader_inputs(kwargs, prefixes, cached, paged.seq_lens, trim=True)
         computed = int(new.sum())
-        meta = cache.begin_step(new, kwargs["input_ids"].device)
-        with paged_step(cache, meta, backend):
-            stock_forward(**sub)
+        run_step(sub, new)
         for i, digests in enumerate(prefixes.digests):
             paged.publish(i, digests)
     except BaseException:

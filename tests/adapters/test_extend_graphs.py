@@ -1,0 +1,140 @@
+"""Short extend steps over cached tokens through the graph runner's static buffers.
+
+A later chat turn over a cached system prompt, the rows' own tokens after a shared prefix,
+and prefill chunks after the first run as CUDA graphs of [rows, columns] buckets: rows left
+padded to the bucket's columns, each row's padding a sequence of its own. On CPU the runner
+executes those buffers eagerly (``DecodeGraphs(capture=False)``); the GPU test captures.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import BACKENDS, check_launches, count_triton_launches, sharpen
+from test_families import tiny_model
+
+import nanoserve
+from nanoserve.adapters.decode_graphs import DecodeGraphs
+from nanoserve.adapters.extend_static import column_bucket
+from nanoserve.adapters.step import state_of
+
+GREEDY = dict(do_sample=False, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+VOCAB = 97
+
+
+def test_column_buckets():
+    assert [column_bucket(n) for n in (1, 16, 17, 32, 33, 64, 65, 200, 256, 257)] == [
+        None, None, 32, 32, 64, 64, 128, 256, 256, None,
+    ]  # fmt: skip
+
+
+def chat_batch(system: torch.Tensor, own: list[int], gen: torch.Generator, device="cpu"):
+    """Rows of ``system`` followed by their own random tokens (``own``: how many), left
+    padded with id 0."""
+    rows = [torch.cat([system, torch.randint(3, VOCAB, (n,), generator=gen)]) for n in own]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+def check_calls(model, calls, patch_options, graphs, new_tokens=4, tolerance=1e-4):
+    """Each call of ``calls`` on the patched model gives stock's tokens and logits (within
+    ``tolerance``: a bucket's padded shapes may round otherwise); returns the extend
+    replays of each call."""
+    with torch.no_grad():
+        stock = [model.generate(**call, max_new_tokens=new_tokens, **GREEDY) for call in calls]
+    nanoserve.patch_model(model, **patch_options)
+    if graphs is not None:
+        state_of(model).graphs = graphs
+    replays = []
+    try:
+        for call, expected in zip(calls, stock, strict=True):
+            before = nanoserve.decode_graph_stats(model)["extend_replays"]
+            with torch.no_grad():
+                out = model.generate(**call, max_new_tokens=new_tokens, **GREEDY)
+            assert torch.equal(out.sequences, expected.sequences)
+            for ours, theirs in zip(out.logits, expected.logits, strict=True):
+                torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance)
+            del out  # a cache the caller holds keeps its pool (and prefixes) from the next call
+            stats = nanoserve.decode_graph_stats(model)
+            assert stats["extend_disabled"] is None, stats
+            replays.append(stats["extend_replays"] - before)
+    finally:
+        nanoserve.unpatch_model(model)
+    return replays
+
+
+@BACKENDS
+def test_later_turns_over_a_cached_prompt_match_stock(backend, monkeypatch):
+    """Three calls share a 40-token system prompt; their rows' own 17..33 tokens (the
+    buckets of 32 and 64 columns, 3 rows padding the bucket of 4) extend the cached prompt
+    through the static buffers. Planted: the rows' cached lengths one short, or their block
+    tables in the padding sequences' places: failed."""
+    model = sharpen(tiny_model("llama"))
+    gen = torch.Generator().manual_seed(0)
+    system = torch.randint(3, VOCAB, (40,), generator=gen)
+    calls = [chat_batch(system, own, gen) for own in ([20, 25, 30], [18, 33], [17])]
+    launches = count_triton_launches(monkeypatch)
+    patch = {"block_size": 4, "backend": backend}
+    replays = check_calls(model, calls, patch, DecodeGraphs(capture=False))
+    check_launches(launches, backend)
+    assert replays == [1, 1, 1]  # the first call's rows extend the prefix it computed
+
+
+def test_prefill_chunks_after_the_first_take_the_extend_buffers():
+    """``prefill_chunk_size=24``: the second and third chunks of a 70-token prompt extend
+    what the first stored."""
+    model = sharpen(tiny_model("llama"))
+    gen = torch.Generator().manual_seed(1)
+    call = chat_batch(torch.randint(3, VOCAB, (30,), generator=gen), [40, 20], gen)
+    call["prefill_chunk_size"] = 24
+    replays = check_calls(model, [call], {"block_size": 4}, DecodeGraphs(capture=False))
+    assert replays == [2]
+
+
+def test_steps_outside_the_buckets_run_eagerly():
+    """A later turn of at most 16 tokens (the verify kernel's steps) and a prompt with
+    nothing cached stay eager, with stock's tokens."""
+    model = sharpen(tiny_model("llama"))
+    gen = torch.Generator().manual_seed(2)
+    system = torch.randint(3, VOCAB, (40,), generator=gen)
+    calls = [chat_batch(system, [12, 5], gen), chat_batch(system, [9, 16], gen)]
+    calls.append(chat_batch(torch.randint(3, VOCAB, (8,), generator=gen), [30], gen))
+    replays = check_calls(model, calls, {"block_size": 4}, DecodeGraphs(capture=False))
+    assert replays == [0, 0, 0]
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+@pytest.mark.gpu
+def test_captured_extends_over_a_cached_prompt_match_stock():
+    """Captured and replayed extend graphs (float32): later turns over a cached 64-token
+    system prompt give stock's tokens; the same shapes replay the captured graph."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=2, vocab_size=VOCAB,
+                         max_position_embeddings=1024)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = sharpen(LlamaForCausalLM(config).eval())
+    gen = torch.Generator().manual_seed(3)
+    system = torch.randint(3, VOCAB, (64,), generator=gen)
+    own = ([20, 25, 30], [21, 29, 24], [18, 33], [40])
+    calls = [chat_batch(system, n, gen, device="cuda") for n in own]
+    replays = check_calls(model, calls, {}, None, new_tokens=6)
+    assert replays == [1, 1, 1, 1]
+    nanoserve.patch_model(model)
+    try:
+        with torch.no_grad():
+            for call in calls[:2]:
+                model.generate(**call, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        stats = nanoserve.decode_graph_stats(model)
+    finally:
+        nanoserve.unpatch_model(model)
+    assert stats["extend_replays"] == 2 and stats["extend_disabled"] is None, stats
