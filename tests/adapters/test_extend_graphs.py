@@ -40,11 +40,13 @@ def chat_batch(system: torch.Tensor, own: list[int], gen: torch.Generator, devic
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
 
-def check_calls(model, calls, patch_options, graphs, new_tokens=4, tolerance=1e-4):
+def check_calls(model, calls, patch_options, graphs, new_tokens=4, tolerance=1e-5):
     """Each call of ``calls`` on the patched model gives stock's tokens and logits (within
-    ``tolerance``: a bucket's padded shapes may round otherwise); returns the extend
-    replays of each call."""
+    ``tolerance``); returns the extend replays of each call."""
     with torch.no_grad():
+        # a process's first stock call can take other CPU kernels (seen: logits 1.4e-3 off
+        # the later calls' with some PYTHONHASHSEED values): the references come after it
+        model.generate(**calls[0], max_new_tokens=1, do_sample=False, eos_token_id=None)
         stock = [model.generate(**call, max_new_tokens=new_tokens, **GREEDY) for call in calls]
     nanoserve.patch_model(model, **patch_options)
     if graphs is not None:
@@ -127,7 +129,7 @@ def test_captured_extends_over_a_cached_prompt_match_stock():
     system = torch.randint(3, VOCAB, (64,), generator=gen)
     own = ([20, 25, 30], [21, 29, 24], [18, 33], [40])
     calls = [chat_batch(system, n, gen, device="cuda") for n in own]
-    replays = check_calls(model, calls, {}, None, new_tokens=6)
+    replays = check_calls(model, calls, {}, None, new_tokens=6, tolerance=1e-4)
     assert replays == [1, 1, 1, 1]
     nanoserve.patch_model(model)
     try:
