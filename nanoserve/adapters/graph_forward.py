@@ -71,9 +71,13 @@ def graph_step(model, state: PatchState, stock_forward, cache, kwargs, new):
     capture) runs on static buffers. The caller ends the step (``cache.end_step``)."""
     cache_name = next(k for k in CACHE_KWARGS if kwargs.get(k) is not None)
     extra = {k: kwargs[k] for k in ("logits_to_keep",) if k in kwargs}
+    # compile_decode compiles the layers for decode steps; an extend step's shapes would
+    # compile them again for each bucket
+    decode = kwargs["input_ids"].shape[1] == 1
 
     def run_forward(static):
-        with paged_step(cache, static.meta, state.backend), _compiled(model, state):
+        layers = _compiled(model, state) if decode else contextlib.nullcontext()
+        with paged_step(cache, static.meta, state.backend), layers:
             return stock_forward(
                 input_ids=static.input_ids, position_ids=static.position_ids,
                 attention_mask=None, use_cache=True, **{cache_name: cache}, **extra,

@@ -76,7 +76,7 @@ def first_forward(run_step, cache, kwargs: dict):
         sub, new = _leader_inputs(kwargs, plan, cached, paged.seq_lens)
         output = run_step(sub, new)
         for u, digests in enumerate(plan.digests):
-            paged.publish(u, digests)
+            paged.publish(u, digests, first=cached[u] // paged.block_size)
         if len(plan.leaders) < len(plan.groups):
             paged.reorder(plan.groups)  # row i continues as a fork of its group's leader
     except BaseException:

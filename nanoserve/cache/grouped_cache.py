@@ -256,12 +256,13 @@ class GroupedKVCache:
             group._attached = group._attached or n > 0
         return n * self.block_size
 
-    def publish(self, seq: int, digests: list[bytes]) -> None:
+    def publish(self, seq: int, digests: list[bytes], first: int = 0) -> None:
         """``PagedKVCache.publish`` in every group."""
         seq = self._seq(seq)
         digests = _digests(digests)
+        first = as_index(first, "first", minimum=0)
         for group in self._groups:
-            group.publish(seq, digests)
+            group.publish(seq, digests, first)
 
     def grow(self, n: Sequence[int]) -> None:
         """Give group g ``n[g]`` more blocks (``PagedKVCache.grow``)."""

@@ -315,12 +315,14 @@ class PagedKVCache:
         self._attached = self._attached or bool(blocks)
         return len(blocks) * self.block_size
 
-    def publish(self, seq: int, digests: list[bytes]) -> None:
+    def publish(self, seq: int, digests: list[bytes], first: int = 0) -> None:
         """Make sequence ``seq``'s full blocks findable by ``digests`` (one per block from
-        the first; blocks past the digests, or not full, stay unpublished)."""
+        the first; blocks past the digests, or not full, stay unpublished). ``first``: the
+        blocks before it are known to be published (attached by ``attach_prefix``)."""
         table = self.tables[seq]
         full = table.num_tokens // self.block_size
-        for block, digest in zip(table.block_ids[:full], digests, strict=False):
+        pairs = zip(table.block_ids[first:full], digests[first:], strict=False)
+        for block, digest in pairs:
             if block != DROPPED:  # a released block was published before it was released
                 self.allocator.publish(block, digest)
 

@@ -140,3 +140,28 @@ def test_captured_extends_over_a_cached_prompt_match_stock():
     finally:
         nanoserve.unpatch_model(model)
     assert stats["extend_replays"] == 2 and stats["extend_disabled"] is None, stats
+
+
+def test_compile_decode_leaves_extend_steps_uncompiled(monkeypatch):
+    """With ``compile_decode=True`` the decode steps run the compiled layers and the extend
+    steps the stock ones (each bucket's shapes would compile them again). Planted: extend
+    steps under the compiled layers: failed."""
+    import contextlib
+
+    from nanoserve.adapters import graph_forward
+
+    entered = []
+    monkeypatch.setattr(
+        graph_forward,
+        "_compiled",
+        lambda model, state: entered.append(state.compile_decode) or contextlib.nullcontext(),
+    )
+    model = sharpen(tiny_model("llama"))
+    gen = torch.Generator().manual_seed(4)
+    system = torch.randint(3, VOCAB, (40,), generator=gen)
+    calls = [chat_batch(system, own, gen) for own in ([20, 25], [30, 18])]
+    graphs = DecodeGraphs(capture=False)
+    patch = {"block_size": 4, "compile_decode": True}
+    replays = check_calls(model, calls, patch, graphs)
+    assert replays == [1, 1]
+    assert entered == [True] * (graphs.replays - graphs.extend_replays)

@@ -119,3 +119,20 @@ def test_a_later_cache_over_the_same_pools_finds_the_published_prefix():
     assert later.seq_lens() == [10, 2]
     with pytest.raises(ValueError, match="^allocator"):
         PagedKVCache(2, num_blocks=4, block_size=4, allocator=allocator)
+
+
+def test_publish_from_a_first_block_leaves_the_earlier_ones_as_they_were():
+    """``publish(seq, digests, first)``: the attached blocks before ``first`` are published
+    already and are not looked at again; the blocks from ``first`` on become findable."""
+    import torch
+    from test_paged_cache import step
+
+    from nanoserve import PagedKVCache
+
+    cache = PagedKVCache(2, num_blocks=8, block_size=4)
+    step(cache, torch.ones(1, 12, dtype=torch.bool), 2)
+    digests = block_digests(list(range(12)), 4)
+    cache.publish(0, digests, first=1)
+    allocator, blocks = cache.allocator, cache.tables[0].block_ids
+    assert [allocator.is_published(b) for b in blocks] == [False, True, True]
+    assert allocator.lookup(digests[0]) is None and allocator.lookup(digests[2]) == blocks[2]
