@@ -10,9 +10,10 @@ Every tensor is read as raw words: 4 bytes wide when its address and byte count 
 (``fmix32``: MurmurHash3's finalizer, a bijection of 32-bit words), and the digest of each
 word width is the sum of ``a`` and of ``b`` over all its words, modulo 2**32. A change of one
 word always changes both sums (the finalizer is a bijection); moving values between places,
-within a tensor or between tensors, changes them except by a 2**-64 chance. Sums of integers
-do not depend on their order: the digest is the same however the work is split. Not a
-cryptographic hash: changes made to cancel can pass.
+within a tensor or between tensors, changes them except by a 2**-64 chance (word indices
+are taken modulo 2**32: in one tensor of over 16 GiB, words 2**32 apart share an index).
+Sums of integers do not depend on their order: the digest is the same however the work is
+split. Not a cryptographic hash: changes made to cancel can pass.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def word_groups(tensors: Sequence[torch.Tensor]) -> dict[int, list[tuple[int, to
         devices.add(tensor.device)
         if tensor.numel() == 0:
             continue
-        flat = tensor.detach().reshape(-1)
+        flat = tensor.detach().reshape(-1).resolve_neg()  # (a lazily negated view's values)
         if flat.is_complex():
             flat = torch.view_as_real(flat.resolve_conj()).reshape(-1)
         raw = flat.contiguous().view(torch.uint8)

@@ -32,6 +32,7 @@ def mixed_tensors(gen: torch.Generator) -> list[torch.Tensor]:
         storage.view(torch.uint8)[3:20],  # starts 3 bytes in
         torch.randn(6, 4, generator=gen).t(),  # strided: read through a copy
         torch.randn(4, generator=gen, dtype=torch.complex64),
+        torch._neg_view(torch.randn(5, generator=gen)),  # values negated lazily
         torch.tensor(float("nan")),  # 0-dim, NaN
         torch.tensor([float("inf"), float("-inf")]),
         torch.randn(0, 3, generator=gen),  # no elements: left out
@@ -114,6 +115,8 @@ def test_bad_tensors_are_named():
         content_digest([torch.ones(2), torch.ones(2, device="meta")])
     with pytest.raises(ValueError, match=r"tensors\[0\]: expected a torch.Tensor"):
         content_digest([[1.0]])
+    values = torch.randn(6)
+    assert content_digest([torch._neg_view(values)]) == content_digest([-values])
     with pytest.raises(ValueError, match="backend"):
         content_digest([torch.ones(2)], backend="cuda")
     assert content_digest([]) == ()
