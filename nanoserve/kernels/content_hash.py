@@ -99,11 +99,13 @@ def group_sums_ref(items: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
     return total
 
 
-def chunk_table(items: list[tuple[int, torch.Tensor]], chunk_words: int) -> tuple:
-    """The kernel's work items over ``items`` (tensor number, words) of one width: (the base
-    tensor, int64 [4, C] rows: word offset from the base's address, words in the item, index
-    of its first word in its tensor, tensor number). The base is the tensor at the lowest
-    address, so every offset is >= 0."""
+def chunk_table(
+    items: list[tuple[int, torch.Tensor]], chunk_words: int
+) -> tuple[int, torch.Tensor]:
+    """The kernel's work items over ``items`` (tensor number, words) of one width: (the base,
+    the place in ``items`` of the words at the lowest address, so every offset is >= 0;
+    int64 [4, C] rows: word offset from the base's address, words in the item, index of its
+    first word in its tensor, tensor number)."""
     addresses = np.array([words.data_ptr() for _, words in items], dtype=np.int64)
     counts = np.array([words.numel() for _, words in items], dtype=np.int64)
     numbers = np.array([number for number, _ in items], dtype=np.int64)
@@ -116,7 +118,7 @@ def chunk_table(items: list[tuple[int, torch.Tensor]], chunk_words: int) -> tupl
     offsets = (addresses[owner] - addresses[base]) // width + starts
     sizes = np.minimum(counts[owner] - starts, chunk_words)
     table = np.stack([offsets, sizes, starts, numbers[owner]])
-    return items[base][1], torch.from_numpy(table)
+    return base, torch.from_numpy(table)
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
@@ -138,12 +140,9 @@ def kernel_runs_on(backend: str, device: torch.device) -> bool:
 
 
 def _use_triton(backend: str, device: torch.device) -> bool:
-    if backend == "torch":
-        return False
-    if backend == "auto":
-        return device.type == "cuda" and triton_installed()
-    if not triton_installed():
+    """``kernel_runs_on``, but "triton" where the kernel cannot run raises ValueError."""
+    if backend == "triton" and not triton_installed():
         raise ValueError("backend: 'triton' needs the triton package, which is not installed")
-    if device.type != "cuda" and not _interpreting():
+    if backend == "triton" and device.type != "cuda" and not _interpreting():
         raise ValueError("backend: 'triton' on CPU tensors needs TRITON_INTERPRET=1")
-    return True
+    return kernel_runs_on(backend, device)

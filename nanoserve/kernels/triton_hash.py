@@ -17,7 +17,7 @@ from nanoserve.kernels.content_hash import CHUNK_WORDS, LANES, chunk_table
 
 BLOCK_WORDS = 2048
 # device copies of recent work-item tables, keyed by what they are computed from
-_TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_TABLES: OrderedDict[tuple, tuple[int, torch.Tensor]] = OrderedDict()
 _TABLES_KEPT = 8
 
 
@@ -93,15 +93,12 @@ def _device_table(items, chunk_words: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(base tensor, the work-item table on the device), the table built once per layout."""
     words = [w for _, w in items]
     key = (words[0].device, chunk_words, *((n, w.data_ptr(), w.numel()) for n, w in items))
-    cached = _TABLES.get(key)
-    if cached is not None:
+    if key in _TABLES:
         _TABLES.move_to_end(key)
-        position = int(cached[0])
-        return words[position], cached[1]
-    base, table = chunk_table(items, chunk_words)
-    position = next(i for i, w in enumerate(words) if w is base)
-    table = table.to(base.device)
-    _TABLES[key] = (torch.tensor(position), table)
-    while len(_TABLES) > _TABLES_KEPT:
-        _TABLES.popitem(last=False)
-    return base, table
+    else:
+        base, table = chunk_table(items, chunk_words)
+        _TABLES[key] = (base, table.to(words[0].device))
+        while len(_TABLES) > _TABLES_KEPT:
+            _TABLES.popitem(last=False)
+    base, table = _TABLES[key]
+    return words[base], table
