@@ -196,9 +196,18 @@ def provider_patched(model, ids, mask, lens, new, device, **patch_kwargs):
         if patch_kwargs.get("cuda_graphs") and graphs["disabled"]:
             raise RuntimeError(f"graphs disabled: {graphs['disabled']}")
         check_loop(graphs, patch_kwargs.get("decode_loop", True))
+        fused = patch_kwargs.get("fuse_projections", True) and ids.shape[0] <= 16
+        check_fused(graphs, fused and device == "cuda" and patch_kwargs.get("cuda_graphs"))
     finally:
         nanoserve.unpatch_model(model)
     return out, secs, stats["bytes_reserved"]
+
+
+def check_fused(graphs: dict, expected: bool) -> None:
+    """RuntimeError when the projections ran fused and should not have, or the reverse."""
+    ran = graphs["fused_projections"] != (0, 0)
+    if ran != expected:
+        raise RuntimeError(f"fused projections expected {expected}, ran {graphs}")
 
 
 def check_loop(graphs: dict, decode_loop: bool) -> None:
@@ -275,6 +284,12 @@ PROVIDERS = {
     "nanoserve_graphs": functools.partial(provider_patched, cuda_graphs=True),
     "nanoserve_graphs_compiled": functools.partial(
         provider_patched, cuda_graphs=True, compile_decode=True
+    ),
+    "nanoserve_graphs_unfused": functools.partial(
+        provider_patched, cuda_graphs=True, fuse_projections=False
+    ),
+    "nanoserve_graphs_compiled_unfused": functools.partial(
+        provider_patched, cuda_graphs=True, compile_decode=True, fuse_projections=False
     ),
     "nanoserve_graphs_hf_loop": functools.partial(
         provider_patched, cuda_graphs=True, decode_loop=False
@@ -542,6 +557,9 @@ def eos_spread(model, device: str, tiny: bool) -> list[dict]:
           f"{statistics.median(lengths)}, max {max(lengths)}", flush=True)  # fmt: skip
     providers = {
         "nanoserve, own decode loop": dict(decode_loop=True),
+        "nanoserve, own decode loop, unfused projections": dict(
+            decode_loop=True, fuse_projections=False
+        ),
         "nanoserve, HF's loop": dict(decode_loop=False),
         "stock static + compile": None,
     }
@@ -583,8 +601,13 @@ def step_profile(model, device: str, tiny: bool) -> list[dict]:
     new = 32 if tiny else 256
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     rows = []
-    for name, loop in (("nanoserve, own decode loop", True), ("nanoserve, HF's loop", False)):
-        nanoserve.patch_model(model, decode_loop=loop)
+    variants = (
+        ("nanoserve, own decode loop", True, True),
+        ("nanoserve, own decode loop, unfused projections", True, False),
+        ("nanoserve, HF's loop", False, True),
+    )
+    for name, loop, fuse in variants:
+        nanoserve.patch_model(model, decode_loop=loop, fuse_projections=fuse)
         try:
             run_generate(model, ids, mask, new, device)  # compiles, captures
             with profile(activities=activities) as prof:

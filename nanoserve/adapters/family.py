@@ -65,7 +65,9 @@ class Family:
     nothing more than GenerationMixin's in a call that ends at ``max_length`` tokens, so
     nanoserve's decode loop may skip it (None: never). ``cache_groups`` gives the layer
     groups (``KVLayout.layer_groups``) of a model mixing sliding and global layers, or None
-    (the default: every layer in one pool).
+    (the default: every layer in one pool). ``gated_mlp_classes``: the family's MLP classes
+    whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (``fuse_projections``
+    runs them as two launches when ``act_fn`` is SiLU).
     """
 
     name: str
@@ -76,6 +78,7 @@ class Family:
     cache_window: Callable[[object], int | None] = uniform_window
     plain_steps: Callable[[object, int], bool] | None = None
     cache_groups: Callable[[object], tuple | None] = lambda config: None
+    gated_mlp_classes: tuple[str, ...] = ()
 
     def layout(self, config) -> KVLayout:
         """``kv_layout(config)`` with its ``sliding_window`` from ``cache_window`` and its

@@ -17,8 +17,10 @@ import torch
 from nanoserve.adapters.compiled_layers import CompiledLayers
 from nanoserve.adapters.decode_graphs import bucket_for
 from nanoserve.adapters.extend_static import MAX_TOKENS, column_bucket
+from nanoserve.adapters.fused_projections import FusedProjections
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step
+from nanoserve.adapters.tensor_parallel import tp_size
 
 # Forward arguments a captured decode step reproduces; any other one runs the step eagerly.
 _GRAPH_KWARGS = {
@@ -77,7 +79,8 @@ def graph_step(model, state: PatchState, stock_forward, cache, kwargs, new):
 
     def run_forward(static):
         layers = _compiled(model, state) if decode else contextlib.nullcontext()
-        with paged_step(cache, static.meta, state.backend), layers:
+        fused = _fused(model, state) if decode else contextlib.nullcontext()
+        with paged_step(cache, static.meta, state.backend), layers, fused:
             return stock_forward(
                 input_ids=static.input_ids, position_ids=static.position_ids,
                 attention_mask=None, use_cache=True, **{cache_name: cache}, **extra,
@@ -104,6 +107,17 @@ def _compiled(model, state: PatchState):
     if state.compiled_layers is None:
         state.compiled_layers = CompiledLayers(family_for(model.config).decoder_layers(model))
     return state.compiled_layers.active()
+
+
+def _fused(model, state: PatchState):
+    if not state.fuse_projections or state.backend == "torch" or tp_size(model) > 1:
+        return contextlib.nullcontext()  # (tensor-parallel layers reduce in their hooks)
+    if state.fused_projections is None:
+        family = family_for(model.config)
+        state.fused_projections = FusedProjections(
+            family.decoder_layers(model), family.gated_mlp_classes, state.backend
+        )
+    return state.fused_projections.active()
 
 
 def memory_signature(model, cache) -> tuple:

@@ -70,6 +70,7 @@ def patch_model(
     max_memory=None,
     cuda_graphs: bool = True,
     compile_decode: bool = False,
+    fuse_projections: bool = True,
     backend: str = "auto",
     keep_pools: bool = True,
     prefix_sharing: bool = True,
@@ -88,7 +89,11 @@ def patch_model(
     ``cuda_graphs`` (the default) decode steps on CUDA replay captured CUDA graphs; on CPU,
     or with ``cuda_graphs=False``, every step runs eagerly. ``compile_decode`` also runs the
     decoder layers of those graph steps through ``torch.compile`` (fewer, fused kernels;
-    close to but not bit-equal with stock eager; see ``compiled_layers.py``). ``backend``
+    close to but not bit-equal with stock eager; see ``compiled_layers.py``).
+    ``fuse_projections`` (the default): in those graph steps of a float16 / bfloat16 model
+    with at most 16 rows, each layer's q/k/v projections run as one Triton launch and a
+    SiLU-gated MLP as two (``fused_projections.py``; float32 accumulation as cuBLAS, another
+    summation order, so the last bit can differ from stock's). ``backend``
     picks the kernels of every paged step: "auto" (Triton on CUDA, the torch references on
     CPU), "triton" (on CPU under ``TRITON_INTERPRET=1``) or "torch". ``keep_pools`` (the
     default) keeps a finished call's pool, and the decode graphs captured over it, for the
@@ -124,6 +129,7 @@ def patch_model(
     for name, value in (
         ("cuda_graphs", cuda_graphs),
         ("compile_decode", compile_decode),
+        ("fuse_projections", fuse_projections),
         ("keep_pools", keep_pools),
         ("prefix_sharing", prefix_sharing),
         ("decode_loop", decode_loop),
@@ -143,6 +149,7 @@ def patch_model(
         backend=backend,
         cuda_graphs=cuda_graphs,
         compile_decode=compile_decode,
+        fuse_projections=fuse_projections,
         keep_pools=keep_pools,
         prefix_sharing=prefix_sharing,
         decode_loop=decode_loop,
@@ -249,9 +256,15 @@ def decode_graph_stats(model) -> dict:
     ``extend_replays``: short extend steps), why decode graphs (``disabled``) or extend
     graphs (``extend_disabled``) were turned off (None while they are on), and which loop
     the latest greedy / sampling call ran (``decode_loop``: "nanoserve", "stock: <why>", or
-    None before any)."""
+    None before any), and ``fused_projections``: (attention modules, MLPs) whose
+    projections have run fused in a graph step (``fuse_projections``; (0, 0) before)."""
     state = _state(model)
-    graphs, loop = state.graphs, {"decode_loop": state.last_loop}
+    fused = state.fused_projections
+    loop = {
+        "decode_loop": state.last_loop,
+        "fused_projections": fused.num_fused if fused is not None else (0, 0),
+    }
+    graphs = state.graphs
     if graphs is None:
         off = dict(enabled=False, graphs=0, captures=0, replays=0, extend_replays=0)
         return off | {"disabled": None, "extend_disabled": None} | loop
@@ -432,7 +445,8 @@ def _options(model, state: PatchState, dropout: str | None) -> dict:
     options, the attention implementation and whether the model drops out."""
     return dict(
         pool=state.pool, backend=state.backend, cuda_graphs=state.cuda_graphs,
-        compile_decode=state.compile_decode, keep_pools=state.keep_pools,
+        compile_decode=state.compile_decode, fuse_projections=state.fuse_projections,
+        keep_pools=state.keep_pools,
         prefix_sharing=state.prefix_sharing, decode_loop=state.decode_loop,
         attn_implementation=model.config._attn_implementation, dropout=dropout,
     )  # fmt: skip

@@ -53,6 +53,7 @@ class PagedConfig:
     max_memory: int | None = None
     cuda_graphs: bool = True
     compile_decode: bool = False
+    fuse_projections: bool = True
     backend: str = "auto"
     keep_pools: bool = True
     prefix_sharing: bool = True
@@ -69,7 +70,10 @@ class PagedConfig:
             self.kv_dtype,
             self.kv_scale,
         )
-        flags = ("cuda_graphs", "compile_decode", "keep_pools", "prefix_sharing", "decode_loop")
+        flags = (
+            "cuda_graphs", "compile_decode", "fuse_projections", "keep_pools",
+            "prefix_sharing", "decode_loop",
+        )  # fmt: skip
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")

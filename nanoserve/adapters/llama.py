@@ -28,4 +28,5 @@ LLAMA = Family(
     kv_layout=kv_layout,
     decoder_layers=lambda model: model.base_model.layers,
     check=check,
+    gated_mlp_classes=("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"),
 )

@@ -1,0 +1,176 @@
+"""A captured step's projections in fewer, faster launches (16-bit models, up to 16 rows).
+
+At batch 1 a decode step's matrix work is reading weights, and cuBLAS reads a layer's small
+k and v projections at a fraction of the bandwidth. Inside ``FusedProjections.active()``
+(entered while the CUDA-graph runner warms up and captures a step) each decoder layer's
+q, k and v projections run as one ``small_batch_linear`` launch, and a gated MLP of the
+form ``down(silu(gate(x)) * up(x))`` as two (gate and up with the activation and product,
+then down).
+
+q/k/v work with any attention module: the first of the three called computes all three and
+leaves the others' outputs for them, matched by the identity of the input tensor; a module
+called on another input (or a step of more rows than the kernel takes) computes its own with
+``torch.nn.functional.linear``, as stock does. The MLP is replaced only for the classes the
+family names (``Family.gated_mlp_classes``), whose forward is that formula, and only when
+none of its projections carries a hook (the fused forward does not call them).
+
+Outputs accumulate in float32 and round once, as cuBLAS does; the summation order differs,
+so 16-bit results can differ from stock's in the last bit, as they differ between cuBLAS's
+own kernels for other batch sizes. float32 models keep torch's projections (exact).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels.dispatch import use_triton
+from nanoserve.kernels.small_batch_linear import MAX_ROWS, small_batch_linear
+
+FUSED_DTYPES = (torch.float16, torch.bfloat16)
+_SILU_TYPES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers' (both F.silu)
+
+
+class _Siblings:
+    """Linear layers reading one input: the first called computes all of them at once."""
+
+    def __init__(self, linears: Sequence[torch.nn.Linear], backend: str, ran: set):
+        self.linears = list(linears)
+        self.backend = backend
+        self.ran = ran
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward_of(self, index: int):
+        linear = self.linears[index]
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            held = self.pending.pop(index, None)
+            if held is not None and held[0] is x:
+                return held[1]
+            if not fits(x, self.linears, self.backend):
+                return F.linear(x, linear.weight, linear.bias)
+            weights = [m.weight for m in self.linears]
+            biases = [m.bias for m in self.linears] if linear.bias is not None else None
+            out = small_batch_linear(x.reshape(-1, x.shape[-1]), weights, biases)
+            sizes = [w.shape[0] for w in weights]
+            outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in out.split(sizes, dim=-1)]
+            self.pending = {i: (x, y) for i, y in enumerate(outs) if i != index}
+            self.ran.add(("attention", id(self)))
+            return outs[index]
+
+        return forward
+
+
+def _gated_mlp_forward(mlp, stock_forward, backend: str, ran: set):
+    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not fits(x, (gate, up, down), backend):
+            return stock_forward(x)
+        flat = x.reshape(-1, x.shape[-1])
+        biases = [gate.bias, up.bias] if gate.bias is not None else None
+        hidden = small_batch_linear(flat, [gate.weight, up.weight], biases, gated=True)
+        down_bias = [down.bias] if down.bias is not None else None
+        out = small_batch_linear(hidden, [down.weight], down_bias)
+        ran.add(("mlp", id(mlp)))
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    return forward
+
+
+def fits(x: torch.Tensor, linears: Sequence[torch.nn.Linear], backend: str) -> bool:
+    """True when the kernel takes ``x`` through ``linears``: 16-bit, at most 16 rows, weights
+    of x's dtype, device and width, biases on all or none."""
+    if x.dtype not in FUSED_DTYPES or x.dim() < 2 or x.stride(-1) != 1:
+        return False
+    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.numel() == 0:
+        return False
+    if len({m.bias is None for m in linears}) > 1:
+        return False
+    for m in linears:
+        w = m.weight
+        if w.dtype != x.dtype or w.device != x.device or not w.is_contiguous():
+            return False
+    return use_triton(backend, x)
+
+
+def _plain_linear(module) -> bool:
+    """An nn.Linear itself (not a subclass: LoRA and quantized layers compute more)."""
+    return type(module) is torch.nn.Linear
+
+
+def _attention_siblings(attention) -> tuple[torch.nn.Linear, ...] | None:
+    names = ("q_proj", "k_proj", "v_proj")
+    linears = tuple(getattr(attention, n, None) for n in names)
+    if not all(_plain_linear(m) for m in linears):
+        return None
+    if len({m.in_features for m in linears}) != 1:
+        return None
+    return linears
+
+
+def _gated_mlp(mlp, classes: Sequence[str]) -> bool:
+    if type(mlp).__name__ not in classes or "forward" in mlp.__dict__:
+        return False
+    parts = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(_plain_linear(m) for m in parts):
+        return False
+    gate, up, down = parts
+    act = getattr(mlp, "act_fn", None)
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (*parts, act) if m is not None):
+        return False  # the fused forward calls none of them: their hooks would not run
+    return (
+        type(act).__name__ in _SILU_TYPES
+        and "forward" not in act.__dict__
+        and gate.weight.shape == up.weight.shape
+        and down.in_features == gate.out_features
+    )
+
+
+class FusedProjections:
+    """The fused forwards of ``layers``' projections, swapped in only inside ``active()``."""
+
+    def __init__(
+        self, layers: Sequence[torch.nn.Module], gated_mlp_classes: Sequence[str], backend: str
+    ):
+        # (module, its fused forward); compile_decode's compiled layers call them uncompiled
+        self.swaps: list[tuple[torch.nn.Module, object]] = []
+        self.siblings: list[_Siblings] = []
+        self.ran: set[tuple[str, int]] = set()  # ("attention" | "mlp", id) that ran fused
+        for layer in layers:
+            attention = getattr(layer, "self_attn", None)
+            linears = _attention_siblings(attention) if attention is not None else None
+            if linears is not None:
+                group = _Siblings(linears, backend, self.ran)
+                self.siblings.append(group)
+                self.swaps += [(m, group.forward_of(i)) for i, m in enumerate(linears)]
+            mlp = getattr(layer, "mlp", None)
+            if mlp is not None and _gated_mlp(mlp, gated_mlp_classes):
+                self.swaps.append((mlp, _gated_mlp_forward(mlp, mlp.forward, backend, self.ran)))
+        self.swaps = [(m, torch.compiler.disable(f)) for m, f in self.swaps]
+
+    @property
+    def num_fused(self) -> tuple[int, int]:
+        """(attention modules whose q/k/v ran as one launch, MLPs that ran gated), counted
+        over every step so far (a step the kernel does not take runs stock's forwards)."""
+        kinds = [kind for kind, _ in self.ran]
+        return kinds.count("attention"), kinds.count("mlp")
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        saved = [module.__dict__.get("forward") for module, _ in self.swaps]
+        for module, forward in self.swaps:
+            module.forward = forward
+        try:
+            yield
+        finally:
+            for group in self.siblings:
+                group.pending = {}
+            for (module, _), forward in zip(self.swaps, saved, strict=True):
+                if forward is None:
+                    del module.forward
+                else:
+                    module.forward = forward

@@ -1,0 +1,167 @@
+"""Linear layers of a few rows (a decode step's projections): kernel launcher and reference.
+
+``small_batch_linear(x, weights)`` is ``torch.cat([x @ w.T + b for w, b in ...], -1)`` for
+one to three weights that read the same x (fused: one launch), and with ``gated=True``
+``silu(x @ gate.T) * (x @ up.T)``; products accumulate in float32 and each output is
+rounded to x's dtype where eager PyTorch rounds it (the layer's output, silu's output, the
+product). Summation order differs from cuBLAS's, so 16-bit outputs can differ from
+``torch.nn.functional.linear`` in the last bit, as they differ between cuBLAS's own kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from nanoserve.kernels.dispatch import sm_count, use_triton
+
+MAX_ROWS = 16
+MAX_WEIGHTS = 3
+
+
+class LinearConfig(NamedTuple):
+    """Tile and launch shape: output columns and K per step of a program, K shares."""
+
+    block_n: int
+    block_k: int
+    split: int
+    num_warps: int
+    num_stages: int
+
+
+def small_batch_linear_ref(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None] | None = None,
+    *,
+    gated: bool = False,
+) -> torch.Tensor:
+    """Reference. x [M, K]; weights [N_i, K]; biases [N_i] or None; same dtype throughout.
+
+    Returns [M, sum N_i] in x.dtype (gated: [M, N], from exactly two weights of equal N),
+    computed in float64 (no TF32 on any device) and rounded once per output.
+    """
+    compute = torch.float64
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    outs = []
+    for w, b in zip(weights, biases, strict=True):
+        y = x.to(compute) @ w.to(compute).T
+        if b is not None:
+            y = y + b.to(compute)
+        outs.append(y.to(x.dtype))
+    if not gated:
+        return torch.cat(outs, dim=-1)
+    g, u = outs
+    act = torch.nn.functional.silu(g.to(compute)).to(x.dtype)
+    return (act.to(compute) * u.to(compute)).to(x.dtype)
+
+
+def small_batch_linear(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None] | None = None,
+    *,
+    gated: bool = False,
+    backend: str = "auto",
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """``small_batch_linear_ref``'s result by one Triton launch (two with K split in shares).
+
+    x [M, K] with 1 <= M <= 16 and unit stride in K; weights 1 to 3 contiguous [N_i, K]
+    (gated: gate and up, equal shapes); float16, bfloat16 or float32 (float32 exact, no
+    TF32). ``config`` overrides the tile choice (benchmarks). Returns a new [M, sum N_i]
+    tensor of x's dtype (gated [M, N]).
+    """
+    weights = list(weights)
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    _check(x, weights, biases, gated)
+    rows, k = x.shape
+    sizes = [w.shape[0] for w in weights]
+    width = sizes[0] if gated else sum(sizes)
+    if not use_triton(backend, x):
+        return small_batch_linear_ref(x, weights, biases, gated=gated)
+    from nanoserve.kernels.triton_linear import _linear_kernel, _sum_shares_kernel
+
+    cfg = config or choose_config(rows, k, sizes, gated, x.device)
+    block_m = 16
+    tiles = [-(-n // cfg.block_n) for n in (sizes[:1] if gated else sizes)]
+    share = -(-k // cfg.split)
+    share = -(-share // cfg.block_k) * cfg.block_k  # every share but the last is whole tiles
+    split = -(-k // share)
+    out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    partial = out
+    if split > 1:
+        partial = torch.empty(split, block_m, 2 * width if gated else width,
+                              dtype=torch.float32, device=x.device)  # fmt: skip
+    pad = [weights[0]] * (MAX_WEIGHTS - len(weights))
+    w0, w1, w2 = weights + pad
+    b0, b1, b2 = [b if b is not None else weights[0] for b in biases + [None] * len(pad)]
+    n0, n1, n2 = sizes + [0] * len(pad)
+    has_bias = biases[0] is not None
+    fp32 = x.dtype == torch.float32
+    _linear_kernel[(sum(tiles), split)](
+        x, x.stride(0), rows, k,
+        w0, w1, w2, b0, b1, b2, n0, n1, n2,
+        tiles[0], tiles[1] if len(tiles) > 1 else 0,
+        out, out.stride(0), partial, share,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT=split, GATED=gated, HAS_BIAS=has_bias, EVEN_K=k % cfg.block_k == 0,
+        FP32=fp32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        sum_block = 64
+        _sum_shares_kernel[(-(-width // sum_block),)](
+            partial, out, out.stride(0), rows, b0, b1, b2, n0, n1,
+            width=width, BLOCK_M=block_m, BLOCK_N=sum_block,
+            SPLIT=split, GATED=gated, HAS_BIAS=has_bias,
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def choose_config(
+    rows: int, k: int, sizes: Sequence[int], gated: bool, device: torch.device
+) -> LinearConfig:
+    """Tiles of 32 columns (64 for wide outputs); when the tiles fill under half of the SMs,
+    K is split into up to 4 shares of at least 2,048 (fewer shares would not pay for the
+    second pass), so that every SM streams weights."""
+    del rows  # up to 16 rows share one tile shape
+    wide = sizes[0] >= 12288 if gated else sum(sizes) >= 4096
+    block_n = 64 if wide else 32
+    tiles = -(-sizes[0] // block_n) if gated else sum(-(-n // block_n) for n in sizes)
+    split, sms = 1, sm_count(device)
+    if not gated and tiles < sms // 2:
+        while split < 4 and tiles * split < 2 * sms and k // (2 * split) >= 2048:
+            split *= 2
+    block_k = 128 if gated or split > 1 else 256
+    return LinearConfig(block_n, block_k, split, num_warps=4, num_stages=4)
+
+
+def _check(x, weights, biases, gated) -> None:
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x: expected [M, K] with 1 <= M <= {MAX_ROWS}, got {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        raise ValueError("x: the last dimension must have unit stride")
+    if not 1 <= len(weights) <= MAX_WEIGHTS:
+        raise ValueError(f"weights: expected 1 to {MAX_WEIGHTS}, got {len(weights)}")
+    if gated and (len(weights) != 2 or weights[0].shape != weights[1].shape):
+        raise ValueError("weights: gated=True takes a gate and an up weight of equal shape")
+    if len(biases) != len(weights):
+        raise ValueError(f"biases: expected {len(weights)} entries, got {len(biases)}")
+    if len({b is None for b in biases}) > 1:
+        raise ValueError("biases: give a bias for every weight or for none")
+    for i, w in enumerate(weights):
+        if w.dim() != 2 or w.shape[1] != x.shape[1] or not w.is_contiguous():
+            raise ValueError(
+                f"weights[{i}]: expected a contiguous [N, {x.shape[1]}] tensor, got "
+                f"{tuple(w.shape)} (contiguous: {w.is_contiguous()})"
+            )
+        if w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(f"weights[{i}]: dtype/device {w.dtype}/{w.device} differ from x's")
+        b = biases[i]
+        same_kind = b is None or (b.dtype, b.device) == (x.dtype, x.device)
+        if b is not None and (b.shape != (w.shape[0],) or not same_kind):
+            raise ValueError(f"biases[{i}]: expected [{w.shape[0]}] of x's dtype and device")

@@ -1,0 +1,160 @@
+"""Triton kernel for the projections of a decode step: y = x @ W.T for a few rows of x.
+
+At one to sixteen rows a linear layer only reads its weight, and a decode step of a small
+model reads many small ones (cuBLAS reaches a fraction of the bandwidth on a 2 MiB matrix).
+One launch here covers up to three weights that read the same input (a layer's q, k and v
+projections) or a gate and an up projection with the activation and product applied as they
+are written (``silu(x @ Wg.T) * (x @ Wu.T)``, rounded where eager PyTorch rounds).
+
+Each program computes a ``BLOCK_N``-column tile of one weight's output over a ``1 / SPLIT``
+share of K with float32 accumulation; with ``SPLIT > 1`` the shares go to a float32
+workspace that a second kernel sums in a fixed order (no atomics: the result does not change
+from run to run). ``small_batch_linear.py`` holds the launcher and the reference.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.triton_common import mma_acc
+
+
+@triton.jit
+def _pick(index, a, b, c):
+    """a, b or c by a runtime index 0, 1 or 2 (the three weights' pointers or sizes)."""
+    return tl.where(index == 0, a, tl.where(index == 1, b, c))
+
+
+@triton.jit
+def _tile_product(
+    x, stride_x, rows, M, w, cols, n, k_lo, k_hi, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, FP32: tl.constexpr,
+):  # fmt: skip
+    """float32 [BLOCK_M, BLOCK_N]: rows of x times columns ``cols`` of W.T over k_lo..k_hi."""
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows[:, None] < M
+    col_ok = cols[None, :] < n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        kk = k + ks
+        if EVEN_K:
+            xt = tl.load(x + rows[:, None] * stride_x + kk[None, :], mask=row_ok, other=0.0)
+            wt = tl.load(w + cols[None, :] * K + kk[:, None], mask=col_ok, other=0.0)
+        else:
+            k_ok = kk < k_hi
+            x_ok = row_ok & k_ok[None, :]
+            xt = tl.load(x + rows[:, None] * stride_x + kk[None, :], mask=x_ok, other=0.0)
+            w_ok = col_ok & k_ok[:, None]
+            wt = tl.load(w + cols[None, :] * K + kk[:, None], mask=w_ok, other=0.0)
+        acc = mma_acc(xt, wt, acc, FP32)
+    return acc
+
+
+@triton.jit
+def _finish(acc, bias, cols, n, HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """The layer's output dtype from a float32 tile: bias added first, rounded once."""
+    if HAS_BIAS:
+        acc += tl.load(bias + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+    return acc.to(OUT_DTYPE)
+
+
+@triton.jit
+def _gate(g, u, OUT_DTYPE: tl.constexpr):
+    """silu(g) * u from rounded g and u, rounding silu's result as eager PyTorch does."""
+    g = g.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(OUT_DTYPE).to(tl.float32)
+    return (act * u.to(tl.float32)).to(OUT_DTYPE)
+
+
+@triton.jit
+def _linear_kernel(
+    x, stride_x, M, K,
+    w0, w1, w2, b0, b1, b2, n0, n1, n2, tiles0, tiles1,
+    out, stride_out, partial, k_share,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, FP32: tl.constexpr,
+):  # fmt: skip
+    out_dtype = out.dtype.element_ty
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    k_lo = split * k_share
+    k_hi = tl.minimum(k_lo + k_share, K)
+    if GATED:
+        # one tile of the gate's columns and the same tile of the up projection's
+        tile = pid
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        g = _tile_product(x, stride_x, rows, M, w0, cols, n0, k_lo, k_hi, K,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP32)  # fmt: skip
+        u = _tile_product(x, stride_x, rows, M, w1, cols, n0, k_lo, k_hi, K,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP32)  # fmt: skip
+        ok = (rows[:, None] < M) & (cols[None, :] < n0)
+        if SPLIT == 1:
+            y = _gate(_finish(g, b0, cols, n0, HAS_BIAS, out_dtype),
+                      _finish(u, b1, cols, n0, HAS_BIAS, out_dtype), out_dtype)  # fmt: skip
+            tl.store(out + rows[:, None] * stride_out + cols[None, :], y, mask=ok)
+        else:
+            base = partial + split * BLOCK_M * 2 * n0 + rows[:, None] * 2 * n0 + cols[None, :]
+            tl.store(base, g, mask=ok)
+            tl.store(base + n0, u, mask=ok)
+    else:
+        index = (pid >= tiles0).to(tl.int32) + (pid >= tiles0 + tiles1).to(tl.int32)
+        tile = pid - _pick(index, 0, tiles0, tiles0 + tiles1)
+        w = _pick(index, w0, w1, w2)
+        bias = _pick(index, b0, b1, b2)
+        n = _pick(index, n0, n1, n2)
+        first_col = _pick(index, 0, n0, n0 + n1)
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _tile_product(x, stride_x, rows, M, w, cols, n, k_lo, k_hi, K,
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP32)  # fmt: skip
+        ok = (rows[:, None] < M) & (cols[None, :] < n)
+        if SPLIT == 1:
+            y = _finish(acc, bias, cols, n, HAS_BIAS, out_dtype)
+            tl.store(out + rows[:, None] * stride_out + first_col + cols[None, :], y, mask=ok)
+        else:
+            width = n0 + n1 + n2
+            base = partial + split * BLOCK_M * width + rows[:, None] * width
+            tl.store(base + first_col + cols[None, :], acc, mask=ok)
+
+
+@triton.jit
+def _sum_shares_kernel(
+    partial, out, stride_out, M, b0, b1, b2, n0, n1,
+    width: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """Adds the K shares in order and writes what ``_linear_kernel`` writes unsplit."""
+    out_dtype = out.dtype.element_ty
+    tile = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:
+        ok = (rows[:, None] < M) & (cols[None, :] < n0)
+        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in range(SPLIT):
+            base = partial + s * BLOCK_M * 2 * n0 + rows[:, None] * 2 * n0 + cols[None, :]
+            g += tl.load(base, mask=ok, other=0.0)
+            u += tl.load(base + n0, mask=ok, other=0.0)
+        y = _gate(_finish(g, b0, cols, n0, HAS_BIAS, out_dtype),
+                  _finish(u, b1, cols, n0, HAS_BIAS, out_dtype), out_dtype)  # fmt: skip
+    else:
+        ok = (rows[:, None] < M) & (cols[None, :] < width)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in range(SPLIT):
+            acc += tl.load(partial + s * BLOCK_M * width + rows[:, None] * width + cols[None, :],
+                           mask=ok, other=0.0)  # fmt: skip
+        if HAS_BIAS:
+            # the concatenated columns' bias, each weight's from its own tensor
+            in0 = cols < n0
+            in1 = (cols >= n0) & (cols < n0 + n1)
+            in2 = (cols >= n0 + n1) & (cols < width)
+            bias = tl.load(b0 + cols, mask=in0, other=0.0).to(tl.float32)
+            bias += tl.load(b1 + cols - n0, mask=in1, other=0.0).to(tl.float32)
+            bias += tl.load(b2 + cols - n0 - n1, mask=in2, other=0.0).to(tl.float32)
+            acc += bias[None, :]
+        y = acc.to(out_dtype)
+    tl.store(out + rows[:, None] * stride_out + cols[None, :], y, mask=ok)

@@ -1,0 +1,131 @@
+"""Small-batch linear (a decode step's projections): Triton (interpreter) against the
+float64 / float32 reference, fused groups, the gated MLP, K split in shares, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_inputs import needs_interpreter, rel_err
+
+from nanoserve.kernels.small_batch_linear import (
+    LinearConfig,
+    choose_config,
+    small_batch_linear,
+    small_batch_linear_ref,
+)
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+SPLIT = LinearConfig(block_n=16, block_k=32, split=3, num_warps=4, num_stages=2)
+
+
+def _inputs(rows, k, sizes, dtype, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    weights = [(torch.randn(n, k, generator=gen) / k**0.5).to(dtype) for n in sizes]
+    biases = [torch.randn(n, generator=gen).to(dtype) for n in sizes] if bias else None
+    return x, weights, biases
+
+
+def _exact(x, weights, biases, gated):
+    """The float64 result, before any rounding to x's dtype."""
+    f64 = [w.double() for w in weights]
+    outs = [x.double() @ w.T for w in f64]
+    if biases is not None:
+        outs = [y + b.double() for y, b in zip(outs, biases, strict=True)]
+    if gated:
+        return torch.nn.functional.silu(outs[0]) * outs[1]
+    return torch.cat(outs, dim=-1)
+
+
+@needs_interpreter
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("rows", "k", "sizes", "gated", "bias", "config"),
+    [
+        (1, 64, (48,), False, False, None),  # one weight, one row
+        (3, 80, (32, 16, 16), False, True, None),  # q/k/v with biases (Qwen2)
+        (16, 96, (64, 17, 17), False, False, None),  # the most rows, ragged tiles
+        (5, 128, (40, 40), True, False, None),  # gated MLP
+        (2, 128, (50, 20), False, True, SPLIT),  # K in three shares, summed after
+        (16, 100, (33, 33), True, True, SPLIT),  # gated, split, K not a tile multiple
+        (4, 15, (7,), False, False, None),  # K and N below one tile
+    ],
+)
+def test_matches_reference(rows, k, sizes, gated, bias, config, dtype):
+    """Planted: the gated epilogue without silu, the second weight's column offset, the K
+    share's upper bound one tile short and the bias on the wrong weight: each failed."""
+    x, weights, biases = _inputs(rows, k, sizes, dtype, bias, seed=rows * k)
+    out = small_batch_linear(x, weights, biases, gated=gated, backend="triton", config=config)
+    ref = small_batch_linear_ref(x, weights, biases, gated=gated)
+    width = sizes[0] if gated else sum(sizes)
+    assert out.shape == (rows, width) and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    assert rel_err(out, _exact(x, weights, biases, gated)) < TOLERANCE[dtype]
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    if dtype == torch.float16:
+        # one rounding per output, as the reference: any difference is in the last bit
+        ulp = torch.finfo(dtype).eps * ref.float().abs().clamp(min=2**-14)
+        assert ((out.float() - ref.float()).abs() <= ulp * 1.01).all()
+
+
+def test_reference_rounds_where_eager_torch_does():
+    """The reference's gated result is eager PyTorch's MLP on the same float16 tensors
+    (float32 on CPU: one rounding per op in both)."""
+    x, (gate, up), _ = _inputs(3, 32, (24, 24), torch.float32, False, seed=7)
+    eager = torch.nn.functional.silu(x @ gate.T) * (x @ up.T)
+    torch.testing.assert_close(
+        small_batch_linear_ref(x, [gate, up], gated=True), eager, rtol=1e-6, atol=1e-6
+    )
+
+
+def test_auto_on_cpu_runs_the_reference(forbid_triton, monkeypatch):
+    import nanoserve.kernels.triton_linear as triton_linear
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a Triton kernel was launched")
+
+    monkeypatch.setattr(triton_linear, "_linear_kernel", launched)
+    x, weights, _ = _inputs(2, 32, (16, 8), torch.float32, False, seed=3)
+    out = small_batch_linear(x, weights)
+    assert torch.equal(out, small_batch_linear_ref(x, weights))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(x=torch.zeros(17, 8)), "x: expected"),
+        (dict(x=torch.zeros(8)), "x: expected"),
+        (dict(x=torch.zeros(8, 2).T), "unit stride"),
+        (dict(weights=[]), "weights: expected 1 to 3"),
+        (dict(weights=[torch.zeros(4, 8)] * 4), "weights: expected 1 to 3"),
+        (dict(weights=[torch.zeros(4, 9)]), r"weights\[0\]"),
+        (dict(weights=[torch.zeros(8, 4).T]), r"weights\[0\]"),
+        (dict(weights=[torch.zeros(4, 8, dtype=torch.float16)]), r"weights\[0\]: dtype"),
+        (dict(weights=[torch.zeros(4, 8)], gated=True), "gated=True"),
+        (dict(weights=[torch.zeros(4, 8), torch.zeros(5, 8)], gated=True), "gated=True"),
+        (dict(biases=[torch.zeros(4), None]), "every weight or for none"),
+        (dict(biases=[torch.zeros(4)]), "biases: expected 2"),
+        (dict(biases=[torch.zeros(5), torch.zeros(4)]), r"biases\[0\]"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, message):
+    args = dict(x=torch.zeros(2, 8), weights=[torch.zeros(4, 8)] * 2, biases=None)
+    args |= kwargs
+    with pytest.raises(ValueError, match=message):
+        small_batch_linear(args.pop("x"), args.pop("weights"), args.pop("biases"), **args)
+
+
+def test_config_fills_the_machine_and_splits_only_few_tiles(monkeypatch):
+    import nanoserve.kernels.small_batch_linear as module
+
+    monkeypatch.setattr(module, "sm_count", lambda device: 132)  # an H200's
+    cuda = torch.device("cuda", 0)
+    qkv = choose_config(1, 2048, (2048, 512, 512), False, cuda)
+    down = choose_config(1, 8192, (2048,), False, cuda)
+    gate_up = choose_config(1, 4096, (14336, 14336), True, cuda)
+    short_k = choose_config(1, 1024, (256,), False, cuda)
+    assert qkv.split == 1 and qkv.block_n == 32  # 96 tiles: one wave, no split
+    assert down.split == 4 and down.block_k == 128  # 64 tiles: four K shares of 2,048
+    assert gate_up.split == 1 and gate_up.block_n == 64
+    assert short_k.split == 1  # a share under 2,048 of K would not pay for the second pass
