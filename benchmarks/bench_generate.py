@@ -196,18 +196,19 @@ def provider_patched(model, ids, mask, lens, new, device, **patch_kwargs):
         if patch_kwargs.get("cuda_graphs") and graphs["disabled"]:
             raise RuntimeError(f"graphs disabled: {graphs['disabled']}")
         check_loop(graphs, patch_kwargs.get("decode_loop", True))
-        fused = patch_kwargs.get("fuse_projections", True) and ids.shape[0] <= 16
-        check_fused(graphs, fused and device == "cuda" and patch_kwargs.get("cuda_graphs"))
+        fuse = patch_kwargs.get("fuse_decode", True) and patch_kwargs.get("cuda_graphs")
+        check_fused(graphs, fuse and device == "cuda", ids.shape[0])
     finally:
         nanoserve.unpatch_model(model)
     return out, secs, stats["bytes_reserved"]
 
 
-def check_fused(graphs: dict, expected: bool) -> None:
-    """RuntimeError when the projections ran fused and should not have, or the reverse."""
-    ran = graphs["fused_projections"] != (0, 0)
-    if ran != expected:
-        raise RuntimeError(f"fused projections expected {expected}, ran {graphs}")
+def check_fused(graphs: dict, fuse: bool, rows: int) -> None:
+    """RuntimeError unless the norms ran fused exactly when ``fuse`` and the projections
+    too when at most 16 rows did."""
+    fused = graphs["fused_decode"]
+    if (fused["norm"] > 0) != fuse or (fused["attention"] > 0) != (fuse and rows <= 16):
+        raise RuntimeError(f"fuse_decode={fuse} at {rows} rows, but ran {fused}")
 
 
 def check_loop(graphs: dict, decode_loop: bool) -> None:
@@ -286,10 +287,10 @@ PROVIDERS = {
         provider_patched, cuda_graphs=True, compile_decode=True
     ),
     "nanoserve_graphs_unfused": functools.partial(
-        provider_patched, cuda_graphs=True, fuse_projections=False
+        provider_patched, cuda_graphs=True, fuse_decode=False
     ),
     "nanoserve_graphs_compiled_unfused": functools.partial(
-        provider_patched, cuda_graphs=True, compile_decode=True, fuse_projections=False
+        provider_patched, cuda_graphs=True, compile_decode=True, fuse_decode=False
     ),
     "nanoserve_graphs_hf_loop": functools.partial(
         provider_patched, cuda_graphs=True, decode_loop=False
@@ -558,7 +559,7 @@ def eos_spread(model, device: str, tiny: bool) -> list[dict]:
     providers = {
         "nanoserve, own decode loop": dict(decode_loop=True),
         "nanoserve, own decode loop, unfused projections": dict(
-            decode_loop=True, fuse_projections=False
+            decode_loop=True, fuse_decode=False
         ),
         "nanoserve, HF's loop": dict(decode_loop=False),
         "stock static + compile": None,
@@ -607,7 +608,7 @@ def step_profile(model, device: str, tiny: bool) -> list[dict]:
         ("nanoserve, HF's loop", False, True),
     )
     for name, loop, fuse in variants:
-        nanoserve.patch_model(model, decode_loop=loop, fuse_projections=fuse)
+        nanoserve.patch_model(model, decode_loop=loop, fuse_decode=fuse)
         try:
             run_generate(model, ids, mask, new, device)  # compiles, captures
             with profile(activities=activities) as prof:

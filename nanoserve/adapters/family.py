@@ -66,8 +66,10 @@ class Family:
     nanoserve's decode loop may skip it (None: never). ``cache_groups`` gives the layer
     groups (``KVLayout.layer_groups``) of a model mixing sliding and global layers, or None
     (the default: every layer in one pool). ``gated_mlp_classes``: the family's MLP classes
-    whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (``fuse_projections``
-    runs them as two launches when ``act_fn`` is SiLU).
+    whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (``fuse_decode``
+    runs them as two launches when ``act_fn`` is SiLU); ``rms_norm_classes``: its norm classes
+    computing ``weight * (x * rsqrt(mean(x**2) + eps)).to(dtype)`` as ``LlamaRMSNorm`` does
+    (``fuse_decode`` runs them as one launch).
     """
 
     name: str
@@ -79,6 +81,7 @@ class Family:
     plain_steps: Callable[[object, int], bool] | None = None
     cache_groups: Callable[[object], tuple | None] = lambda config: None
     gated_mlp_classes: tuple[str, ...] = ()
+    rms_norm_classes: tuple[str, ...] = ()
 
     def layout(self, config) -> KVLayout:
         """``kv_layout(config)`` with its ``sliding_window`` from ``cache_window`` and its

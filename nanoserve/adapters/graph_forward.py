@@ -17,7 +17,7 @@ import torch
 from nanoserve.adapters.compiled_layers import CompiledLayers
 from nanoserve.adapters.decode_graphs import bucket_for
 from nanoserve.adapters.extend_static import MAX_TOKENS, column_bucket
-from nanoserve.adapters.fused_projections import FusedProjections
+from nanoserve.adapters.fused_decode import FusedDecode
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step
 from nanoserve.adapters.tensor_parallel import tp_size
@@ -110,14 +110,14 @@ def _compiled(model, state: PatchState):
 
 
 def _fused(model, state: PatchState):
-    if not state.fuse_projections or state.backend == "torch" or tp_size(model) > 1:
+    if not state.fuse_decode or state.backend == "torch" or tp_size(model) > 1:
         return contextlib.nullcontext()  # (tensor-parallel layers reduce in their hooks)
-    if state.fused_projections is None:
+    if state.fused_decode is None:
         family = family_for(model.config)
-        state.fused_projections = FusedProjections(
-            family.decoder_layers(model), family.gated_mlp_classes, state.backend
+        state.fused_decode = FusedDecode(
+            model.base_model, family.decoder_layers(model), family, state.backend
         )
-    return state.fused_projections.active()
+    return state.fused_decode.active()
 
 
 def memory_signature(model, cache) -> tuple:

@@ -19,6 +19,7 @@ from transformers import GenerationMixin
 
 from nanoserve.adapters.attention import ATTN_NAME, register
 from nanoserve.adapters.decode_graphs import DecodeGraphs
+from nanoserve.adapters.fused_decode import FUSED_KINDS
 from nanoserve.adapters.graph_forward import graph_step, graph_step_kind
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.read_back import READ_BACK_LAG
@@ -70,7 +71,7 @@ def patch_model(
     max_memory=None,
     cuda_graphs: bool = True,
     compile_decode: bool = False,
-    fuse_projections: bool = True,
+    fuse_decode: bool = True,
     backend: str = "auto",
     keep_pools: bool = True,
     prefix_sharing: bool = True,
@@ -90,10 +91,11 @@ def patch_model(
     or with ``cuda_graphs=False``, every step runs eagerly. ``compile_decode`` also runs the
     decoder layers of those graph steps through ``torch.compile`` (fewer, fused kernels;
     close to but not bit-equal with stock eager; see ``compiled_layers.py``).
-    ``fuse_projections`` (the default): in those graph steps of a float16 / bfloat16 model
-    with at most 16 rows, each layer's q/k/v projections run as one Triton launch and a
-    SiLU-gated MLP as two (``fused_projections.py``; float32 accumulation as cuBLAS, another
-    summation order, so the last bit can differ from stock's). ``backend``
+    ``fuse_decode`` (the default): in the decode graph steps of a float16 / bfloat16 model
+    every RMSNorm runs as one Triton launch and, at up to 16 rows, each layer's q/k/v
+    projections as one and a SiLU-gated MLP as two (``fused_decode.py``; float32
+    accumulation as eager, another summation order, so the last bit can differ from
+    stock's); ``False`` keeps transformers' modules there. ``backend``
     picks the kernels of every paged step: "auto" (Triton on CUDA, the torch references on
     CPU), "triton" (on CPU under ``TRITON_INTERPRET=1``) or "torch". ``keep_pools`` (the
     default) keeps a finished call's pool, and the decode graphs captured over it, for the
@@ -129,7 +131,7 @@ def patch_model(
     for name, value in (
         ("cuda_graphs", cuda_graphs),
         ("compile_decode", compile_decode),
-        ("fuse_projections", fuse_projections),
+        ("fuse_decode", fuse_decode),
         ("keep_pools", keep_pools),
         ("prefix_sharing", prefix_sharing),
         ("decode_loop", decode_loop),
@@ -149,7 +151,7 @@ def patch_model(
         backend=backend,
         cuda_graphs=cuda_graphs,
         compile_decode=compile_decode,
-        fuse_projections=fuse_projections,
+        fuse_decode=fuse_decode,
         keep_pools=keep_pools,
         prefix_sharing=prefix_sharing,
         decode_loop=decode_loop,
@@ -256,13 +258,13 @@ def decode_graph_stats(model) -> dict:
     ``extend_replays``: short extend steps), why decode graphs (``disabled``) or extend
     graphs (``extend_disabled``) were turned off (None while they are on), and which loop
     the latest greedy / sampling call ran (``decode_loop``: "nanoserve", "stock: <why>", or
-    None before any), and ``fused_projections``: (attention modules, MLPs) whose
-    projections have run fused in a graph step (``fuse_projections``; (0, 0) before)."""
+    None before any), and ``fused_decode``: how many modules have run fused in graph steps
+    (``fuse_decode``: {"attention": q/k/v groups, "mlp": gated MLPs, "norm": RMSNorms})."""
     state = _state(model)
-    fused = state.fused_projections
+    fused = state.fused_decode
     loop = {
         "decode_loop": state.last_loop,
-        "fused_projections": fused.num_fused if fused is not None else (0, 0),
+        "fused_decode": fused.counts() if fused else dict.fromkeys(FUSED_KINDS, 0),
     }
     graphs = state.graphs
     if graphs is None:
@@ -445,7 +447,7 @@ def _options(model, state: PatchState, dropout: str | None) -> dict:
     options, the attention implementation and whether the model drops out."""
     return dict(
         pool=state.pool, backend=state.backend, cuda_graphs=state.cuda_graphs,
-        compile_decode=state.compile_decode, fuse_projections=state.fuse_projections,
+        compile_decode=state.compile_decode, fuse_decode=state.fuse_decode,
         keep_pools=state.keep_pools,
         prefix_sharing=state.prefix_sharing, decode_loop=state.decode_loop,
         attn_implementation=model.config._attn_implementation, dropout=dropout,

@@ -53,7 +53,7 @@ class PagedConfig:
     max_memory: int | None = None
     cuda_graphs: bool = True
     compile_decode: bool = False
-    fuse_projections: bool = True
+    fuse_decode: bool = True
     backend: str = "auto"
     keep_pools: bool = True
     prefix_sharing: bool = True
@@ -71,7 +71,7 @@ class PagedConfig:
             self.kv_scale,
         )
         flags = (
-            "cuda_graphs", "compile_decode", "fuse_projections", "keep_pools",
+            "cuda_graphs", "compile_decode", "fuse_decode", "keep_pools",
             "prefix_sharing", "decode_loop",
         )  # fmt: skip
         for name in flags:

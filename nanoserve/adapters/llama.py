@@ -29,4 +29,5 @@ LLAMA = Family(
     decoder_layers=lambda model: model.base_model.layers,
     check=check,
     gated_mlp_classes=("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"),
+    rms_norm_classes=("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"),
 )

@@ -25,7 +25,7 @@ import torch
 
 from nanoserve.adapters.compiled_layers import CompiledLayers
 from nanoserve.adapters.decode_graphs import DecodeGraphs
-from nanoserve.adapters.fused_projections import FusedProjections
+from nanoserve.adapters.fused_decode import FusedDecode
 from nanoserve.adapters.sizing import PoolOptions
 from nanoserve.cache import BlockAllocator, StepMetadata
 
@@ -80,7 +80,7 @@ class PatchState:
     backend: str  # kernel backend for every paged step: "auto", "triton" or "torch"
     cuda_graphs: bool  # decode steps on CUDA replay captured graphs
     compile_decode: bool
-    fuse_projections: bool  # 16-bit graph steps run q/k/v and the gated MLP fused
+    fuse_decode: bool  # 16-bit decode graph steps run norms and projections fused
     keep_pools: bool  # a finished call's pool (and its graphs) serve the next calls
     prefix_sharing: bool  # copies of one prompt in a batch are prefilled once
     original_attn: str
@@ -91,7 +91,7 @@ class PatchState:
     last_loop: str | None = None
     graphs: DecodeGraphs | None = None  # when cuda_graphs
     compiled_layers: CompiledLayers | None = None  # compile_decode's, built on first use
-    fused_projections: FusedProjections | None = None  # built on first use
+    fused_decode: FusedDecode | None = None  # built on first use
     # the latest generate call's PagedCache: weakly, or strongly after a call that raised
     last_cache: Callable[[], object | None] = no_cache
     last_stats: dict = field(default_factory=dict)  # its figures as that call left them
@@ -119,7 +119,7 @@ class PatchState:
             backend=self.backend,
             cuda_graphs=self.cuda_graphs,
             compile_decode=self.compile_decode,
-            fuse_projections=self.fuse_projections,
+            fuse_decode=self.fuse_decode,
             keep_pools=self.keep_pools,
             prefix_sharing=self.prefix_sharing,
             original_attn=self.original_attn,

@@ -1,11 +1,13 @@
-"""A captured step's projections in fewer, faster launches (16-bit models, up to 16 rows).
+"""A captured decode step in fewer, faster launches (float16 / bfloat16 models).
 
-At batch 1 a decode step's matrix work is reading weights, and cuBLAS reads a layer's small
-k and v projections at a fraction of the bandwidth. Inside ``FusedProjections.active()``
-(entered while the CUDA-graph runner warms up and captures a step) each decoder layer's
-q, k and v projections run as one ``small_batch_linear`` launch, and a gated MLP of the
-form ``down(silu(gate(x)) * up(x))`` as two (gate and up with the activation and product,
-then down).
+Under a CUDA graph a decode step of a small model is bound by its many small kernels: eager
+RMSNorm is about seven of them, and cuBLAS reads a layer's small k and v projections at a
+fraction of the bandwidth. Inside ``FusedDecode.active()`` (entered while the CUDA-graph
+runner warms up and captures a decode step) every RMSNorm of the family's classes
+(``Family.rms_norm_classes``) runs as one ``rms_norm`` launch, and, in steps of up to 16
+rows, each decoder layer's q, k and v projections run as one ``small_batch_linear`` launch
+and a gated MLP of the form ``down(silu(gate(x)) * up(x))`` as two (gate and up with the
+activation and product, then down).
 
 q/k/v work with any attention module: the first of the three called computes all three and
 leaves the others' outputs for them, matched by the identity of the input tensor; a module
@@ -14,9 +16,11 @@ called on another input (or a step of more rows than the kernel takes) computes 
 family names (``Family.gated_mlp_classes``), whose forward is that formula, and only when
 none of its projections carries a hook (the fused forward does not call them).
 
-Outputs accumulate in float32 and round once, as cuBLAS does; the summation order differs,
-so 16-bit results can differ from stock's in the last bit, as they differ between cuBLAS's
-own kernels for other batch sizes. float32 models keep torch's projections (exact).
+Outputs accumulate in float32 and round where eager PyTorch rounds; the summation order
+differs, so 16-bit results can differ from stock's in the last bit, as they differ between
+cuBLAS's own kernels for other batch sizes. float32 models keep stock's modules (exact).
+A module whose ``forward`` is already an instance attribute (another library's wrapper, as
+accelerate's offload hooks) is left alone.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels.dispatch import use_triton
+from nanoserve.kernels.rms_norm import rms_norm
 from nanoserve.kernels.small_batch_linear import MAX_ROWS, small_batch_linear
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
+FUSED_KINDS = ("attention", "mlp", "norm")
 _SILU_TYPES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers' (both F.silu)
 
 
@@ -97,9 +103,38 @@ def fits(x: torch.Tensor, linears: Sequence[torch.nn.Linear], backend: str) -> b
     return use_triton(backend, x)
 
 
+def _norm_forward(norm, stock_forward, backend: str, ran: set):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weight = norm.weight
+        if (
+            x.dtype not in FUSED_DTYPES
+            or (weight.dtype, weight.device, weight.shape) != (x.dtype, x.device, x.shape[-1:])
+            or not use_triton(backend, x)
+        ):
+            return stock_forward(x)
+        ran.add(("norm", id(norm)))
+        return rms_norm(x, weight, norm.variance_epsilon, backend=backend)
+
+    return forward
+
+
 def _plain_linear(module) -> bool:
-    """An nn.Linear itself (not a subclass: LoRA and quantized layers compute more)."""
-    return type(module) is torch.nn.Linear
+    """An nn.Linear itself (not a subclass: LoRA and quantized layers compute more), its
+    forward not wrapped by another library."""
+    return type(module) is torch.nn.Linear and "forward" not in module.__dict__
+
+
+def _rms_norm(module, classes: Sequence[str]) -> bool:
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", None)
+    return (
+        type(module).__name__ in classes
+        and "forward" not in module.__dict__
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 1
+        and isinstance(eps, (int, float))
+        and eps >= 0
+    )
 
 
 def _attention_siblings(attention) -> tuple[torch.nn.Linear, ...] | None:
@@ -130,16 +165,24 @@ def _gated_mlp(mlp, classes: Sequence[str]) -> bool:
     )
 
 
-class FusedProjections:
-    """The fused forwards of ``layers``' projections, swapped in only inside ``active()``."""
+class FusedDecode:
+    """The fused forwards of a model's norms and its ``layers``' projections, swapped in only
+    inside ``active()``. ``root``: the module whose submodules include every norm (the base
+    model); ``family``: the model's ``Family`` (its MLP and RMSNorm classes)."""
 
     def __init__(
-        self, layers: Sequence[torch.nn.Module], gated_mlp_classes: Sequence[str], backend: str
+        self, root: torch.nn.Module, layers: Sequence[torch.nn.Module], family, backend: str
     ):
         # (module, its fused forward); compile_decode's compiled layers call them uncompiled
         self.swaps: list[tuple[torch.nn.Module, object]] = []
         self.siblings: list[_Siblings] = []
-        self.ran: set[tuple[str, int]] = set()  # ("attention" | "mlp", id) that ran fused
+        # ("attention" | "mlp" | "norm", id of the module) for each that has run fused
+        self.ran: set[tuple[str, int]] = set()
+        for module in root.modules():
+            if _rms_norm(module, family.rms_norm_classes):
+                self.swaps.append(
+                    (module, _norm_forward(module, module.forward, backend, self.ran))
+                )
         for layer in layers:
             attention = getattr(layer, "self_attn", None)
             linears = _attention_siblings(attention) if attention is not None else None
@@ -148,16 +191,15 @@ class FusedProjections:
                 self.siblings.append(group)
                 self.swaps += [(m, group.forward_of(i)) for i, m in enumerate(linears)]
             mlp = getattr(layer, "mlp", None)
-            if mlp is not None and _gated_mlp(mlp, gated_mlp_classes):
+            if mlp is not None and _gated_mlp(mlp, family.gated_mlp_classes):
                 self.swaps.append((mlp, _gated_mlp_forward(mlp, mlp.forward, backend, self.ran)))
         self.swaps = [(m, torch.compiler.disable(f)) for m, f in self.swaps]
 
-    @property
-    def num_fused(self) -> tuple[int, int]:
-        """(attention modules whose q/k/v ran as one launch, MLPs that ran gated), counted
-        over every step so far (a step the kernel does not take runs stock's forwards)."""
+    def counts(self) -> dict[str, int]:
+        """Modules that have run fused in some step so far: {"attention": q/k/v groups,
+        "mlp": gated MLPs, "norm": RMSNorms} (a step the kernels do not take runs stock's)."""
         kinds = [kind for kind, _ in self.ran]
-        return kinds.count("attention"), kinds.count("mlp")
+        return {kind: kinds.count(kind) for kind in FUSED_KINDS}
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

@@ -1,4 +1,5 @@
-"""fuse_projections: a graph step's q/k/v in one launch and a SiLU-gated MLP in two.
+"""fuse_decode: a decode graph step's RMSNorms in one launch each, q/k/v in one launch and
+a SiLU-gated MLP in two.
 
 On CPU the graph runner executes its static buffers eagerly (``DecodeGraphs(capture=False)``)
 and the kernel runs under the Triton interpreter (``backend="triton"``) on float16 models;
@@ -21,49 +22,67 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 
 def run(model, inputs, fuse=True, backend="triton", steps=6):
-    patch = {"block_size": 4, "backend": backend, "fuse_projections": fuse}
+    patch = {"block_size": 4, "backend": backend, "fuse_decode": fuse}
     return generate_patched(
         model, inputs, patch, DecodeGraphs(capture=False), max_new_tokens=steps, **GREEDY
     )
 
 
 def fp16_model(name="llama"):
-    return tiny_model(name).to(torch.float16)
+    """A tiny float16 model whose norm weights are not HF's initial ones."""
+    model = tiny_model(name).to(torch.float16)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.copy_(1 + 0.3 * torch.randn(module.weight.shape, generator=gen))
+    return model
+
+
+def counts(attention=0, mlp=0, norm=0):
+    return {"attention": attention, "mlp": mlp, "norm": norm}
+
+
+# two layers' input and post-attention norms and the final norm; Qwen3 adds q and k norms
+NORMS = {"llama": 5, "qwen2": 5, "qwen3": 9}
 
 
 @NEEDS_INTERPRETER
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases
 def test_fused_steps_match_unfused(name):
-    """Planted: k and v handed each other's outputs: every case failed."""
+    """Planted: k and v handed each other's outputs, and the norms' weights dropped: each
+    failed every case."""
     model = fp16_model(name)
     inputs = padded_batch([9, 4, 7], 9)
     plain, plain_stats = run(model, inputs, fuse=False)
     fused, stats = run(model, inputs, fuse=True)
-    assert plain_stats["fused_projections"] == (0, 0)
-    assert stats["fused_projections"] == (2, 2)  # both layers' attention and MLP
+    assert plain_stats["fused_decode"] == counts()
+    assert stats["fused_decode"] == counts(2, 2, NORMS[name])
     assert stats["replays"] == plain_stats["replays"] == 5
     assert torch.equal(plain.sequences, fused.sequences)
     for a, b in zip(plain.logits, fused.logits, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
     for layer in model.model.layers:  # nothing of the fused forwards is left behind
         modules = [getattr(layer.self_attn, n) for n in PROJECTIONS] + [layer.mlp]
+        modules += [layer.input_layernorm, layer.post_attention_layernorm, model.model.norm]
         assert not any("forward" in m.__dict__ for m in modules)
 
 
 def test_float32_and_torch_backend_are_not_fused():
     inputs = padded_batch([5, 3], 5)
     _, stats = run(tiny_model("llama"), inputs, backend="auto")
-    assert stats["fused_projections"] == (0, 0)  # float32: torch's projections, exact
+    assert stats["fused_decode"] == counts()  # float32: stock's modules, exact
     _, stats = run(fp16_model(), inputs, backend="torch")
-    assert stats["fused_projections"] == (0, 0)
+    assert stats["fused_decode"] == counts()
 
 
 @NEEDS_INTERPRETER
 def test_more_rows_than_the_kernel_takes_run_stock():
-    """Planted: the row limit dropped from ``fits``: failed (the kernel refused 32 rows)."""
+    """The projections run stock's; the norms take any number of rows. Planted: the row
+    limit dropped from ``fits``: failed (the kernel refused 32 rows)."""
     inputs = padded_batch([5] * 17, 5)  # bucket of 32 rows
     _, stats = run(fp16_model(), inputs, steps=3)
-    assert stats["fused_projections"] == (0, 0)
+    assert stats["fused_decode"] == counts(norm=5)
     assert stats["replays"] == 2
 
 
@@ -90,7 +109,7 @@ def test_subclassed_or_hooked_projections_keep_their_forwards():
     hook_calls = len(calls)
     fused, stats = run(model, inputs)
     # layer 0: neither its attention (k is a subclass) nor its MLP (down is hooked)
-    assert stats["fused_projections"] == (1, 1)
+    assert stats["fused_decode"] == counts(1, 1, 5)
     assert len(calls) == 2 * hook_calls  # the hook ran in every step of both calls
     assert torch.equal(plain.sequences, fused.sequences)
     for a, b in zip(plain.logits, fused.logits, strict=True):
@@ -99,7 +118,7 @@ def test_subclassed_or_hooked_projections_keep_their_forwards():
 
 def test_the_switch_is_checked():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="fuse_projections"):
-        nanoserve.patch_model(model, fuse_projections="yes")
-    with pytest.raises(ValueError, match="fuse_projections"):
-        nanoserve.PagedConfig(fuse_projections=1)
+    with pytest.raises(ValueError, match="fuse_decode"):
+        nanoserve.patch_model(model, fuse_decode="yes")
+    with pytest.raises(ValueError, match="fuse_decode"):
+        nanoserve.PagedConfig(fuse_decode=1)

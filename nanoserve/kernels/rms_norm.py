@@ -1,0 +1,63 @@
+"""RMSNorm as Llama, Mistral and Qwen compute it: kernel launcher and reference.
+
+``weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)`` with x read in float32 and the
+product rounded to x's dtype, the roundings of ``LlamaRMSNorm.forward``. The mean's summation
+order differs from PyTorch's, so a 16-bit output can differ from eager's in the last bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.kernels.dispatch import next_pow2, use_triton
+
+MAX_WIDTH = 65536
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference: x [..., D] and weight [D] of one dtype; returns [..., D] in that dtype."""
+    normed = x.to(torch.float32)
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "auto"):
+    """``rms_norm_ref(x, weight, eps)`` by one Triton launch (a program per row).
+
+    x [..., D] with unit stride in D (rows may be strided; other layouts are copied first),
+    weight [D] contiguous of x's dtype (float16, bfloat16 or float32), D <= 65536. Returns a
+    new contiguous tensor shaped as x.
+    """
+    width = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or not 1 <= width <= MAX_WIDTH:
+        raise ValueError(f"x: expected [..., D] with 1 <= D <= {MAX_WIDTH}, got {tuple(x.shape)}")
+    if weight.shape != (width,) or weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(
+            f"weight: expected [{width}] of x's dtype and device, got {tuple(weight.shape)} "
+            f"{weight.dtype} on {weight.device}"
+        )
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps: expected a number >= 0, got {eps!r}")
+    if not use_triton(backend, x):
+        return rms_norm_ref(x, weight, eps)
+    from nanoserve.kernels.triton_rms_norm import _rms_norm_kernel
+
+    rows = x.reshape(-1, width)  # a view where the rows allow it
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0] == 0:
+        return out
+    block = next_pow2(width)
+    num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows,
+        weight.contiguous(),
+        out,
+        rows.stride(0),
+        width,
+        float(eps),
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+    return out
