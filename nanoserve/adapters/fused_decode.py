@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels.dispatch import use_triton
-from nanoserve.kernels.rms_norm import rms_norm
+from nanoserve.kernels.rms_norm import MAX_WIDTH, rms_norm
 from nanoserve.kernels.small_batch_linear import MAX_ROWS, small_batch_linear
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
@@ -70,11 +70,12 @@ class _Siblings:
         return forward
 
 
-def _gated_mlp_forward(mlp, stock_forward, backend: str, ran: set):
-    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-
+def _gated_mlp_forward(mlp, stock_forward, classes: Sequence[str], backend: str, ran: set):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if not fits(x, (gate, up, down), backend):
+        if not _gated_mlp(mlp, classes):
+            return stock_forward(x)
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        if not fits(x, (gate, up), backend) or not _weights_fit((down,), x, gate.out_features):
             return stock_forward(x)
         flat = x.reshape(-1, x.shape[-1])
         biases = [gate.bias, up.bias] if gate.bias is not None else None
@@ -89,18 +90,25 @@ def _gated_mlp_forward(mlp, stock_forward, backend: str, ran: set):
 
 def fits(x: torch.Tensor, linears: Sequence[torch.nn.Linear], backend: str) -> bool:
     """True when the kernel takes ``x`` through ``linears``: 16-bit, at most 16 rows, weights
-    of x's dtype, device and width, biases on all or none."""
+    of x's dtype, device and width, biases on all or none (anything else runs stock's)."""
     if x.dtype not in FUSED_DTYPES or x.dim() < 2 or x.stride(-1) != 1:
         return False
     if x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.numel() == 0:
         return False
+    return _weights_fit(linears, x, x.shape[-1]) and use_triton(backend, x)
+
+
+def _weights_fit(linears: Sequence[torch.nn.Linear], x: torch.Tensor, width: int) -> bool:
+    """Contiguous [N, width] weights and biases of x's dtype and device, biases on all or none."""
     if len({m.bias is None for m in linears}) > 1:
         return False
     for m in linears:
-        w = m.weight
-        if w.dtype != x.dtype or w.device != x.device or not w.is_contiguous():
+        for t in (m.weight, m.bias):
+            if t is not None and (t.dtype != x.dtype or t.device != x.device):
+                return False
+        if m.weight.dim() != 2 or m.weight.shape[1] != width or not m.weight.is_contiguous():
             return False
-    return use_triton(backend, x)
+    return True
 
 
 def _norm_forward(norm, stock_forward, backend: str, ran: set):
@@ -108,6 +116,7 @@ def _norm_forward(norm, stock_forward, backend: str, ran: set):
         weight = norm.weight
         if (
             x.dtype not in FUSED_DTYPES
+            or not 1 <= x.shape[-1] <= MAX_WIDTH
             or (weight.dtype, weight.device, weight.shape) != (x.dtype, x.device, x.shape[-1:])
             or not use_triton(backend, x)
         ):
@@ -148,21 +157,20 @@ def _attention_siblings(attention) -> tuple[torch.nn.Linear, ...] | None:
 
 
 def _gated_mlp(mlp, classes: Sequence[str]) -> bool:
-    if type(mlp).__name__ not in classes or "forward" in mlp.__dict__:
+    """``mlp`` computes ``down(silu(gate(x)) * up(x))`` with plain modules the fused forward
+    may skip: checked at every call, since modules and hooks can change between calls."""
+    if type(mlp).__name__ not in classes:
         return False
     parts = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(_plain_linear(m) for m in parts):
         return False
     gate, up, down = parts
     act = getattr(mlp, "act_fn", None)
-    if any(m._forward_hooks or m._forward_pre_hooks for m in (*parts, act) if m is not None):
+    if type(act).__name__ not in _SILU_TYPES or "forward" in act.__dict__:
+        return False
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (*parts, act)):
         return False  # the fused forward calls none of them: their hooks would not run
-    return (
-        type(act).__name__ in _SILU_TYPES
-        and "forward" not in act.__dict__
-        and gate.weight.shape == up.weight.shape
-        and down.in_features == gate.out_features
-    )
+    return gate.weight.shape == up.weight.shape and down.in_features == gate.out_features
 
 
 class FusedDecode:
@@ -191,8 +199,10 @@ class FusedDecode:
                 self.siblings.append(group)
                 self.swaps += [(m, group.forward_of(i)) for i, m in enumerate(linears)]
             mlp = getattr(layer, "mlp", None)
-            if mlp is not None and _gated_mlp(mlp, family.gated_mlp_classes):
-                self.swaps.append((mlp, _gated_mlp_forward(mlp, mlp.forward, backend, self.ran)))
+            classes = family.gated_mlp_classes
+            if mlp is not None and _gated_mlp(mlp, classes) and "forward" not in mlp.__dict__:
+                fused = _gated_mlp_forward(mlp, mlp.forward, classes, backend, self.ran)
+                self.swaps.append((mlp, fused))
         self.swaps = [(m, torch.compiler.disable(f)) for m, f in self.swaps]
 
     def counts(self) -> dict[str, int]:
@@ -203,16 +213,14 @@ class FusedDecode:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        saved = [module.__dict__.get("forward") for module, _ in self.swaps]
-        for module, forward in self.swaps:
+        # a module whose forward another library wrapped since keeps that wrapper
+        swapped = [(m, f) for m, f in self.swaps if "forward" not in m.__dict__]
+        for module, forward in swapped:
             module.forward = forward
         try:
             yield
         finally:
             for group in self.siblings:
                 group.pending = {}
-            for (module, _), forward in zip(self.swaps, saved, strict=True):
-                if forward is None:
-                    del module.forward
-                else:
-                    module.forward = forward
+            for module, _ in swapped:
+                del module.forward

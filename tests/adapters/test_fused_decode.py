@@ -16,6 +16,7 @@ from test_families import padded_batch, tiny_model
 
 import nanoserve
 from nanoserve.adapters.decode_graphs import DecodeGraphs
+from nanoserve.adapters.step import state_of
 
 GREEDY = dict(do_sample=False, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -122,3 +123,25 @@ def test_the_switch_is_checked():
         nanoserve.patch_model(model, fuse_decode="yes")
     with pytest.raises(ValueError, match="fuse_decode"):
         nanoserve.PagedConfig(fuse_decode=1)
+
+
+@NEEDS_INTERPRETER
+def test_a_hook_added_after_the_first_call_runs():
+    """The MLP's modules are checked at every step, not once. (On the GPU a captured graph
+    replays kernels and runs no Python hook at all, fused or not.) Planted: the check made
+    once, when the fused forwards are built: failed."""
+    model = fp16_model()
+    inputs = padded_batch([6, 2], 6)
+    nanoserve.patch_model(model, block_size=4, backend="triton")
+    state_of(model).graphs = DecodeGraphs(capture=False)
+    try:
+        with torch.no_grad():
+            model.generate(**inputs, max_new_tokens=3, **GREEDY)
+            calls = []
+            model.model.layers[1].mlp.down_proj.register_forward_hook(
+                lambda m, i, o: calls.append(i[0].shape[0])
+            )
+            model.generate(**inputs, max_new_tokens=3, **GREEDY)
+    finally:
+        nanoserve.unpatch_model(model)
+    assert len(calls) == 3  # the prefill and both decode steps
