@@ -288,18 +288,21 @@ def _gpu_model(dtype):
         return LlamaForCausalLM(config).to(dtype).eval()
 
 
-def _run(model, inputs, cuda_graphs, **opts):
-    return generate_patched(model, inputs, {"cuda_graphs": cuda_graphs}, **opts)
+def _run(model, inputs, cuda_graphs, fuse_decode=True, **opts):
+    patch = {"cuda_graphs": cuda_graphs, "fuse_decode": fuse_decode}
+    return generate_patched(model, inputs, patch, **opts)
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_replayed_decode_equals_eager_bit_for_bit(dtype):
+    """A replay runs what the eager step runs. fuse_decode is off in the graph run: it
+    swaps kernels only in graph steps (test_gpu_parity holds the fused steps to stock)."""
     model = _gpu_model(dtype)
     inputs = {k: v.cuda() for k, v in padded_batch([40, 23, 7, 31], 40, vocab=1000).items()}
     eager, _ = _run(model, inputs, False, max_new_tokens=48, **GREEDY)
-    graph, stats = _run(model, inputs, True, max_new_tokens=48, **GREEDY)
+    graph, stats = _run(model, inputs, True, fuse_decode=False, max_new_tokens=48, **GREEDY)
     assert stats["captures"] == 1 and stats["replays"] == 47, stats
     assert torch.equal(eager.sequences, graph.sequences)
     for a, b in zip(eager.logits, graph.logits, strict=True):
