@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from nanoserve.kernels.dispatch import use_triton
 from nanoserve.kernels.rms_norm import MAX_WIDTH, rms_norm
-from nanoserve.kernels.small_batch_linear import MAX_ROWS, small_batch_linear
+from nanoserve.kernels.small_batch_linear import MAX_ROWS, fits_offsets, small_batch_linear
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 FUSED_KINDS = ("attention", "mlp", "norm")
@@ -56,7 +56,9 @@ class _Siblings:
             held = self.pending.pop(index, None)
             if held is not None and held[0] is x:
                 return held[1]
-            if not fits(x, self.linears, self.backend):
+            # (a sibling's pre-hook could change its input after this one computed it)
+            if _hooks_before(self.linears) or not fits(x, self.linears, self.backend):
+                self.pending = {}
                 return F.linear(x, linear.weight, linear.bias)
             weights = [m.weight for m in self.linears]
             biases = [m.bias for m in self.linears] if linear.bias is not None else None
@@ -91,7 +93,7 @@ def _gated_mlp_forward(mlp, stock_forward, classes: Sequence[str], backend: str,
 def fits(x: torch.Tensor, linears: Sequence[torch.nn.Linear], backend: str) -> bool:
     """True when the kernel takes ``x`` through ``linears``: 16-bit, at most 16 rows, weights
     of x's dtype, device and width, biases on all or none (anything else runs stock's)."""
-    if x.dtype not in FUSED_DTYPES or x.dim() < 2 or x.stride(-1) != 1:
+    if x.dtype not in FUSED_DTYPES or x.dim() < 2 or x.stride(-1) != 1 or _autocast(x):
         return False
     if x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.numel() == 0:
         return False
@@ -104,11 +106,37 @@ def _weights_fit(linears: Sequence[torch.nn.Linear], x: torch.Tensor, width: int
         return False
     for m in linears:
         for t in (m.weight, m.bias):
-            if t is not None and (t.dtype != x.dtype or t.device != x.device):
+            if t is not None and (
+                t.dtype != x.dtype or t.device != x.device or not t.is_contiguous()
+            ):
                 return False
-        if m.weight.dim() != 2 or m.weight.shape[1] != width or not m.weight.is_contiguous():
+        if m.weight.dim() != 2 or m.weight.shape[1] != width or not fits_offsets(m.weight):
             return False
     return True
+
+
+def _autocast(x: torch.Tensor) -> bool:
+    """Under autocast stock's modules compute in the autocast dtype: leave them to it."""
+    try:
+        return torch.is_autocast_enabled(x.device.type)
+    except TypeError:  # torch before 2.4 takes no device type
+        return torch.is_autocast_enabled()
+
+
+def _hooks_before(modules) -> bool:
+    """A forward pre-hook (the module's own or a global one) may change a module's input."""
+    global_hooks = getattr(torch.nn.modules.module, "_global_forward_pre_hooks", None)
+    return bool(global_hooks) or any(m._forward_pre_hooks for m in modules)
+
+
+def _hooks_skipped(modules) -> bool:
+    """Hooks a fused forward that never calls ``modules`` would skip (theirs or global)."""
+    module = torch.nn.modules.module
+    global_hooks = (
+        getattr(module, "_global_forward_pre_hooks", None),
+        getattr(module, "_global_forward_hooks", None),
+    )
+    return any(global_hooks) or any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def _norm_forward(norm, stock_forward, backend: str, ran: set):
@@ -116,6 +144,7 @@ def _norm_forward(norm, stock_forward, backend: str, ran: set):
         weight = norm.weight
         if (
             x.dtype not in FUSED_DTYPES
+            or _autocast(x)
             or not 1 <= x.shape[-1] <= MAX_WIDTH
             or (weight.dtype, weight.device, weight.shape) != (x.dtype, x.device, x.shape[-1:])
             or not use_triton(backend, x)
@@ -168,7 +197,7 @@ def _gated_mlp(mlp, classes: Sequence[str]) -> bool:
     act = getattr(mlp, "act_fn", None)
     if type(act).__name__ not in _SILU_TYPES or "forward" in act.__dict__:
         return False
-    if any(m._forward_hooks or m._forward_pre_hooks for m in (*parts, act)):
+    if _hooks_skipped((*parts, act)):
         return False  # the fused forward calls none of them: their hooks would not run
     return gate.weight.shape == up.weight.shape and down.in_features == gate.out_features
 
@@ -181,29 +210,39 @@ class FusedDecode:
     def __init__(
         self, root: torch.nn.Module, layers: Sequence[torch.nn.Module], family, backend: str
     ):
-        # (module, its fused forward); compile_decode's compiled layers call them uncompiled
-        self.swaps: list[tuple[torch.nn.Module, object]] = []
+        # (module, its fused forward, whether it is a projection: those only serve steps of up
+        # to MAX_ROWS rows); compile_decode's compiled layers call them uncompiled
+        self.swaps: list[tuple[torch.nn.Module, object, bool]] = []
         self.siblings: list[_Siblings] = []
         # ("attention" | "mlp" | "norm", id of the module) for each that has run fused
         self.ran: set[tuple[str, int]] = set()
+        taken: set[int] = set()  # a module two layers share is swapped once, by the first
+
+        def swap(modules, forwards, projection: bool) -> None:
+            taken.update(id(m) for m in modules)
+            for m, f in zip(modules, forwards, strict=True):
+                self.swaps.append((m, torch.compiler.disable(f), projection))
+
         for module in root.modules():
             if _rms_norm(module, family.rms_norm_classes):
-                self.swaps.append(
-                    (module, _norm_forward(module, module.forward, backend, self.ran))
-                )
+                swap([module], [_norm_forward(module, module.forward, backend, self.ran)], False)
         for layer in layers:
             attention = getattr(layer, "self_attn", None)
             linears = _attention_siblings(attention) if attention is not None else None
-            if linears is not None:
+            if linears is not None and not taken & {id(m) for m in linears}:
                 group = _Siblings(linears, backend, self.ran)
                 self.siblings.append(group)
-                self.swaps += [(m, group.forward_of(i)) for i, m in enumerate(linears)]
+                swap(linears, [group.forward_of(i) for i in range(len(linears))], True)
             mlp = getattr(layer, "mlp", None)
             classes = family.gated_mlp_classes
-            if mlp is not None and _gated_mlp(mlp, classes) and "forward" not in mlp.__dict__:
+            if (
+                mlp is not None
+                and id(mlp) not in taken
+                and _gated_mlp(mlp, classes)
+                and "forward" not in mlp.__dict__
+            ):
                 fused = _gated_mlp_forward(mlp, mlp.forward, classes, backend, self.ran)
-                self.swaps.append((mlp, fused))
-        self.swaps = [(m, torch.compiler.disable(f)) for m, f in self.swaps]
+                swap([mlp], [fused], True)
 
     def counts(self) -> dict[str, int]:
         """Modules that have run fused in some step so far: {"attention": q/k/v groups,
@@ -212,9 +251,15 @@ class FusedDecode:
         return {kind: kinds.count(kind) for kind in FUSED_KINDS}
 
     @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self, rows: int) -> Iterator[None]:
+        """The fused forwards in place for a step of ``rows`` rows (the projections' only up
+        to MAX_ROWS: past it they would only add graph breaks under compile_decode)."""
         # a module whose forward another library wrapped since keeps that wrapper
-        swapped = [(m, f) for m, f in self.swaps if "forward" not in m.__dict__]
+        swapped = [
+            (m, f)
+            for m, f, projection in self.swaps
+            if "forward" not in m.__dict__ and (rows <= MAX_ROWS or not projection)
+        ]
         for module, forward in swapped:
             module.forward = forward
         try:
@@ -222,5 +267,6 @@ class FusedDecode:
         finally:
             for group in self.siblings:
                 group.pending = {}
-            for module, _ in swapped:
-                del module.forward
+            for module, forward in swapped:
+                if module.__dict__.get("forward") is forward:
+                    del module.forward

@@ -17,7 +17,7 @@ import torch
 from nanoserve.adapters.compiled_layers import CompiledLayers
 from nanoserve.adapters.decode_graphs import bucket_for
 from nanoserve.adapters.extend_static import MAX_TOKENS, column_bucket
-from nanoserve.adapters.fused_decode import FusedDecode
+from nanoserve.adapters.fused_decode import FUSED_DTYPES, FusedDecode
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step
 from nanoserve.adapters.tensor_parallel import tp_size
@@ -78,8 +78,9 @@ def graph_step(model, state: PatchState, stock_forward, cache, kwargs, new):
     decode = kwargs["input_ids"].shape[1] == 1
 
     def run_forward(static):
-        layers = _compiled(model, state) if decode else contextlib.nullcontext()
-        fused = _fused(model, state) if decode else contextlib.nullcontext()
+        none = contextlib.nullcontext()
+        layers = _compiled(model, state) if decode else none
+        fused = _fused(model, state, static.input_ids.shape[0]) if decode else none
         with paged_step(cache, static.meta, state.backend), layers, fused:
             return stock_forward(
                 input_ids=static.input_ids, position_ids=static.position_ids,
@@ -109,15 +110,20 @@ def _compiled(model, state: PatchState):
     return state.compiled_layers.active()
 
 
-def _fused(model, state: PatchState):
-    if not state.fuse_decode or state.backend == "torch" or tp_size(model) > 1:
-        return contextlib.nullcontext()  # (tensor-parallel layers reduce in their hooks)
+def _fused(model, state: PatchState, rows: int):
+    if (
+        not state.fuse_decode
+        or state.backend == "torch"
+        or model.dtype not in FUSED_DTYPES  # (float32: stock's modules, no graph breaks)
+        or tp_size(model) > 1  # (tensor-parallel layers reduce in their hooks)
+    ):
+        return contextlib.nullcontext()
     if state.fused_decode is None:
         family = family_for(model.config)
         state.fused_decode = FusedDecode(
             model.base_model, family.decoder_layers(model), family, state.backend
         )
-    return state.fused_decode.active()
+    return state.fused_decode.active(rows)
 
 
 def memory_signature(model, cache) -> tuple:

@@ -19,6 +19,7 @@ from nanoserve.kernels.dispatch import sm_count, use_triton
 
 MAX_ROWS = 16
 MAX_WEIGHTS = 3
+_MAX_OFFSET = 2**31  # a weight's element offsets are int32 in the kernel
 
 
 class LinearConfig(NamedTuple):
@@ -140,6 +141,12 @@ def choose_config(
     return LinearConfig(block_n, block_k, split, num_warps=4, num_stages=4)
 
 
+def fits_offsets(weight: torch.Tensor) -> bool:
+    """True when every element offset a program computes in ``weight`` [N, K] (its last tile
+    of columns included) fits in 32 bits."""
+    return (weight.shape[0] + 64) * weight.shape[1] < _MAX_OFFSET
+
+
 def _check(x, weights, biases, gated) -> None:
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x: expected [M, K] with 1 <= M <= {MAX_ROWS}, got {tuple(x.shape)}")
@@ -159,9 +166,16 @@ def _check(x, weights, biases, gated) -> None:
                 f"weights[{i}]: expected a contiguous [N, {x.shape[1]}] tensor, got "
                 f"{tuple(w.shape)} (contiguous: {w.is_contiguous()})"
             )
+        if not fits_offsets(w):
+            raise ValueError(f"weights[{i}]: {tuple(w.shape)} is too large for the kernel's "
+                             "32-bit offsets")  # fmt: skip
         if w.dtype != x.dtype or w.device != x.device:
             raise ValueError(f"weights[{i}]: dtype/device {w.dtype}/{w.device} differ from x's")
         b = biases[i]
-        same_kind = b is None or (b.dtype, b.device) == (x.dtype, x.device)
-        if b is not None and (b.shape != (w.shape[0],) or not same_kind):
-            raise ValueError(f"biases[{i}]: expected [{w.shape[0]}] of x's dtype and device")
+        if b is not None and (
+            b.shape != (w.shape[0],) or (b.dtype, b.device) != (x.dtype, x.device)
+            or not b.is_contiguous()
+        ):  # fmt: skip
+            raise ValueError(
+                f"biases[{i}]: expected a contiguous [{w.shape[0]}] tensor of x's dtype and device"
+            )

@@ -145,3 +145,48 @@ def test_a_hook_added_after_the_first_call_runs():
     finally:
         nanoserve.unpatch_model(model)
     assert len(calls) == 3  # the prefill and both decode steps
+
+
+@NEEDS_INTERPRETER
+def test_a_pre_hook_on_a_sibling_leaves_the_group_unfused():
+    """A pre-hook may change v's input after q ran (here in place): v must see it. Planted:
+    the pre-hook check dropped: failed."""
+    model = fp16_model()
+
+    def scale_in_place(module, args):
+        args[0].mul_(1.5)
+
+    model.model.layers[0].self_attn.v_proj.register_forward_pre_hook(scale_in_place)
+    inputs = padded_batch([6, 2], 6)
+    plain, _ = run(model, inputs, fuse=False)
+    fused, stats = run(model, inputs)
+    assert stats["fused_decode"] == counts(1, 2, 5)  # layer 0's q/k/v ran unfused
+    for a, b in zip(plain.logits, fused.logits, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@NEEDS_INTERPRETER
+def test_modules_shared_between_layers_are_swapped_once():
+    """Planted: every layer's modules swapped (a shared one twice): the step raised and left
+    fused forwards behind."""
+    model = fp16_model()
+    first, second = model.model.layers
+    second.self_attn.k_proj = first.self_attn.k_proj
+    second.mlp = first.mlp
+    inputs = padded_batch([6, 2], 6)
+    plain, _ = run(model, inputs, fuse=False)
+    fused, stats = run(model, inputs)
+    assert stats["fused_decode"] == counts(1, 1, 5)
+    for a, b in zip(plain.logits, fused.logits, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    for module in model.modules():
+        assert "forward" not in module.__dict__
+
+
+def test_autocast_leaves_stock_modules():
+    from nanoserve.adapters.fused_decode import fits
+
+    linear = torch.nn.Linear(8, 4, dtype=torch.bfloat16)
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fits(x, [linear], "torch")

@@ -107,6 +107,14 @@ def test_auto_on_cpu_runs_the_reference(forbid_triton, monkeypatch):
         (dict(biases=[torch.zeros(4), None]), "every weight or for none"),
         (dict(biases=[torch.zeros(4)]), "biases: expected 2"),
         (dict(biases=[torch.zeros(5), torch.zeros(4)]), r"biases\[0\]"),
+        (dict(biases=[torch.zeros(8)[::2], torch.zeros(4)]), r"biases\[0\]: expected a contig"),
+        (  # every element offset is 32-bit in the kernel (meta tensors: nothing allocated)
+            dict(
+                x=torch.empty(1, 16384, device="meta"),
+                weights=[torch.empty(131136, 16384, device="meta")],
+            ),
+            r"weights\[0\]: .* too large",
+        ),
     ],
 )
 def test_bad_input_names_the_argument(kwargs, message):
