@@ -32,8 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels.dispatch import use_triton
-from nanoserve.kernels.rms_norm import MAX_WIDTH, rms_norm
-from nanoserve.kernels.small_batch_linear import MAX_ROWS, fits_offsets, small_batch_linear
+from nanoserve.kernels.rms_norm import input_problem as norm_problem
+from nanoserve.kernels.rms_norm import rms_norm
+from nanoserve.kernels.small_batch_linear import MAX_ROWS, small_batch_linear
+from nanoserve.kernels.small_batch_linear import input_problem as linear_problem
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 FUSED_KINDS = ("attention", "mlp", "norm")
@@ -56,13 +58,14 @@ class _Siblings:
             held = self.pending.pop(index, None)
             if held is not None and held[0] is x:
                 return held[1]
+            flat = x.reshape(-1, x.shape[-1])
             # (a sibling's pre-hook could change its input after this one computed it)
-            if _hooks_before(self.linears) or not fits(x, self.linears, self.backend):
+            if _hooks_before(self.linears) or not fits(flat, self.linears, self.backend):
                 self.pending = {}
                 return F.linear(x, linear.weight, linear.bias)
             weights = [m.weight for m in self.linears]
             biases = [m.bias for m in self.linears] if linear.bias is not None else None
-            out = small_batch_linear(x.reshape(-1, x.shape[-1]), weights, biases)
+            out = small_batch_linear(flat, weights, biases)
             sizes = [w.shape[0] for w in weights]
             outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in out.split(sizes, dim=-1)]
             self.pending = {i: (x, y) for i, y in enumerate(outs) if i != index}
@@ -77,11 +80,13 @@ def _gated_mlp_forward(mlp, stock_forward, classes: Sequence[str], backend: str,
         if not _gated_mlp(mlp, classes):
             return stock_forward(x)
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        if not fits(x, (gate, up), backend) or not _weights_fit((down,), x, gate.out_features):
-            return stock_forward(x)
         flat = x.reshape(-1, x.shape[-1])
+        if not fits(flat, (gate, up), backend, gated=True):
+            return stock_forward(x)
         biases = [gate.bias, up.bias] if gate.bias is not None else None
         hidden = small_batch_linear(flat, [gate.weight, up.weight], biases, gated=True)
+        if not fits(hidden, (down,), backend):
+            return stock_forward(x)  # (a down projection the kernel does not take)
         down_bias = [down.bias] if down.bias is not None else None
         out = small_batch_linear(hidden, [down.weight], down_bias)
         ran.add(("mlp", id(mlp)))
@@ -90,33 +95,25 @@ def _gated_mlp_forward(mlp, stock_forward, classes: Sequence[str], backend: str,
     return forward
 
 
-def fits(x: torch.Tensor, linears: Sequence[torch.nn.Linear], backend: str) -> bool:
-    """True when the kernel takes ``x`` through ``linears``: 16-bit, at most 16 rows, weights
-    of x's dtype, device and width, biases on all or none (anything else runs stock's)."""
-    if x.dtype not in FUSED_DTYPES or x.dim() < 2 or x.stride(-1) != 1 or _autocast(x):
-        return False
-    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.numel() == 0:
-        return False
-    return _weights_fit(linears, x, x.shape[-1]) and use_triton(backend, x)
+def fits(
+    x: torch.Tensor, linears: Sequence[torch.nn.Linear], backend: str, gated: bool = False
+) -> bool:
+    """True when the kernel takes ``x`` [M, K] through ``linears`` (``small_batch_linear``'s
+    own conditions: at most 16 rows, weights and biases of x's dtype, device and width, ...)
+    in a 16-bit step outside autocast; anything else runs stock's."""
+    weights, biases = [m.weight for m in linears], [m.bias for m in linears]
+    return (
+        _fusable(x) and linear_problem(x, weights, biases, gated) is None and use_triton(backend, x)
+    )
 
 
-def _weights_fit(linears: Sequence[torch.nn.Linear], x: torch.Tensor, width: int) -> bool:
-    """Contiguous [N, width] weights and biases of x's dtype and device, biases on all or none."""
-    if len({m.bias is None for m in linears}) > 1:
-        return False
-    for m in linears:
-        for t in (m.weight, m.bias):
-            if t is not None and (
-                t.dtype != x.dtype or t.device != x.device or not t.is_contiguous()
-            ):
-                return False
-        if m.weight.dim() != 2 or m.weight.shape[1] != width or not fits_offsets(m.weight):
-            return False
-    return True
+def _fusable(x: torch.Tensor) -> bool:
+    """A float16 / bfloat16 input outside autocast (under it stock's modules compute in the
+    autocast dtype)."""
+    return x.dtype in FUSED_DTYPES and not _autocast(x)
 
 
 def _autocast(x: torch.Tensor) -> bool:
-    """Under autocast stock's modules compute in the autocast dtype: leave them to it."""
     try:
         return torch.is_autocast_enabled(x.device.type)
     except TypeError:  # torch before 2.4 takes no device type
@@ -131,27 +128,21 @@ def _hooks_before(modules) -> bool:
 
 def _hooks_skipped(modules) -> bool:
     """Hooks a fused forward that never calls ``modules`` would skip (theirs or global)."""
-    module = torch.nn.modules.module
-    global_hooks = (
-        getattr(module, "_global_forward_pre_hooks", None),
-        getattr(module, "_global_forward_hooks", None),
-    )
-    return any(global_hooks) or any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    global_hooks = getattr(torch.nn.modules.module, "_global_forward_hooks", None)
+    return _hooks_before(modules) or bool(global_hooks) or any(m._forward_hooks for m in modules)
 
 
 def _norm_forward(norm, stock_forward, backend: str, ran: set):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        weight = norm.weight
+        weight, eps = norm.weight, norm.variance_epsilon
         if (
-            x.dtype not in FUSED_DTYPES
-            or _autocast(x)
-            or not 1 <= x.shape[-1] <= MAX_WIDTH
-            or (weight.dtype, weight.device, weight.shape) != (x.dtype, x.device, x.shape[-1:])
+            not _fusable(x)
+            or norm_problem(x, weight, eps) is not None
             or not use_triton(backend, x)
         ):
             return stock_forward(x)
         ran.add(("norm", id(norm)))
-        return rms_norm(x, weight, norm.variance_epsilon, backend=backend)
+        return rms_norm(x, weight, eps, backend=backend)
 
     return forward
 
@@ -163,15 +154,13 @@ def _plain_linear(module) -> bool:
 
 
 def _rms_norm(module, classes: Sequence[str]) -> bool:
-    weight = getattr(module, "weight", None)
-    eps = getattr(module, "variance_epsilon", None)
+    """One of the family's norm classes, not wrapped; its weight and eps are checked at
+    every call (``norm_problem``)."""
     return (
         type(module).__name__ in classes
         and "forward" not in module.__dict__
-        and isinstance(weight, torch.Tensor)
-        and weight.dim() == 1
-        and isinstance(eps, (int, float))
-        and eps >= 0
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and hasattr(module, "variance_epsilon")
     )
 
 

@@ -21,6 +21,21 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * normed.to(x.dtype)
 
 
+def input_problem(x: torch.Tensor, weight: torch.Tensor, eps) -> str | None:
+    """Why ``rms_norm`` refuses these arguments (the ValueError's message), or None."""
+    width = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or not 1 <= width <= MAX_WIDTH:
+        return f"x: expected [..., D] with 1 <= D <= {MAX_WIDTH}, got {tuple(x.shape)}"
+    if weight.shape != (width,) or weight.dtype != x.dtype or weight.device != x.device:
+        return (
+            f"weight: expected [{width}] of x's dtype and device, got {tuple(weight.shape)} "
+            f"{weight.dtype} on {weight.device}"
+        )
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        return f"eps: expected a number >= 0, got {eps!r}"
+    return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "auto"):
     """``rms_norm_ref(x, weight, eps)`` by one Triton launch (a program per row).
 
@@ -28,16 +43,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str 
     weight [D] contiguous of x's dtype (float16, bfloat16 or float32), D <= 65536. Returns a
     new contiguous tensor shaped as x.
     """
-    width = x.shape[-1] if x.dim() else 0
-    if x.dim() == 0 or not 1 <= width <= MAX_WIDTH:
-        raise ValueError(f"x: expected [..., D] with 1 <= D <= {MAX_WIDTH}, got {tuple(x.shape)}")
-    if weight.shape != (width,) or weight.dtype != x.dtype or weight.device != x.device:
-        raise ValueError(
-            f"weight: expected [{width}] of x's dtype and device, got {tuple(weight.shape)} "
-            f"{weight.dtype} on {weight.device}"
-        )
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps: expected a number >= 0, got {eps!r}")
+    problem = input_problem(x, weight, eps)
+    if problem is not None:
+        raise ValueError(problem)
+    width = x.shape[-1]
     if not use_triton(backend, x):
         return rms_norm_ref(x, weight, eps)
     from nanoserve.kernels.triton_rms_norm import _rms_norm_kernel

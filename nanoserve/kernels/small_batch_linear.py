@@ -77,7 +77,9 @@ def small_batch_linear(
     """
     weights = list(weights)
     biases = list(biases) if biases is not None else [None] * len(weights)
-    _check(x, weights, biases, gated)
+    problem = input_problem(x, weights, biases, gated)
+    if problem is not None:
+        raise ValueError(problem)
     rows, k = x.shape
     sizes = [w.shape[0] for w in weights]
     width = sizes[0] if gated else sum(sizes)
@@ -141,41 +143,49 @@ def choose_config(
     return LinearConfig(block_n, block_k, split, num_warps=4, num_stages=4)
 
 
-def fits_offsets(weight: torch.Tensor) -> bool:
+def _fits_offsets(weight: torch.Tensor) -> bool:
     """True when every element offset a program computes in ``weight`` [N, K] (its last tile
     of columns included) fits in 32 bits."""
     return (weight.shape[0] + 64) * weight.shape[1] < _MAX_OFFSET
 
 
-def _check(x, weights, biases, gated) -> None:
+def input_problem(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None] | None = None,
+    gated: bool = False,
+) -> str | None:
+    """Why ``small_batch_linear`` refuses these arguments (the ValueError's message), or None
+    when it takes them (callers that fall back to torch ask first)."""
+    biases = list(biases) if biases is not None else [None] * len(weights)
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"x: expected [M, K] with 1 <= M <= {MAX_ROWS}, got {tuple(x.shape)}")
+        return f"x: expected [M, K] with 1 <= M <= {MAX_ROWS}, got {tuple(x.shape)}"
     if x.stride(1) != 1:
-        raise ValueError("x: the last dimension must have unit stride")
+        return "x: the last dimension must have unit stride"
     if not 1 <= len(weights) <= MAX_WEIGHTS:
-        raise ValueError(f"weights: expected 1 to {MAX_WEIGHTS}, got {len(weights)}")
+        return f"weights: expected 1 to {MAX_WEIGHTS}, got {len(weights)}"
     if gated and (len(weights) != 2 or weights[0].shape != weights[1].shape):
-        raise ValueError("weights: gated=True takes a gate and an up weight of equal shape")
+        return "weights: gated=True takes a gate and an up weight of equal shape"
     if len(biases) != len(weights):
-        raise ValueError(f"biases: expected {len(weights)} entries, got {len(biases)}")
+        return f"biases: expected {len(weights)} entries, got {len(biases)}"
     if len({b is None for b in biases}) > 1:
-        raise ValueError("biases: give a bias for every weight or for none")
+        return "biases: give a bias for every weight or for none"
     for i, w in enumerate(weights):
         if w.dim() != 2 or w.shape[1] != x.shape[1] or not w.is_contiguous():
-            raise ValueError(
+            return (
                 f"weights[{i}]: expected a contiguous [N, {x.shape[1]}] tensor, got "
                 f"{tuple(w.shape)} (contiguous: {w.is_contiguous()})"
             )
-        if not fits_offsets(w):
-            raise ValueError(f"weights[{i}]: {tuple(w.shape)} is too large for the kernel's "
-                             "32-bit offsets")  # fmt: skip
+        if not _fits_offsets(w):
+            return f"weights[{i}]: {tuple(w.shape)} is too large for the kernel's 32-bit offsets"
         if w.dtype != x.dtype or w.device != x.device:
-            raise ValueError(f"weights[{i}]: dtype/device {w.dtype}/{w.device} differ from x's")
+            return f"weights[{i}]: dtype/device {w.dtype}/{w.device} differ from x's"
         b = biases[i]
         if b is not None and (
             b.shape != (w.shape[0],) or (b.dtype, b.device) != (x.dtype, x.device)
             or not b.is_contiguous()
         ):  # fmt: skip
-            raise ValueError(
+            return (
                 f"biases[{i}]: expected a contiguous [{w.shape[0]}] tensor of x's dtype and device"
             )
+    return None
