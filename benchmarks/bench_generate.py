@@ -433,10 +433,7 @@ def prefill_kernels(model, ids, mask, device: str) -> tuple[float, int]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run_generate(model, ids, mask, 1, device)
     events = prof.key_averages()  # as step_profile counts them
-    gpu_ms = kernel_seconds(events) * 1e3
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
-                   "cuLaunchKernelEx", "cudaGraphLaunch"))  # fmt: skip
-    return gpu_ms, launches
+    return kernel_seconds(events) * 1e3, kernel_launches(events)
 
 
 def kernel_seconds(events) -> float:
@@ -444,6 +441,12 @@ def kernel_seconds(events) -> float:
     eager op's own entry repeats the time of the kernels it launched)."""
     device = torch.autograd.DeviceType.CUDA
     return sum(e.self_device_time_total for e in events if e.device_type == device) / 1e6
+
+
+def kernel_launches(events) -> int:
+    """Kernel and graph launches the host made, from a profile's ``key_averages()``."""
+    calls = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+    return sum(e.count for e in events if e.key in calls)
 
 
 def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
@@ -621,8 +624,7 @@ def step_profile(model, device: str, tiny: bool) -> list[dict]:
         events = prof.key_averages()
         waits = sum(e.self_cpu_time_total for e in events if "Synchronize" in e.key) / 1e6
         gpu = kernel_seconds(events)
-        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel",
-                       "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"))  # fmt: skip
+        launches = kernel_launches(events)
         row = {"loop": name, "tok/s": round(steps / secs, 1),
                "ms/step": round(secs / steps * 1e3, 3),
                "gpu_ms/step": round(gpu / steps * 1e3, 3),
