@@ -96,10 +96,11 @@ def kernels_per_step(run, steps: int) -> tuple[int, float, list]:
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.device_time for e in events)
-    by_name = collections.Counter()
+    by_name, count = collections.Counter(), collections.Counter()
     for e in events:
         by_name[e.name[:60]] += e.device_time
-    top = [(n, t / steps) for n, t in by_name.most_common(12)]
+        count[e.name[:60]] += 1
+    top = [(n, t / steps, count[n] / steps) for n, t in by_name.most_common(30)]
     return len(events) // steps, total / steps, top
 
 
@@ -111,8 +112,8 @@ def report_kernels(label: str, model, ids, mask, steps: int, table: Table, **kwa
     table.append((f"{label}: kernels per step", launches))
     table.append((f"{label}: summed kernel ms per step", kernel_us / 1e3))
     print(f"top kernels, {label}, µs per step:")
-    for name, us in top:
-        print(f"  {us:9.1f}  {name}")
+    for name, us, launches in top:
+        print(f"  {us:9.1f} µs {launches:6.1f}x  {name}")
 
 
 def host_breakdown(model, ids, mask, new: int, table: Table) -> None:
@@ -161,6 +162,7 @@ def main() -> None:
     table.append(("nanoserve graphs: replay GPU ms", replay_gpu_us(model) / 1e3))
 
     host_breakdown(model, ids, mask, new, table)
+    report_kernels("graphs (default, replays)", model, ids, mask, 64, table)
     nanoserve.unpatch_model(model)
 
     nanoserve.patch_model(model, cuda_graphs=False)

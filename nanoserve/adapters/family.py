@@ -69,7 +69,9 @@ class Family:
     whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (``fuse_decode``
     runs them as two launches when ``act_fn`` is SiLU); ``rms_norm_classes``: its norm classes
     computing ``weight * (x * rsqrt(mean(x**2) + eps)).to(dtype)`` as ``LlamaRMSNorm`` does
-    (``fuse_decode`` runs them as one launch).
+    (``fuse_decode`` runs them as one launch); ``rotary_attention_classes``: its attention
+    classes whose forward calls its modeling module's ``apply_rotary_pos_emb(q, k, cos,
+    sin)`` with Llama's formula (``fuse_decode`` runs it as one launch).
     """
 
     name: str
@@ -82,6 +84,7 @@ class Family:
     cache_groups: Callable[[object], tuple | None] = lambda config: None
     gated_mlp_classes: tuple[str, ...] = ()
     rms_norm_classes: tuple[str, ...] = ()
+    rotary_attention_classes: tuple[str, ...] = ()
 
     def layout(self, config) -> KVLayout:
         """``kv_layout(config)`` with its ``sliding_window`` from ``cache_window`` and its

@@ -14,7 +14,10 @@ leaves the others' outputs for them, matched by the identity of the input tensor
 called on another input (or a step of more rows than the kernel takes) computes its own with
 ``torch.nn.functional.linear``, as stock does. The MLP is replaced only for the classes the
 family names (``Family.gated_mlp_classes``), whose forward is that formula, and only when
-none of its projections carries a hook (the fused forward does not call them).
+none of its projections carries a hook (the fused forward does not call them). The rotary
+embedding of the family's attention classes (``Family.rotary_attention_classes``) runs as
+one launch for q and k (``fused_rotary.py``; not under ``compile_decode``, whose compiler
+fuses it already).
 
 Outputs accumulate in float32 and round where eager PyTorch rounds; the summation order
 differs, so 16-bit results can differ from stock's in the last bit, as they differ between
@@ -26,11 +29,13 @@ accelerate's offload hooks) is left alone.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from nanoserve.adapters import fused_rotary
 from nanoserve.kernels.dispatch import use_triton
 from nanoserve.kernels.rms_norm import input_problem as norm_problem
 from nanoserve.kernels.rms_norm import rms_norm
@@ -38,7 +43,7 @@ from nanoserve.kernels.small_batch_linear import MAX_ROWS, small_batch_linear
 from nanoserve.kernels.small_batch_linear import input_problem as linear_problem
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
-FUSED_KINDS = ("attention", "mlp", "norm")
+FUSED_KINDS = ("attention", "mlp", "norm", "rotary")
 _SILU_TYPES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers' (both F.silu)
 
 
@@ -194,17 +199,31 @@ def _gated_mlp(mlp, classes: Sequence[str]) -> bool:
 class FusedDecode:
     """The fused forwards of a model's norms and its ``layers``' projections, swapped in only
     inside ``active()``. ``root``: the module whose submodules include every norm (the base
-    model); ``family``: the model's ``Family`` (its MLP and RMSNorm classes)."""
+    model); ``family``: the model's ``Family`` (its MLP, RMSNorm and attention classes);
+    ``rotary``: whether the rotary embedding is fused too."""
 
     def __init__(
-        self, root: torch.nn.Module, layers: Sequence[torch.nn.Module], family, backend: str
+        self,
+        root: torch.nn.Module,
+        layers: Sequence[torch.nn.Module],
+        family,
+        backend: str,
+        rotary: bool = True,
     ):
+        self.backend = backend
         # (module, its fused forward, whether it is a projection: those only serve steps of up
         # to MAX_ROWS rows); compile_decode's compiled layers call them uncompiled
         self.swaps: list[tuple[torch.nn.Module, object, bool]] = []
         self.siblings: list[_Siblings] = []
-        # ("attention" | "mlp" | "norm", id of the module) for each that has run fused
+        # ("attention" | "mlp" | "norm", id of the module) for each that has run fused, and
+        # ("rotary", n) for the n-th rotary call of a step
         self.ran: set[tuple[str, int]] = set()
+        attentions = [getattr(layer, "self_attn", None) for layer in layers]
+        self.rotary_modules = ()
+        if rotary:
+            self.rotary_modules = fused_rotary.rotary_modules(
+                [a for a in attentions if a is not None], family.rotary_attention_classes
+            )
         taken: set[int] = set()  # a module two layers share is swapped once, by the first
 
         def swap(modules, forwards, projection: bool) -> None:
@@ -235,7 +254,8 @@ class FusedDecode:
 
     def counts(self) -> dict[str, int]:
         """Modules that have run fused in some step so far: {"attention": q/k/v groups,
-        "mlp": gated MLPs, "norm": RMSNorms} (a step the kernels do not take runs stock's)."""
+        "mlp": gated MLPs, "norm": RMSNorms, "rotary": rotary calls of the step that ran the
+        most} (a step the kernels do not take runs stock's)."""
         kinds = [kind for kind, _ in self.ran]
         return {kind: kinds.count(kind) for kind in FUSED_KINDS}
 
@@ -249,10 +269,19 @@ class FusedDecode:
             for m, f, projection in self.swaps
             if "forward" not in m.__dict__ and (rows <= MAX_ROWS or not projection)
         ]
+        calls = itertools.count()
+
+        def rotary_fused() -> None:
+            self.ran.add(("rotary", next(calls)))
+
+        rotary = contextlib.nullcontext()
+        if self.rotary_modules:
+            rotary = fused_rotary.swapped(self.rotary_modules, self.backend, rotary_fused)
         for module, forward in swapped:
             module.forward = forward
         try:
-            yield
+            with rotary:
+                yield
         finally:
             for group in self.siblings:
                 group.pending = {}

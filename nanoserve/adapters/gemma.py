@@ -37,4 +37,5 @@ GEMMA = Family(
     decoder_layers=lambda model: model.base_model.layers,
     check=check,
     cache_groups=window_groups,
+    rotary_attention_classes=("GemmaAttention", "Gemma2Attention", "Gemma3Attention"),
 )

@@ -121,7 +121,11 @@ def _fused(model, state: PatchState, rows: int):
     if state.fused_decode is None:
         family = family_for(model.config)
         state.fused_decode = FusedDecode(
-            model.base_model, family.decoder_layers(model), family, state.backend
+            model.base_model,
+            family.decoder_layers(model),
+            family,
+            state.backend,
+            rotary=not state.compile_decode,  # (the compiler fuses it; a swap would break)
         )
     return state.fused_decode.active(rows)
 

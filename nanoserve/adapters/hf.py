@@ -92,8 +92,9 @@ def patch_model(
     decoder layers of those graph steps through ``torch.compile`` (fewer, fused kernels;
     close to but not bit-equal with stock eager; see ``compiled_layers.py``).
     ``fuse_decode`` (the default): in the decode graph steps of a float16 / bfloat16 model
-    every RMSNorm runs as one Triton launch and, at up to 16 rows, each layer's q/k/v
-    projections as one and a SiLU-gated MLP as two (``fused_decode.py``; float32
+    every RMSNorm runs as one Triton launch, the rotary embedding as one for q and k
+    (bit-equal to stock's; not with ``compile_decode``) and, at up to 16 rows, each layer's
+    q/k/v projections as one and a SiLU-gated MLP as two (``fused_decode.py``; float32
     accumulation as eager, another summation order, so the last bit can differ from
     stock's); ``False`` keeps transformers' modules there. ``backend``
     picks the kernels of every paged step: "auto" (Triton on CUDA, the torch references on
@@ -259,7 +260,8 @@ def decode_graph_stats(model) -> dict:
     graphs (``extend_disabled``) were turned off (None while they are on), and which loop
     the latest greedy / sampling call ran (``decode_loop``: "nanoserve", "stock: <why>", or
     None before any), and ``fused_decode``: how many modules have run fused in graph steps
-    (``fuse_decode``: {"attention": q/k/v groups, "mlp": gated MLPs, "norm": RMSNorms})."""
+    (``fuse_decode``: {"attention": q/k/v groups, "mlp": gated MLPs, "norm": RMSNorms,
+    "rotary": rotary calls in a step})."""
     state = _state(model)
     fused = state.fused_decode
     loop = {

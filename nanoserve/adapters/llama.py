@@ -30,4 +30,10 @@ LLAMA = Family(
     check=check,
     gated_mlp_classes=("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"),
     rms_norm_classes=("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"),
+    rotary_attention_classes=(
+        "LlamaAttention",
+        "MistralAttention",
+        "Qwen2Attention",
+        "Qwen3Attention",
+    ),
 )

@@ -8,6 +8,9 @@ the GPU test (test_gpu_parity) captures real graphs in bfloat16.
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import pytest
 import torch
 from helpers import NEEDS_INTERPRETER
@@ -15,7 +18,10 @@ from test_decode_graphs import generate_patched
 from test_families import padded_batch, tiny_model
 
 import nanoserve
+from nanoserve.adapters import fused_rotary
 from nanoserve.adapters.decode_graphs import DecodeGraphs
+from nanoserve.adapters.fused_decode import FusedDecode
+from nanoserve.adapters.llama import LLAMA
 from nanoserve.adapters.step import state_of
 
 GREEDY = dict(do_sample=False, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
@@ -40,8 +46,8 @@ def fp16_model(name="llama"):
     return model
 
 
-def counts(attention=0, mlp=0, norm=0):
-    return {"attention": attention, "mlp": mlp, "norm": norm}
+def counts(attention=0, mlp=0, norm=0, rotary=0):
+    return {"attention": attention, "mlp": mlp, "norm": norm, "rotary": rotary}
 
 
 # two layers' input and post-attention norms and the final norm; Qwen3 adds q and k norms
@@ -58,7 +64,7 @@ def test_fused_steps_match_unfused(name):
     plain, plain_stats = run(model, inputs, fuse=False)
     fused, stats = run(model, inputs, fuse=True)
     assert plain_stats["fused_decode"] == counts()
-    assert stats["fused_decode"] == counts(2, 2, NORMS[name])
+    assert stats["fused_decode"] == counts(2, 2, NORMS[name], rotary=2)
     assert stats["replays"] == plain_stats["replays"] == 5
     assert torch.equal(plain.sequences, fused.sequences)
     for a, b in zip(plain.logits, fused.logits, strict=True):
@@ -79,11 +85,12 @@ def test_float32_and_torch_backend_are_not_fused():
 
 @NEEDS_INTERPRETER
 def test_more_rows_than_the_kernel_takes_run_stock():
-    """The projections run stock's; the norms take any number of rows. Planted: the row
+    """The projections run stock's; the norms and the rotary embedding take any number of
+    rows. Planted: the row
     limit dropped from ``fits``: failed (the kernel refused 32 rows)."""
     inputs = padded_batch([5] * 17, 5)  # bucket of 32 rows
     _, stats = run(fp16_model(), inputs, steps=3)
-    assert stats["fused_decode"] == counts(norm=5)
+    assert stats["fused_decode"] == counts(norm=5, rotary=2)
     assert stats["replays"] == 2
 
 
@@ -110,7 +117,7 @@ def test_subclassed_or_hooked_projections_keep_their_forwards():
     hook_calls = len(calls)
     fused, stats = run(model, inputs)
     # layer 0: neither its attention (k is a subclass) nor its MLP (down is hooked)
-    assert stats["fused_decode"] == counts(1, 1, 5)
+    assert stats["fused_decode"] == counts(1, 1, 5, 2)
     assert len(calls) == 2 * hook_calls  # the hook ran in every step of both calls
     assert torch.equal(plain.sequences, fused.sequences)
     for a, b in zip(plain.logits, fused.logits, strict=True):
@@ -160,7 +167,7 @@ def test_a_pre_hook_on_a_sibling_leaves_the_group_unfused():
     inputs = padded_batch([6, 2], 6)
     plain, _ = run(model, inputs, fuse=False)
     fused, stats = run(model, inputs)
-    assert stats["fused_decode"] == counts(1, 2, 5)  # layer 0's q/k/v ran unfused
+    assert stats["fused_decode"] == counts(1, 2, 5, 2)  # layer 0's q/k/v ran unfused
     for a, b in zip(plain.logits, fused.logits, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
@@ -176,7 +183,7 @@ def test_modules_shared_between_layers_are_swapped_once():
     inputs = padded_batch([6, 2], 6)
     plain, _ = run(model, inputs, fuse=False)
     fused, stats = run(model, inputs)
-    assert stats["fused_decode"] == counts(1, 1, 5)
+    assert stats["fused_decode"] == counts(1, 1, 5, 2)
     for a, b in zip(plain.logits, fused.logits, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
     for module in model.modules():
@@ -190,3 +197,90 @@ def test_autocast_leaves_stock_modules():
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not fits(x, [linear], "torch")
+
+
+@NEEDS_INTERPRETER
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_fused_rotary_is_stock_bit_for_bit(name, monkeypatch):
+    """Every fused rotary call of a step gives what the module's own function gives on the
+    same tensors, and the global is the original again after the call. Planted: the stand-in
+    left installed after the step, and the products summed before rounding: each failed."""
+    model = fp16_model(name)
+    module = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    original = module.apply_rotary_pos_emb
+    compared = []
+    fused = fused_rotary.apply_rotary
+
+    def checked(q, k, cos, sin, backend):
+        out = fused(q, k, cos, sin, backend=backend)
+        expected = original(q, k, cos, sin)
+        compared.append(all(torch.equal(a, b) for a, b in zip(out, expected, strict=True)))
+        return out
+
+    monkeypatch.setattr(fused_rotary, "apply_rotary", checked)
+    _, stats = run(model, padded_batch([7, 3, 5], 7), steps=4)
+    assert stats["fused_decode"]["rotary"] == 2
+    assert len(compared) == 2 * 3 and all(compared)  # two layers, three decode steps
+    assert module.apply_rotary_pos_emb is original
+
+
+@NEEDS_INTERPRETER
+@pytest.mark.parametrize("name", ["gemma", "gemma2"])
+def test_gemma_attention_fuses_rotary_and_projections(name):
+    """Gemma's attention classes call Llama's rotary; its norms and GELU MLP stay stock's."""
+    from test_new_families import tiny_model as gemma_model
+
+    model = gemma_model(name).to(torch.float16)
+    inputs = padded_batch([6, 2], 6)
+    plain, _ = run(model, inputs, fuse=False)
+    fused, stats = run(model, inputs)
+    layers = len(model.model.layers)
+    assert stats["fused_decode"] == counts(attention=layers, rotary=layers)
+    for a, b in zip(plain.logits, fused.logits, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@NEEDS_INTERPRETER
+def test_rotary_swap_is_this_threads_and_undone():
+    """Other threads meet the original while a swap is open; nested users put it back once
+    the last leaves, and a global set by someone else meanwhile stays theirs."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.apply_rotary_pos_emb
+    q = torch.randn(1, 2, 1, 8).half()
+    cos, sin = torch.rand(1, 1, 8).half(), torch.rand(1, 1, 8).half()
+    fused_calls = []
+    with fused_rotary.swapped([modeling_llama], "triton", lambda: fused_calls.append(1)):
+        seen = []
+        worker = threading.Thread(
+            target=lambda: seen.append(modeling_llama.apply_rotary_pos_emb(q, q, cos, sin))
+        )
+        worker.start()
+        worker.join()
+        assert fused_calls == [] and torch.equal(seen[0][0], original(q, q, cos, sin)[0])
+        with fused_rotary.swapped([modeling_llama], "triton", lambda: fused_calls.append(2)):
+            modeling_llama.apply_rotary_pos_emb(q, q, cos, sin)
+        assert fused_calls == [2] and modeling_llama.apply_rotary_pos_emb is not original
+        modeling_llama.apply_rotary_pos_emb(q, q, cos, sin)
+        modeling_llama.apply_rotary_pos_emb(q, q.float(), cos, sin)  # not fusable: original
+        assert fused_calls == [2, 1]
+    assert modeling_llama.apply_rotary_pos_emb is original
+    try:
+        with fused_rotary.swapped([modeling_llama], "triton", lambda: None):
+            modeling_llama.apply_rotary_pos_emb = theirs = lambda *args: args
+        assert modeling_llama.apply_rotary_pos_emb is theirs
+    finally:
+        modeling_llama.apply_rotary_pos_emb = original
+
+
+def test_rotary_is_swapped_only_for_the_familys_attention():
+    """compile_decode builds FusedDecode with rotary=False; Phi-3's partial rotary is not
+    Llama's and its class is not in the family's list."""
+    from test_new_families import tiny_model as other_model
+
+    model = fp16_model()
+    layers = model.model.layers
+    assert FusedDecode(model.model, layers, LLAMA, "torch").rotary_modules
+    assert FusedDecode(model.model, layers, LLAMA, "torch", rotary=False).rotary_modules == ()
+    phi = other_model("phi3")
+    assert fused_rotary.rotary_modules([phi.model.layers[0].self_attn], ("LlamaAttention",)) == ()

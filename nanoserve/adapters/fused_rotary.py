@@ -1,0 +1,105 @@
+"""Llama's rotary embedding in one launch inside a captured decode step.
+
+The attention modules of the Llama and Gemma families call their modeling module's global
+``apply_rotary_pos_emb(q, k, cos, sin)``: in eager about ten small kernels a layer (products
+on strided views, a negation and a concatenation for each of q and k, the sums). While
+``swapped(...)`` is open that global is a stand-in that runs ``apply_rotary`` (one launch for
+q and k) in the threads inside it, and the original everywhere else; the original comes back
+when the last user leaves (a global someone else set meanwhile is left as they set it). The
+kernel rounds where eager rounds: float16 and bfloat16 results are bit-equal to stock's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
+
+import torch
+
+from nanoserve.kernels.dispatch import use_triton
+from nanoserve.kernels.rotary import apply_rotary, input_problem
+
+NAME = "apply_rotary_pos_emb"
+ROTARY_DTYPES = (torch.float16, torch.bfloat16)
+
+_lock = threading.Lock()
+# module name -> [original, stand-in, users]
+_installed: dict[str, list] = {}
+_local = threading.local()  # .users: a stack of (backend, on_fused) of this thread
+
+
+def rotary_modules(attentions: Sequence[torch.nn.Module], classes: Sequence[str]):
+    """The modeling modules whose global ``apply_rotary_pos_emb`` the forward of
+    ``attentions`` of the family's ``classes`` calls (a class is trusted by its name to
+    apply Llama's formula, as the family declares; its forward must name the global)."""
+    found: dict[str, ModuleType] = {}
+    for attention in attentions:
+        cls = type(attention)
+        module = sys.modules.get(cls.__module__)
+        if cls.__name__ not in classes or module is None or "forward" in attention.__dict__:
+            continue
+        forward = inspect.unwrap(cls.forward)
+        code = getattr(forward, "__code__", None)
+        if code is not None and NAME in code.co_names and callable(getattr(module, NAME, None)):
+            found[module.__name__] = module
+    return tuple(found.values())
+
+
+def _stand_in(original: Callable) -> Callable:
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        users = getattr(_local, "users", None)
+        if users and not args and set(kwargs) <= {"unsqueeze_dim"}:
+            backend, on_fused = users[-1]
+            if kwargs.get("unsqueeze_dim", 1) == 1 and _fits(q, k, cos, sin, backend):
+                on_fused()
+                return apply_rotary(q, k, cos, sin, backend=backend)
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.__wrapped__ = original
+    return apply_rotary_pos_emb
+
+
+def _fits(q, k, cos, sin, backend: str) -> bool:
+    """16-bit tensors outside autocast that ``apply_rotary`` takes on this backend."""
+    tensors = (q, k, cos, sin)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or q.dtype not in ROTARY_DTYPES:
+        return False
+    try:
+        autocast = torch.is_autocast_enabled(q.device.type)
+    except TypeError:  # torch before 2.4 takes no device type
+        autocast = torch.is_autocast_enabled()
+    return not autocast and input_problem(*tensors) is None and use_triton(backend, q)
+
+
+@contextlib.contextmanager
+def swapped(
+    modules: Sequence[ModuleType], backend: str, on_fused: Callable[[], None]
+) -> Iterator[None]:
+    """The stand-in in ``modules`` for this thread's calls while open (``on_fused()`` is
+    called for each call it runs fused); other threads keep the original."""
+    with _lock:
+        for module in modules:
+            entry = _installed.get(module.__name__)
+            if entry is None:
+                original = getattr(module, NAME)
+                entry = _installed[module.__name__] = [original, _stand_in(original), 0]
+                setattr(module, NAME, entry[1])
+            entry[2] += 1
+    users = _local.__dict__.setdefault("users", [])
+    users.append((backend, on_fused))
+    try:
+        yield
+    finally:
+        users.pop()
+        with _lock:
+            for module in modules:
+                entry = _installed[module.__name__]
+                entry[2] -= 1
+                if entry[2] == 0:
+                    del _installed[module.__name__]
+                    if getattr(module, NAME) is entry[1]:
+                        setattr(module, NAME, entry[0])

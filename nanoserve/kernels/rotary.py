@@ -1,0 +1,87 @@
+"""Rotary position embedding as Llama, Mistral, Qwen and Gemma apply it: launcher and
+reference.
+
+``q * cos + rotate_half(q) * sin`` (and the same for k), with ``rotate_half(x) = cat(-x2,
+x1)`` over the two halves of the head dimension: transformers' ``apply_rotary_pos_emb`` with
+``unsqueeze_dim=1``. Each product and the sum are rounded to the tensors' dtype, as eager
+PyTorch rounds them (and no product is fused into the sum), so outputs are bit-equal to
+eager's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.kernels.dispatch import next_pow2, use_triton
+
+# elements of one half-head tile a program holds, per tensor (x1, x2 and the products)
+_TILE = 2048
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference, eager's operations in the tensors' dtype: q [B, Hq, S, D], k [B, Hk, S,
+    D], cos and sin [B, S, D]; returns (q, k) rotated, new tensors of q's dtype."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def input_problem(q, k, cos, sin) -> str | None:
+    """Why ``apply_rotary`` refuses these arguments (the ValueError's message), or None."""
+    if q.dim() != 4 or q.shape[-1] % 2 or q.shape[-1] == 0:
+        return f"q: expected [B, Hq, S, D] with D even, got {tuple(q.shape)}"
+    batch, _, seq, dim = q.shape
+    if k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != (batch, seq, dim):
+        return f"k: expected [{batch}, Hk, {seq}, {dim}] like q, got {tuple(k.shape)}"
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (batch, seq, dim):
+            return f"{name}: expected [{batch}, {seq}, {dim}], got {tuple(t.shape)}"
+    for name, t in (("k", k), ("cos", cos), ("sin", sin)):
+        if t.dtype != q.dtype or t.device != q.device:
+            return f"{name}: expected q's dtype and device, got {t.dtype} on {t.device}"
+    return None
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend="auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary_ref(q, k, cos, sin)`` by one Triton launch for q and k together.
+
+    q [B, Hq, S, D] and k [B, Hk, S, D] of any strides (a transposed view of a projection's
+    output is read in place; the head dimension is copied to unit stride first if it is
+    not), cos and sin [B, S, D], all of one dtype (float16, bfloat16 or float32). Returns new
+    contiguous tensors shaped as q and k, bit-equal to eager's.
+    """
+    problem = input_problem(q, k, cos, sin)
+    if problem is not None:
+        raise ValueError(problem)
+    if not use_triton(backend, q):
+        return rotary_ref(q, k, cos, sin)
+    from nanoserve.kernels.triton_rotary import _rotary_kernel
+
+    q, k, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, cos, sin))
+    batch, q_heads, seq, dim = q.shape
+    k_heads = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if q_out.numel() + k_out.numel() == 0:
+        return q_out, k_out
+    half = dim // 2
+    block = next_pow2(half)
+    heads = min(next_pow2(max(q_heads, k_heads)), max(1, _TILE // block))
+    q_blocks, k_blocks = -(-q_heads // heads), -(-k_heads // heads)
+    _rotary_kernel[(batch * seq, q_blocks + k_blocks)](
+        q, k, cos, sin, q_out, k_out,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        seq, q_heads, k_heads, half, q_blocks,
+        HEADS=heads, BLOCK=block, num_warps=4,
+        enable_fp_fusion=False,  # a product fused into the sum would skip eager's rounding
+    )  # fmt: skip
+    return q_out, k_out
