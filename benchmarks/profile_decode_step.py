@@ -140,7 +140,8 @@ def host_breakdown(model, ids, mask, new: int, table: Table) -> None:
     profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-    print(text.getvalue()[-6000:])
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+    print(text.getvalue()[-16000:])
 
 
 def main() -> None:

@@ -22,6 +22,9 @@ _log = get_logger(__name__)
 DEFAULT_FP8_SCALE = 1.0
 
 
+MAX_BLOCK_SIZE = 16384
+
+
 @dataclass(frozen=True)
 class PoolOptions:
     """patch_model's pool arguments; at most one of ``num_blocks`` / ``max_memory``.
@@ -43,6 +46,11 @@ class PoolOptions:
     def __post_init__(self):
         # frozen: normalised values (a numpy int is fine, a bool is not) go in through object
         object.__setattr__(self, "block_size", as_index(self.block_size, "block_size", 1))
+        if self.block_size > MAX_BLOCK_SIZE:
+            # (one block is the least a pool holds: such a block would be gigabytes)
+            raise ValueError(
+                f"block_size: must be at most {MAX_BLOCK_SIZE} tokens, got {self.block_size}"
+            )
         if self.num_blocks is not None and self.max_memory is not None:
             raise ValueError("num_blocks, max_memory: give at most one of them")
         if self.num_blocks is not None:

@@ -387,7 +387,7 @@ def test_positional_arguments_reach_the_paged_forward():
     torch.testing.assert_close(paged, stock, rtol=1e-5, atol=1e-5)
 
 
-def test_pool_arguments_take_ints_not_bools():
+def test_pool_arguments_take_ints_not_bools_and_sane_blocks():
     import numpy as np
 
     model = tiny_model("llama")
@@ -395,6 +395,9 @@ def test_pool_arguments_take_ints_not_bools():
         with pytest.raises(ValueError, match=f"^{name}"):
             nanoserve.patch_model(model, **{name: True})
         assert state_of(model) is None
+    with pytest.raises(ValueError, match="^block_size: must be at most 16384"):
+        nanoserve.patch_model(model, block_size=10**9)
+    assert state_of(model) is None
     nanoserve.patch_model(model, block_size=np.int64(4), num_blocks=np.int64(16))
     try:
         with torch.no_grad():
