@@ -63,6 +63,7 @@ from harness import WARM_UP_CALLS, fresh_salt, print_table, write_csv  # noqa: E
 from plot import plot_rows  # noqa: E402
 
 import nanoserve  # noqa: E402
+from nanoserve.kernels.small_batch_linear import MAX_ROWS  # noqa: E402
 
 GIB = 2**30
 # the fast providers (static cache, patched) are timed as the median of this many calls
@@ -205,9 +206,9 @@ def provider_patched(model, ids, mask, lens, new, device, **patch_kwargs):
 
 def check_fused(graphs: dict, fuse: bool, rows: int) -> None:
     """RuntimeError unless the norms ran fused exactly when ``fuse`` and the projections
-    too when at most 16 rows did."""
+    too when at most MAX_ROWS rows did."""
     fused = graphs["fused_decode"]
-    if (fused["norm"] > 0) != fuse or (fused["attention"] > 0) != (fuse and rows <= 16):
+    if (fused["norm"] > 0) != fuse or (fused["attention"] > 0) != (fuse and rows <= MAX_ROWS):
         raise RuntimeError(f"fuse_decode={fuse} at {rows} rows, but ran {fused}")
 
 

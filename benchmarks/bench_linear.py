@@ -1,4 +1,4 @@
-"""A decode step's projections at 1 to 16 rows: nanoserve's small-batch linear kernel beside
+"""A decode step's projections at 1 to 64 rows: nanoserve's small-batch linear kernel beside
 torch (cuBLAS) and a pure read of the weights.
 
 The err column is each output's relative error against the float64 reference rounded to
@@ -94,7 +94,7 @@ def time_case(name, k, sizes, gated, sweep, rows_out, best) -> None:
         for _ in range(sets)
     ]
     read = ceiling(nbytes, sets, graph=True).median
-    for rows in (1, 4, 16):
+    for rows in (1, 4, 16, 32, 64):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         ref = small_batch_linear_ref(x, weight_sets[0], gated=gated)
         out = small_batch_linear(x, weight_sets[0], gated=gated)
@@ -111,7 +111,7 @@ def time_case(name, k, sizes, gated, sweep, rows_out, best) -> None:
             rows_out.append({"shape": name, "rows": rows, "provider": provider,
                              "us": f"{us:.2f}", "GB/s": f"{nbytes / us / 1e3:.0f}",
                              "vs_read": f"{us / read:.2f}", "err": err})  # fmt: skip
-        if sweep and rows in (1, 16) and "lm_head" not in name:
+        if sweep and rows in (1, 16, 64) and "lm_head" not in name:
             timed = sorted(
                 (t, cfg) for cfg in sweep_configs()
                 if (t := time_config(x, weight_sets, gated, cfg)) is not None

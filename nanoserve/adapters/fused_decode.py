@@ -4,7 +4,7 @@ Under a CUDA graph a decode step of a small model is bound by its many small ker
 RMSNorm is about seven of them, and cuBLAS reads a layer's small k and v projections at a
 fraction of the bandwidth. Inside ``FusedDecode.active()`` (entered while the CUDA-graph
 runner warms up and captures a decode step) every RMSNorm of the family's classes
-(``Family.rms_norm_classes``) runs as one ``rms_norm`` launch, and, in steps of up to 16
+(``Family.rms_norm_classes``) runs as one ``rms_norm`` launch, and, in steps of up to 64
 rows, each decoder layer's q, k and v projections run as one ``small_batch_linear`` launch
 and a gated MLP of the form ``down(silu(gate(x)) * up(x))`` as two (gate and up with the
 activation and product, then down).
@@ -104,7 +104,7 @@ def fits(
     x: torch.Tensor, linears: Sequence[torch.nn.Linear], backend: str, gated: bool = False
 ) -> bool:
     """True when the kernel takes ``x`` [M, K] through ``linears`` (``small_batch_linear``'s
-    own conditions: at most 16 rows, weights and biases of x's dtype, device and width, ...)
+    own conditions: at most 64 rows, weights and biases of x's dtype, device and width, ...)
     in a 16-bit step outside autocast; anything else runs stock's."""
     weights, biases = [m.weight for m in linears], [m.bias for m in linears]
     return (

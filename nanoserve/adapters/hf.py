@@ -93,7 +93,7 @@ def patch_model(
     close to but not bit-equal with stock eager; see ``compiled_layers.py``).
     ``fuse_decode`` (the default): in the decode graph steps of a float16 / bfloat16 model
     every RMSNorm runs as one Triton launch, the rotary embedding as one for q and k
-    (bit-equal to stock's; not with ``compile_decode``) and, at up to 16 rows, each layer's
+    (bit-equal to stock's; not with ``compile_decode``) and, at up to 64 rows, each layer's
     q/k/v projections as one and a SiLU-gated MLP as two (``fused_decode.py``; float32
     accumulation as eager, another summation order, so the last bit can differ from
     stock's); ``False`` keeps transformers' modules there. ``backend``

@@ -17,7 +17,7 @@ import torch
 
 from nanoserve.kernels.dispatch import sm_count, use_triton
 
-MAX_ROWS = 16
+MAX_ROWS = 64
 MAX_WEIGHTS = 3
 _MAX_OFFSET = 2**31  # a weight's element offsets are int32 in the kernel
 
@@ -70,7 +70,7 @@ def small_batch_linear(
 ) -> torch.Tensor:
     """``small_batch_linear_ref``'s result by one Triton launch (two with K split in shares).
 
-    x [M, K] with 1 <= M <= 16 and unit stride in K; weights 1 to 3 contiguous [N_i, K]
+    x [M, K] with 1 <= M <= 64 and unit stride in K; weights 1 to 3 contiguous [N_i, K]
     (gated: gate and up, equal shapes); float16, bfloat16 or float32 (float32 exact, no
     TF32). ``config`` overrides the tile choice (benchmarks). Returns a new [M, sum N_i]
     tensor of x's dtype (gated [M, N]).
@@ -88,7 +88,7 @@ def small_batch_linear(
     from nanoserve.kernels.triton_linear import _linear_kernel, _sum_shares_kernel
 
     cfg = config or choose_config(rows, k, sizes, gated, x.device)
-    block_m = 16
+    block_m = row_block(rows)
     tiles = [-(-n // cfg.block_n) for n in (sizes[:1] if gated else sizes)]
     share = -(-k // cfg.split)
     share = -(-share // cfg.block_k) * cfg.block_k  # every share but the last is whole tiles
@@ -125,13 +125,18 @@ def small_batch_linear(
     return out
 
 
+def row_block(rows: int) -> int:
+    """Rows a program holds: 16 (the matrix unit's least), 32 or 64."""
+    return max(16, 1 << (rows - 1).bit_length())
+
+
 def choose_config(
     rows: int, k: int, sizes: Sequence[int], gated: bool, device: torch.device
 ) -> LinearConfig:
     """Tiles of 32 columns (64 for wide outputs); when the tiles fill under half of the SMs,
     K is split into up to 4 shares of at least 2,048 (fewer shares would not pay for the
-    second pass), so that every SM streams weights."""
-    del rows  # up to 16 rows share one tile shape
+    second pass), so that every SM streams weights. Past 16 rows the x tile grows with the
+    rows: K steps of 128 and three stages keep the pipeline's shared memory in bounds."""
     wide = sizes[0] >= 12288 if gated else sum(sizes) >= 4096
     block_n = 64 if wide else 32
     tiles = -(-sizes[0] // block_n) if gated else sum(-(-n // block_n) for n in sizes)
@@ -139,6 +144,8 @@ def choose_config(
     if not gated and tiles < sms // 2:
         while split < 4 and tiles * split < 2 * sms and k // (2 * split) >= 2048:
             split *= 2
+    if row_block(rows) > 16:
+        return LinearConfig(block_n, 128, split, num_warps=4, num_stages=3)
     block_k = 128 if gated or split > 1 else 256
     return LinearConfig(block_n, block_k, split, num_warps=4, num_stages=4)
 

@@ -1,6 +1,6 @@
 """Triton kernel for the projections of a decode step: y = x @ W.T for a few rows of x.
 
-At one to sixteen rows a linear layer only reads its weight, and a decode step of a small
+At one to 64 rows a linear layer only reads its weight, and a decode step of a small
 model reads many small ones (cuBLAS reaches a fraction of the bandwidth on a 2 MiB matrix).
 One launch here covers up to three weights that read the same input (a layer's q, k and v
 projections) or a gate and an up projection with the activation and product applied as they

@@ -84,11 +84,23 @@ def test_float32_and_torch_backend_are_not_fused():
 
 
 @NEEDS_INTERPRETER
+def test_a_bucket_of_32_rows_runs_fused():
+    """Past 16 rows a program holds 32 (or 64) rows of x."""
+    model = fp16_model()
+    inputs = padded_batch([5, 3, 4, 2, 5] * 4, 5)  # 20 rows: bucket of 32
+    plain, _ = run(model, inputs, fuse=False, steps=3)
+    fused, stats = run(model, inputs, steps=3)
+    assert stats["fused_decode"] == counts(2, 2, 5, 2)
+    for a, b in zip(plain.logits, fused.logits, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@NEEDS_INTERPRETER
 def test_more_rows_than_the_kernel_takes_run_stock():
-    """The projections run stock's; the norms and the rotary embedding take any number of
-    rows. Planted: the row
-    limit dropped from ``fits``: failed (the kernel refused 32 rows)."""
-    inputs = padded_batch([5] * 17, 5)  # bucket of 32 rows
+    """The projections run stock's past 64 rows; the norms and the rotary embedding take any
+    number. Planted: both row limits dropped (``active``'s and the kernel's): failed (either
+    alone keeps stock's projections)."""
+    inputs = padded_batch([5] * 65, 5)  # bucket of 128 rows
     _, stats = run(fp16_model(), inputs, steps=3)
     assert stats["fused_decode"] == counts(norm=5, rotary=2)
     assert stats["replays"] == 2

@@ -24,7 +24,7 @@ CASES = [  # (K, output sizes, gated, bias)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 7, 16])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 33, 64])
 @pytest.mark.parametrize(("k", "sizes", "gated", "bias"), CASES)
 def test_within_one_rounding_of_the_reference(k, sizes, gated, bias, rows, dtype):
     gen = torch.Generator(device="cuda").manual_seed(rows * k)
