@@ -7,7 +7,7 @@ runner warms up and captures a decode step) every RMSNorm of the family's classe
 (``Family.rms_norm_classes``) runs as one ``rms_norm`` launch, and, in steps of up to 64
 rows, each decoder layer's q, k and v projections run as one ``small_batch_linear`` launch
 and a gated MLP of the form ``down(silu(gate(x)) * up(x))`` as two (gate and up with the
-activation and product, then down).
+activation and product, then down; past 16 rows down runs on cuBLAS).
 
 q/k/v work with any attention module: the first of the three called computes all three and
 leaves the others' outputs for them, matched by the identity of the input tensor; a module
@@ -44,6 +44,9 @@ from nanoserve.kernels.small_batch_linear import input_problem as linear_problem
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 FUSED_KINDS = ("attention", "mlp", "norm", "rotary")
+# past this many rows cuBLAS reads a down projection's long K as fast as the kernel, whose
+# programs each re-read the whole x tile
+DOWN_MAX_ROWS = 16
 _SILU_TYPES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers' (both F.silu)
 
 
@@ -92,8 +95,11 @@ def _gated_mlp_forward(mlp, stock_forward, classes: Sequence[str], backend: str,
         hidden = small_batch_linear(flat, [gate.weight, up.weight], biases, gated=True)
         if not fits(hidden, (down,), backend):
             return stock_forward(x)  # (a down projection the kernel does not take)
-        down_bias = [down.bias] if down.bias is not None else None
-        out = small_batch_linear(hidden, [down.weight], down_bias)
+        if hidden.shape[0] > DOWN_MAX_ROWS:
+            out = F.linear(hidden, down.weight, down.bias)
+        else:
+            down_bias = [down.bias] if down.bias is not None else None
+            out = small_batch_linear(hidden, [down.weight], down_bias)
         ran.add(("mlp", id(mlp)))
         return out.view(*x.shape[:-1], out.shape[-1])
 

@@ -84,13 +84,26 @@ def test_float32_and_torch_backend_are_not_fused():
 
 
 @NEEDS_INTERPRETER
-def test_a_bucket_of_32_rows_runs_fused():
-    """Past 16 rows a program holds 32 (or 64) rows of x."""
+def test_a_bucket_of_32_rows_runs_fused(monkeypatch):
+    """Past 16 rows a program holds 32 (or 64) rows of x; the down projection runs on
+    cuBLAS there. Planted: DOWN_MAX_ROWS raised to 64: failed."""
+    from nanoserve.adapters import fused_decode
+
+    launched = []
+    kernel = fused_decode.small_batch_linear
+
+    def counted(x, weights, *args, **kwargs):
+        launched.append((x.shape[0], len(weights)))
+        return kernel(x, weights, *args, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "small_batch_linear", counted)
     model = fp16_model()
     inputs = padded_batch([5, 3, 4, 2, 5] * 4, 5)  # 20 rows: bucket of 32
     plain, _ = run(model, inputs, fuse=False, steps=3)
     fused, stats = run(model, inputs, steps=3)
     assert stats["fused_decode"] == counts(2, 2, 5, 2)
+    # q/k/v (three weights) and gate/up (two) of both layers in both steps; no down
+    assert sorted(launched) == [(32, 2)] * 4 + [(32, 3)] * 4
     for a, b in zip(plain.logits, fused.logits, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
