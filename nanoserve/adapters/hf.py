@@ -81,7 +81,7 @@ def patch_model(
 ):
     """Make ``model.generate`` run on the paged KV cache; returns ``model``.
 
-    The pool holds ``num_blocks`` blocks of ``block_size`` tokens, or as many as fit in
+    The pool holds ``num_blocks`` blocks of ``block_size`` (1 to 16384) tokens, or as many as fit in
     ``max_memory`` bytes, or by default what each generate call needs. A model that mixes
     sliding and global layers (Gemma 2, Gemma 3) has a pool per layer group, the sliding
     one releasing the blocks that fell out of the window: ``num_blocks`` is then each
