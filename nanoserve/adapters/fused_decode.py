@@ -20,8 +20,9 @@ one launch for q and k (``fused_rotary.py``; not under ``compile_decode``, whose
 fuses it already).
 
 Outputs accumulate in float32 and round where eager PyTorch rounds; the summation order
-differs, so 16-bit results can differ from stock's in the last bit, as they differ between
-cuBLAS's own kernels for other batch sizes. float32 models keep stock's modules (exact).
+differs, so 16-bit results can differ from stock's in the last bit (the MLP's by a few units,
+carried through silu and the product), as they differ between cuBLAS's own kernels for other
+batch sizes. float32 models keep stock's modules (exact).
 A module whose ``forward`` is already an instance attribute (another library's wrapper, as
 accelerate's offload hooks) is left alone.
 """
@@ -93,10 +94,10 @@ def _gated_mlp_forward(mlp, stock_forward, classes: Sequence[str], backend: str,
             return stock_forward(x)
         biases = [gate.bias, up.bias] if gate.bias is not None else None
         hidden = small_batch_linear(flat, [gate.weight, up.weight], biases, gated=True)
-        if not fits(hidden, (down,), backend):
-            return stock_forward(x)  # (a down projection the kernel does not take)
         if hidden.shape[0] > DOWN_MAX_ROWS:
             out = F.linear(hidden, down.weight, down.bias)
+        elif not fits(hidden, (down,), backend):
+            return stock_forward(x)  # (a down projection the kernel does not take)
         else:
             down_bias = [down.bias] if down.bias is not None else None
             out = small_batch_linear(hidden, [down.weight], down_bias)

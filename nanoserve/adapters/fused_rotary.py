@@ -29,13 +29,28 @@ ROTARY_DTYPES = (torch.float16, torch.bfloat16)
 _lock = threading.Lock()
 # module name -> [original, stand-in, users]
 _installed: dict[str, list] = {}
-_local = threading.local()  # .users: a stack of (backend, on_fused) of this thread
+_local = threading.local()  # .users: a stack of (module names, backend, on_fused) per thread
+
+
+def _own_function(module: ModuleType) -> bool:
+    """The module's global is its own ``apply_rotary_pos_emb`` (not one another library
+    installed, as Liger's kernels do, whose math may differ), or our stand-in of it."""
+    entry = _installed.get(module.__name__)
+    function = getattr(module, NAME, None)
+    if entry is not None and function is entry[1]:
+        return True
+    return (
+        callable(function)
+        and getattr(function, "__module__", None) == module.__name__
+        and getattr(function, "__name__", None) == NAME
+    )
 
 
 def rotary_modules(attentions: Sequence[torch.nn.Module], classes: Sequence[str]):
     """The modeling modules whose global ``apply_rotary_pos_emb`` the forward of
     ``attentions`` of the family's ``classes`` calls (a class is trusted by its name to
-    apply Llama's formula, as the family declares; its forward must name the global)."""
+    apply Llama's formula, as the family declares; its forward must name the global, and
+    the global must be the module's own function)."""
     found: dict[str, ModuleType] = {}
     for attention in attentions:
         cls = type(attention)
@@ -44,16 +59,19 @@ def rotary_modules(attentions: Sequence[torch.nn.Module], classes: Sequence[str]
             continue
         forward = inspect.unwrap(cls.forward)
         code = getattr(forward, "__code__", None)
-        if code is not None and NAME in code.co_names and callable(getattr(module, NAME, None)):
+        if code is not None and NAME in code.co_names and _own_function(module):
             found[module.__name__] = module
     return tuple(found.values())
 
 
-def _stand_in(original: Callable) -> Callable:
+def _stand_in(original: Callable, module_name: str) -> Callable:
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        users = getattr(_local, "users", None)
-        if users and not args and set(kwargs) <= {"unsqueeze_dim"}:
-            backend, on_fused = users[-1]
+        # the innermost user of this thread that swapped this module
+        user = next(
+            (u for u in reversed(getattr(_local, "users", ())) if module_name in u[0]), None
+        )
+        if user is not None and not args and set(kwargs) <= {"unsqueeze_dim"}:
+            _, backend, on_fused = user
             if kwargs.get("unsqueeze_dim", 1) == 1 and _fits(q, k, cos, sin, backend):
                 on_fused()
                 return apply_rotary(q, k, cos, sin, backend=backend)
@@ -64,10 +82,13 @@ def _stand_in(original: Callable) -> Callable:
 
 
 def _fits(q, k, cos, sin, backend: str) -> bool:
-    """16-bit tensors outside autocast that ``apply_rotary`` takes on this backend."""
+    """16-bit tensors outside autocast and autograd that ``apply_rotary`` takes on this
+    backend."""
     tensors = (q, k, cos, sin)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or q.dtype not in ROTARY_DTYPES:
         return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False  # (the kernel records no graph for backward)
     try:
         autocast = torch.is_autocast_enabled(q.device.type)
     except TypeError:  # torch before 2.4 takes no device type
@@ -80,17 +101,23 @@ def swapped(
     modules: Sequence[ModuleType], backend: str, on_fused: Callable[[], None]
 ) -> Iterator[None]:
     """The stand-in in ``modules`` for this thread's calls while open (``on_fused()`` is
-    called for each call it runs fused); other threads keep the original."""
+    called for each call it runs fused); other threads' calls run the original. A module
+    whose global is no longer its own function (another library replaced it since) is
+    left as it is. The global is the process's: while it is swapped, code compiled by
+    ``torch.compile`` in another thread that calls it is compiled again."""
     with _lock:
-        for module in modules:
-            entry = _installed.get(module.__name__)
-            if entry is None:
+        modules = [m for m in modules if _own_function(m)]
+        for module in modules:  # every entry made before any global changes
+            if module.__name__ not in _installed:
                 original = getattr(module, NAME)
-                entry = _installed[module.__name__] = [original, _stand_in(original), 0]
+                _installed[module.__name__] = [original, _stand_in(original, module.__name__), 0]
+        for module in modules:
+            entry = _installed[module.__name__]
+            if entry[2] == 0:
                 setattr(module, NAME, entry[1])
             entry[2] += 1
     users = _local.__dict__.setdefault("users", [])
-    users.append((backend, on_fused))
+    users.append(({m.__name__ for m in modules}, backend, on_fused))
     try:
         yield
     finally:

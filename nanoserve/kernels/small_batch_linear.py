@@ -5,7 +5,8 @@ one to three weights that read the same x (fused: one launch), and with ``gated=
 ``silu(x @ gate.T) * (x @ up.T)``; products accumulate in float32 and each output is
 rounded to x's dtype where eager PyTorch rounds it (the layer's output, silu's output, the
 product). Summation order differs from cuBLAS's, so 16-bit outputs can differ from
-``torch.nn.functional.linear`` in the last bit, as they differ between cuBLAS's own kernels.
+``torch.nn.functional.linear`` in the last bit, as they differ between cuBLAS's own kernels
+(a gated output by a few units: silu and the product carry gate's or up's last bit).
 """
 
 from __future__ import annotations

@@ -298,6 +298,54 @@ def test_rotary_swap_is_this_threads_and_undone():
         modeling_llama.apply_rotary_pos_emb = original
 
 
+@NEEDS_INTERPRETER
+def test_rotary_stand_in_falls_back_where_it_must():
+    """Another library's rotary (as Liger installs) is never replaced; a swap of another
+    module does not fuse this one's calls; a module without the global is skipped before
+    anything changes; partial rotary (cos narrower than the head) and autograd run the
+    original. Planted: the own-function check dropped, the innermost user taken whatever
+    it swapped, and the autograd check dropped: each failed."""
+    from types import ModuleType
+
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    original = modeling_llama.apply_rotary_pos_emb
+    q = torch.randn(1, 2, 1, 8).half()
+    cos, sin = torch.rand(1, 1, 8).half(), torch.rand(1, 1, 8).half()
+    fused = []
+    try:
+        modeling_llama.apply_rotary_pos_emb = theirs = lambda q, k, cos, sin: (q * 0, k * 0)
+        assert (
+            fused_rotary.rotary_modules(
+                [fp16_model().model.layers[0].self_attn], LLAMA.rotary_attention_classes
+            )
+            == ()
+        )
+        with fused_rotary.swapped([modeling_llama], "triton", lambda: fused.append(1)):
+            assert modeling_llama.apply_rotary_pos_emb is theirs
+            assert not modeling_llama.apply_rotary_pos_emb(q, q, cos, sin)[0].any()
+    finally:
+        modeling_llama.apply_rotary_pos_emb = original
+    with fused_rotary.swapped(
+        [modeling_llama, ModuleType("bare")], "triton", lambda: fused.append(1)
+    ):
+        with fused_rotary.swapped([modeling_qwen2], "triton", lambda: fused.append(2)):
+            modeling_llama.apply_rotary_pos_emb(q, q, cos, sin)  # the outer user's module
+        assert fused == [1]
+        grad_q = q.float().requires_grad_().half()
+        out = modeling_llama.apply_rotary_pos_emb(grad_q, grad_q, cos, sin)
+        assert out[0].grad_fn is not None and fused == [1]
+    assert modeling_llama.apply_rotary_pos_emb is original
+    assert modeling_qwen2.apply_rotary_pos_emb.__module__ == modeling_qwen2.__name__
+    from transformers.models.phi3 import modeling_phi3
+
+    partial = modeling_phi3.apply_rotary_pos_emb
+    with fused_rotary.swapped([modeling_phi3], "triton", lambda: fused.append(3)):
+        out = modeling_phi3.apply_rotary_pos_emb(q, q, cos[..., :4], sin[..., :4])
+    assert fused == [1] and torch.equal(out[0], partial(q, q, cos[..., :4], sin[..., :4])[0])
+
+
 def test_rotary_is_swapped_only_for_the_familys_attention():
     """compile_decode builds FusedDecode with rotary=False; Phi-3's partial rotary is not
     Llama's and its class is not in the family's list."""
