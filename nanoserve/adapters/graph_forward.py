@@ -33,8 +33,8 @@ def graph_step_kind(state: PatchState, cache, kwargs: dict, new: torch.Tensor) -
     """ "decode" or "extend" when this forward (new-token mask ``new`` [B, q]) is a step a
     captured graph runs exactly, else None."""
     graphs = state.graphs
-    if graphs is None or cache.drops_out is not None:
-        return None  # (a replay would not draw dropout as an eager step does)
+    if graphs is None or cache.drops_out is not None or cache.hooked is not None:
+        return None  # (a replay would not draw dropout, nor call a hook, as an eager step does)
     if not set(kwargs) <= _GRAPH_KWARGS or False in (
         kwargs.get("use_cache"),
         kwargs.get("return_dict"),
@@ -65,6 +65,22 @@ def graph_step_kind(state: PatchState, cache, kwargs: dict, new: torch.Tensor) -
     ):
         return None
     return "extend"
+
+
+def submodule_hooks(model) -> str | None:
+    """Which forward hook a replayed step would skip (a phrase), or None: a replay runs the
+    captured kernels and no Python, so a hook on a submodule (or a global one) would run
+    only while its step is captured, where stock calls it at every step (whatever it
+    records or decides there). The model's own hooks run around its forward, replay or not.
+    """
+    global_hooks = getattr(torch.nn.modules.module, "_global_forward_hooks", None)
+    global_pre = getattr(torch.nn.modules.module, "_global_forward_pre_hooks", None)
+    if global_hooks or global_pre:
+        return "a global forward hook (register_module_forward_hook)"
+    for name, module in model.named_modules():
+        if name and (module._forward_hooks or module._forward_pre_hooks):
+            return f"a forward hook on {name}"
+    return None
 
 
 def graph_step(model, state: PatchState, stock_forward, cache, kwargs, new):

@@ -20,7 +20,7 @@ from transformers import GenerationMixin
 from nanoserve.adapters.attention import ATTN_NAME, register
 from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.fused_decode import FUSED_KINDS
-from nanoserve.adapters.graph_forward import graph_step, graph_step_kind
+from nanoserve.adapters.graph_forward import graph_step, graph_step_kind, submodule_hooks
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.read_back import READ_BACK_LAG
 from nanoserve.adapters.registry import family_for
@@ -259,13 +259,16 @@ def decode_graph_stats(model) -> dict:
     ``extend_replays``: short extend steps), why decode graphs (``disabled``) or extend
     graphs (``extend_disabled``) were turned off (None while they are on), and which loop
     the latest greedy / sampling call ran (``decode_loop``: "nanoserve", "stock: <why>", or
-    None before any), and ``fused_decode``: how many modules have run fused in graph steps
+    None before any), ``eager_reason``: why the latest call's steps replayed no graph (a
+    forward hook on a submodule, which a replay would skip; a module dropping out), or None,
+    and ``fused_decode``: how many modules have run fused in graph steps
     (``fuse_decode``: {"attention": q/k/v groups, "mlp": gated MLPs, "norm": RMSNorms,
     "rotary": rotary calls in a step})."""
     state = _state(model)
     fused = state.fused_decode
     loop = {
         "decode_loop": state.last_loop,
+        "eager_reason": state.eager_reason,
         "fused_decode": fused.counts() if fused else dict.fromkeys(FUSED_KINDS, 0),
     }
     graphs = state.graphs
@@ -319,9 +322,13 @@ def _paged_forward(self, *args, **kwargs):
             "without a PagedCache (a patched model's generate does that for this option)"
         )
     with state.lock:
-        if not cache.mask_checked:
+        if not cache.mask_checked:  # the first forward of a generate call, or of a cache
             check_whole_mask(kwargs)
             cache.mask_checked = True
+            cache.hooked = submodule_hooks(self) if state.graphs is not None else None
+            state.eager_reason = cache.drops_out or cache.hooked
+            if cache.hooked is not None:
+                _log.info("decode graphs: this call's steps run eagerly (%s)", cache.hooked)
         run_step = functools.partial(_run_step, self, state, stock, cache)
         if state.prefix_sharing:
             output = first_forward(run_step, cache, kwargs)

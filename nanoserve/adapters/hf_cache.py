@@ -56,6 +56,9 @@ class PagedCache(Cache):
         self.drops_out: str | None = None
         # False until the first forward of a generate call has checked its whole mask
         self.mask_checked = False
+        # the forward hook a replayed step would skip (graph_forward.submodule_hooks), found
+        # by that forward, or None: then no step of the call replays a graph
+        self.hooked: str | None = None
 
     # -- the step boundary (once per forward) -----------------------------------------------
 

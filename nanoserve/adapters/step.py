@@ -89,6 +89,8 @@ class PatchState:
     decode_loop: bool = True  # greedy / sampling run nanoserve's loop (decode_loop.py)
     # which loop the latest _sample call ran: "nanoserve" or "stock: <why>" (None: none yet)
     last_loop: str | None = None
+    # why the latest call's steps replayed no graph (a submodule's hook, dropout), or None
+    eager_reason: str | None = None
     graphs: DecodeGraphs | None = None  # when cuda_graphs
     compiled_layers: CompiledLayers | None = None  # compile_decode's, built on first use
     fused_decode: FusedDecode | None = None  # built on first use

@@ -127,26 +127,44 @@ class _Scaled(torch.nn.Linear):
 
 
 @NEEDS_INTERPRETER
-def test_subclassed_or_hooked_projections_keep_their_forwards():
-    """Planted: the MLP fused despite its down projection's hook: failed."""
+def test_subclassed_projections_keep_their_forwards():
+    """Planted: the subclass check dropped from ``_plain_linear``: failed."""
     model = fp16_model()
     layer = model.model.layers[0]
     k = layer.self_attn.k_proj
     scaled = _Scaled(k.in_features, k.out_features, bias=False, dtype=torch.float16)
     scaled.weight.data.copy_(k.weight.data)
     layer.self_attn.k_proj = scaled
-    calls = []
-    layer.mlp.down_proj.register_forward_hook(lambda m, i, o: calls.append(o.shape))
     inputs = padded_batch([6, 2], 6)
     plain, _ = run(model, inputs, fuse=False)
-    hook_calls = len(calls)
     fused, stats = run(model, inputs)
-    # layer 0: neither its attention (k is a subclass) nor its MLP (down is hooked)
-    assert stats["fused_decode"] == counts(1, 1, 5, 2)
-    assert len(calls) == 2 * hook_calls  # the hook ran in every step of both calls
+    assert stats["fused_decode"] == counts(1, 2, 5, 2)  # layer 0's attention: k is a subclass
     assert torch.equal(plain.sequences, fused.sequences)
     for a, b in zip(plain.logits, fused.logits, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@NEEDS_INTERPRETER
+def test_a_submodule_hook_keeps_the_call_off_the_graphs():
+    """A replay would skip a submodule's hook (on the GPU it runs no Python), so a call that
+    finds one runs every step eagerly and the hook sees every step, as under stock; the
+    model's own hooks run around its forward and keep the graphs. Planted: the hook check
+    dropped from graph_step_kind: failed (the steps went through the graph runner)."""
+    model = fp16_model()
+    calls = []
+    handle = model.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda m, i, o: calls.append(o.shape[0])
+    )
+    inputs = padded_batch([6, 2], 6)
+    _, stats = run(model, inputs, steps=4)
+    assert stats["replays"] == 0 and stats["fused_decode"] == counts()
+    assert stats["eager_reason"] == "a forward hook on model.layers.0.mlp.down_proj"
+    assert len(calls) == 4  # the prefill and three decode steps
+    handle.remove()
+    model.register_forward_hook(lambda *args: calls.append("model"))
+    _, stats = run(model, inputs, steps=4)
+    assert stats["replays"] == 3 and stats["eager_reason"] is None
+    assert calls[4:] == ["model"] * 4
 
 
 def test_the_switch_is_checked():
@@ -159,9 +177,10 @@ def test_the_switch_is_checked():
 
 @NEEDS_INTERPRETER
 def test_a_hook_added_after_the_first_call_runs():
-    """The MLP's modules are checked at every step, not once. (On the GPU a captured graph
-    replays kernels and runs no Python hook at all, fused or not.) Planted: the check made
-    once, when the fused forwards are built: failed."""
+    """A hook added between calls runs at every step of the next call: that call finds it
+    and runs its steps eagerly (a replay would run no Python hook, fused or not), and
+    within a graph step the fused MLP leaves a hooked module to stock's forward (its
+    modules are checked at every step). Planted: both checks dropped: failed."""
     model = fp16_model()
     inputs = padded_batch([6, 2], 6)
     nanoserve.patch_model(model, block_size=4, backend="triton")
@@ -181,20 +200,24 @@ def test_a_hook_added_after_the_first_call_runs():
 
 @NEEDS_INTERPRETER
 def test_a_pre_hook_on_a_sibling_leaves_the_group_unfused():
-    """A pre-hook may change v's input after q ran (here in place): v must see it. Planted:
-    the pre-hook check dropped: failed."""
+    """A pre-hook may change v's input after q ran (here in place): v must see it. (A call
+    that finds hooks at its start replays nothing; this guards hooks added within a call.)
+    Planted: the pre-hook check dropped: failed."""
     model = fp16_model()
+    attention = model.model.layers[0].self_attn
+    fused = FusedDecode(model.model, model.model.layers, LLAMA, "triton")
 
     def scale_in_place(module, args):
         args[0].mul_(1.5)
 
-    model.model.layers[0].self_attn.v_proj.register_forward_pre_hook(scale_in_place)
-    inputs = padded_batch([6, 2], 6)
-    plain, _ = run(model, inputs, fuse=False)
-    fused, stats = run(model, inputs)
-    assert stats["fused_decode"] == counts(1, 2, 5, 2)  # layer 0's q/k/v ran unfused
-    for a, b in zip(plain.logits, fused.logits, strict=True):
-        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    attention.v_proj.register_forward_pre_hook(scale_in_place)
+    x = torch.randn(2, 1, attention.q_proj.in_features).half()
+    first = x.clone()
+    with torch.no_grad(), fused.active(2):
+        q, v = attention.q_proj(x), attention.v_proj(x)
+    weights = (attention.q_proj.weight, attention.v_proj.weight)
+    assert torch.equal(q, torch.nn.functional.linear(first, weights[0]))
+    assert torch.equal(v, torch.nn.functional.linear(first * 1.5, weights[1]))
 
 
 @NEEDS_INTERPRETER
