@@ -11,6 +11,7 @@ the host and runs through ``DecodeGraphs``; the caller runs every other forward 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -21,6 +22,9 @@ from nanoserve.adapters.fused_decode import FUSED_DTYPES, FusedDecode
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step
 from nanoserve.adapters.tensor_parallel import tp_size
+
+# where tensor parallelism's hooks come from (its all-reduces are captured in the graphs)
+_TP_HOOK_MODULES = ("torch.distributed.", "transformers.integrations.tensor_parallel")
 
 # Forward arguments a captured decode step reproduces; any other one runs the step eagerly.
 _GRAPH_KWARGS = {
@@ -73,14 +77,24 @@ def submodule_hooks(model) -> str | None:
     only while its step is captured, where stock calls it at every step (whatever it
     records or decides there). The model's own hooks run around its forward, replay or not.
     """
-    global_hooks = getattr(torch.nn.modules.module, "_global_forward_hooks", None)
-    global_pre = getattr(torch.nn.modules.module, "_global_forward_pre_hooks", None)
-    if global_hooks or global_pre:
+    global_hooks = getattr(torch.nn.modules.module, "_global_forward_hooks", {})
+    global_pre = getattr(torch.nn.modules.module, "_global_forward_pre_hooks", {})
+    if any(not _tensor_parallel_hook(h) for h in (*global_hooks.values(), *global_pre.values())):
         return "a global forward hook (register_module_forward_hook)"
     for name, module in model.named_modules():
-        if name and (module._forward_hooks or module._forward_pre_hooks):
+        hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+        if name and any(not _tensor_parallel_hook(h) for h in hooks):
             return f"a forward hook on {name}"
     return None
+
+
+def _tensor_parallel_hook(hook) -> bool:
+    """A hook of tensor parallelism (torch.distributed's, transformers' tensor-parallel
+    plan): it moves and reduces tensors, which the captured graph holds."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    module = getattr(hook, "__module__", None) or ""
+    return module.startswith(_TP_HOOK_MODULES)
 
 
 def graph_step(model, state: PatchState, stock_forward, cache, kwargs, new):

@@ -8,6 +8,7 @@ the GPU test (test_gpu_parity) captures real graphs in bfloat16.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 
@@ -148,8 +149,9 @@ def test_subclassed_projections_keep_their_forwards():
 def test_a_submodule_hook_keeps_the_call_off_the_graphs():
     """A replay would skip a submodule's hook (on the GPU it runs no Python), so a call that
     finds one runs every step eagerly and the hook sees every step, as under stock; the
-    model's own hooks run around its forward and keep the graphs. Planted: the hook check
-    dropped from graph_step_kind: failed (the steps went through the graph runner)."""
+    model's own hooks run around its forward and keep the graphs, as tensor parallelism's
+    (captured with the step). Planted: the hook check dropped from graph_step_kind, and
+    tensor parallelism's hooks counted: each failed."""
     model = fp16_model()
     calls = []
     handle = model.model.layers[0].mlp.down_proj.register_forward_hook(
@@ -162,6 +164,12 @@ def test_a_submodule_hook_keeps_the_call_off_the_graphs():
     assert len(calls) == 4  # the prefill and three decode steps
     handle.remove()
     model.register_forward_hook(lambda *args: calls.append("model"))
+
+    def redistribute(module, args):  # as torch.distributed's tensor-parallel hooks are
+        return None
+
+    redistribute.__module__ = "torch.distributed.tensor._api"
+    model.model.layers[1].mlp.register_forward_pre_hook(functools.partial(redistribute))
     _, stats = run(model, inputs, steps=4)
     assert stats["replays"] == 3 and stats["eager_reason"] is None
     assert calls[4:] == ["model"] * 4
