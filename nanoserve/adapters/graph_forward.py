@@ -23,8 +23,16 @@ from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step
 from nanoserve.adapters.tensor_parallel import tp_size
 
-# where tensor parallelism's hooks come from (its all-reduces are captured in the graphs)
-_TP_HOOK_MODULES = ("torch.distributed.", "transformers.integrations.tensor_parallel")
+# Hooks a replay may skip: tensor parallelism's (torch.distributed's, transformers' plan:
+# the all-reduces they add are captured in the graph), and transformers' output capturing
+# (installed for good by a forward that asked for hidden states or attentions, inactive in
+# any other forward, and those forwards never replay a graph)
+_REPLAY_SAFE_HOOKS = (
+    "torch.distributed.",
+    "transformers.integrations.tensor_parallel",
+    "transformers.distributed.",
+    "transformers.utils.output_capturing",
+)
 
 # Forward arguments a captured decode step reproduces; any other one runs the step eagerly.
 _GRAPH_KWARGS = {
@@ -79,22 +87,21 @@ def submodule_hooks(model) -> str | None:
     """
     global_hooks = getattr(torch.nn.modules.module, "_global_forward_hooks", {})
     global_pre = getattr(torch.nn.modules.module, "_global_forward_pre_hooks", {})
-    if any(not _tensor_parallel_hook(h) for h in (*global_hooks.values(), *global_pre.values())):
+    if any(not _replay_safe(h) for h in (*global_hooks.values(), *global_pre.values())):
         return "a global forward hook (register_module_forward_hook)"
     for name, module in model.named_modules():
         hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
-        if name and any(not _tensor_parallel_hook(h) for h in hooks):
+        if name and any(not _replay_safe(h) for h in hooks):
             return f"a forward hook on {name}"
     return None
 
 
-def _tensor_parallel_hook(hook) -> bool:
-    """A hook of tensor parallelism (torch.distributed's, transformers' tensor-parallel
-    plan): it moves and reduces tensors, which the captured graph holds."""
+def _replay_safe(hook) -> bool:
+    """A hook from one of the libraries of ``_REPLAY_SAFE_HOOKS`` (partials unwrapped)."""
     while isinstance(hook, functools.partial):
         hook = hook.func
     module = getattr(hook, "__module__", None) or ""
-    return module.startswith(_TP_HOOK_MODULES)
+    return module.startswith(_REPLAY_SAFE_HOOKS)
 
 
 def graph_step(model, state: PatchState, stock_forward, cache, kwargs, new):

@@ -150,8 +150,9 @@ def test_a_submodule_hook_keeps_the_call_off_the_graphs():
     """A replay would skip a submodule's hook (on the GPU it runs no Python), so a call that
     finds one runs every step eagerly and the hook sees every step, as under stock; the
     model's own hooks run around its forward and keep the graphs, as tensor parallelism's
-    (captured with the step). Planted: the hook check dropped from graph_step_kind, and
-    tensor parallelism's hooks counted: each failed."""
+    (captured with the step) and transformers' output capturing (inactive there) do.
+    Planted: the hook check dropped from graph_step_kind, and those libraries' hooks
+    counted: each failed."""
     model = fp16_model()
     calls = []
     handle = model.model.layers[0].mlp.down_proj.register_forward_hook(
@@ -163,13 +164,16 @@ def test_a_submodule_hook_keeps_the_call_off_the_graphs():
     assert stats["eager_reason"] == "a forward hook on model.layers.0.mlp.down_proj"
     assert len(calls) == 4  # the prefill and three decode steps
     handle.remove()
-    model.register_forward_hook(lambda *args: calls.append("model"))
 
     def redistribute(module, args):  # as torch.distributed's tensor-parallel hooks are
         return None
 
     redistribute.__module__ = "torch.distributed.tensor._api"
     model.model.layers[1].mlp.register_forward_pre_hook(functools.partial(redistribute))
+    with torch.no_grad():  # transformers installs its output-capturing hooks for good
+        model(**padded_batch([3], 3), output_hidden_states=True)
+    assert any(m._forward_hooks for m in model.model.layers)
+    model.register_forward_hook(lambda *args: calls.append("model"))
     _, stats = run(model, inputs, steps=4)
     assert stats["replays"] == 3 and stats["eager_reason"] is None
     assert calls[4:] == ["model"] * 4
