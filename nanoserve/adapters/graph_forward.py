@@ -23,16 +23,19 @@ from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step
 from nanoserve.adapters.tensor_parallel import tp_size
 
-# Hooks a replay may skip: tensor parallelism's (torch.distributed's, transformers' plan:
-# the all-reduces they add are captured in the graph), and transformers' output capturing
-# (installed for good by a forward that asked for hidden states or attentions, inactive in
-# any other forward, and those forwards never replay a graph)
+# Hooks a replay may skip, by "module.qualname" prefix: tensor parallelism's through
+# torch.distributed.tensor (the collectives they add are captured in the graph),
+# transformers' output capturing (installed for good by a forward that asked for hidden
+# states or attentions, inactive in any other forward; those never replay a graph), and
+# enable_input_require_grads' (marks the embeddings' output for autograd, which generate
+# does not run)
 _REPLAY_SAFE_HOOKS = (
-    "torch.distributed.",
-    "transformers.integrations.tensor_parallel",
-    "transformers.distributed.",
-    "transformers.utils.output_capturing",
+    "torch.distributed.tensor.",
+    "transformers.utils.output_capturing.",
+    "transformers.modeling_utils.PreTrainedModel.enable_input_require_grads.",
 )
+# config flags under which transformers' output capturing is active in every forward
+_CAPTURE_FLAGS = ("output_hidden_states", "output_attentions", "output_router_logits")
 
 # Forward arguments a captured decode step reproduces; any other one runs the step eagerly.
 _GRAPH_KWARGS = {
@@ -79,29 +82,39 @@ def graph_step_kind(state: PatchState, cache, kwargs: dict, new: torch.Tensor) -
     return "extend"
 
 
-def submodule_hooks(model) -> str | None:
-    """Which forward hook a replayed step would skip (a phrase), or None: a replay runs the
-    captured kernels and no Python, so a hook on a submodule (or a global one) would run
-    only while its step is captured, where stock calls it at every step (whatever it
-    records or decides there). The model's own hooks run around its forward, replay or not.
-    """
+def replay_skips(model) -> str | None:
+    """What a replayed step of ``model`` would skip (a phrase), or None. A replay runs the
+    captured kernels and no Python, so a forward hook on a submodule (or a global one), or
+    a submodule whose ``forward`` another library wrapped (accelerate's offload hooks), would
+    run only while its step is captured, where stock runs it at every step (whatever it
+    moves, records or decides there). The model's own hooks run around its forward, replay
+    or not; the hooks of ``_REPLAY_SAFE_HOOKS`` may be skipped."""
+    config = getattr(model, "config", None)
+    for flag in _CAPTURE_FLAGS:
+        if getattr(config, flag, False):
+            return f"config.{flag} (transformers' output capturing runs in every forward)"
     global_hooks = getattr(torch.nn.modules.module, "_global_forward_hooks", {})
     global_pre = getattr(torch.nn.modules.module, "_global_forward_pre_hooks", {})
     if any(not _replay_safe(h) for h in (*global_hooks.values(), *global_pre.values())):
         return "a global forward hook (register_module_forward_hook)"
     for name, module in model.named_modules():
+        if not name:
+            continue
         hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
-        if name and any(not _replay_safe(h) for h in hooks):
+        if any(not _replay_safe(h) for h in hooks):
             return f"a forward hook on {name}"
+        if "forward" in module.__dict__:
+            return f"a wrapped forward on {name}"
     return None
 
 
 def _replay_safe(hook) -> bool:
-    """A hook from one of the libraries of ``_REPLAY_SAFE_HOOKS`` (partials unwrapped)."""
+    """A hook of ``_REPLAY_SAFE_HOOKS`` (partials unwrapped)."""
     while isinstance(hook, functools.partial):
         hook = hook.func
     module = getattr(hook, "__module__", None) or ""
-    return module.startswith(_REPLAY_SAFE_HOOKS)
+    name = f"{module}.{getattr(hook, '__qualname__', '')}"
+    return name.startswith(_REPLAY_SAFE_HOOKS)
 
 
 def graph_step(model, state: PatchState, stock_forward, cache, kwargs, new):

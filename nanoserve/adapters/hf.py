@@ -9,6 +9,7 @@ state all of that needs lives on the model instance (``step.PatchState``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
@@ -20,7 +21,7 @@ from transformers import GenerationMixin
 from nanoserve.adapters.attention import ATTN_NAME, register
 from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.fused_decode import FUSED_KINDS
-from nanoserve.adapters.graph_forward import graph_step, graph_step_kind, submodule_hooks
+from nanoserve.adapters.graph_forward import graph_step, graph_step_kind, replay_skips
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.read_back import READ_BACK_LAG
 from nanoserve.adapters.registry import family_for
@@ -322,13 +323,12 @@ def _paged_forward(self, *args, **kwargs):
             "without a PagedCache (a patched model's generate does that for this option)"
         )
     with state.lock:
-        if not cache.mask_checked:  # the first forward of a generate call, or of a cache
+        if not cache.mask_checked:
             check_whole_mask(kwargs)
             cache.mask_checked = True
-            cache.hooked = submodule_hooks(self) if state.graphs is not None else None
+        if not cache.generating:  # a forward of the caller's own: hooks may change between
+            cache.hooked = replay_skips(self) if state.graphs is not None else None
             state.eager_reason = cache.drops_out or cache.hooked
-            if cache.hooked is not None:
-                _log.info("decode graphs: this call's steps run eagerly (%s)", cache.hooked)
         run_step = functools.partial(_run_step, self, state, stock, cache)
         if state.prefix_sharing:
             output = first_forward(run_step, cache, kwargs)
@@ -451,15 +451,32 @@ def _may_share(kwargs: dict, option) -> bool:
     return not any(isinstance(v, torch.Tensor) and k not in rows for k, v in kwargs.items())
 
 
-def _options(model, state: PatchState, dropout: str | None) -> dict:
+@contextlib.contextmanager
+def _generating(state: PatchState, cache: PagedCache, skips: str | None):
+    """``cache`` inside a generate call: what a replay would skip was found at the call's
+    start (``skips``), and its forwards do not look again (their steps stay cheap)."""
+    cache.hooked, cache.generating = skips, True
+    state.eager_reason = cache.drops_out or skips
+    if skips is not None:
+        _log.info("decode graphs: this call's steps run eagerly (%s)", skips)
+    try:
+        yield
+    finally:
+        cache.generating = False
+
+
+def _options(model, state: PatchState, dropout: str | None, skips: str | None) -> dict:
     """What every tensor-parallel rank must run a call with (``agree_options``): the patch
-    options, the attention implementation and whether the model drops out."""
+    options, the attention implementation, whether the model drops out and whether a
+    replay would skip something (one rank replaying while another runs eagerly would pair
+    the collectives wrongly)."""
     return dict(
         pool=state.pool, backend=state.backend, cuda_graphs=state.cuda_graphs,
         compile_decode=state.compile_decode, fuse_decode=state.fuse_decode,
         keep_pools=state.keep_pools,
         prefix_sharing=state.prefix_sharing, decode_loop=state.decode_loop,
         attn_implementation=model.config._attn_implementation, dropout=dropout,
+        replay_skips=skips is not None,
     )  # fmt: skip
 
 
@@ -543,6 +560,9 @@ def _paged_generate(self, *args, **kwargs):
 
     if state.graphs is not None:
         state.graphs.recheck = True  # the weights may have moved since the last call
+    state.eager_reason = None
+    # what a replayed step would skip (a submodule's hook): then every step runs eagerly
+    skips = replay_skips(self) if state.graphs is not None else None
     user_salt = kwargs.pop("cache_salt", None)
     if user_salt is not None and not isinstance(user_salt, (str, bytes)):
         raise ValueError(f"cache_salt: expected a str or bytes, got {type(user_salt).__name__}")
@@ -550,13 +570,14 @@ def _paged_generate(self, *args, **kwargs):
     if isinstance(passed, PagedCache):
         with state.lock:
             dropout = drops_out(self)
-            agree_options(self, _options(self, state, dropout))
+            agree_options(self, _options(self, state, dropout, skips))
             _check_attention(self)
             _check_continuation(passed, args, kwargs)
             _room_to_continue(state, passed, self, args, kwargs)
             passed.mask_checked = False
             passed.drops_out = dropout  # (training mode may have changed since)
-            return stock(*args, **kwargs)
+            with _generating(state, passed, skips):
+                return stock(*args, **kwargs)
     if passed is not None or option("use_cache") is False:
         why = "the caller's own cache" if passed is not None else "use_cache=False"
         _log.info("fallback: stock generate (%s)", why)
@@ -575,7 +596,7 @@ def _paged_generate(self, *args, **kwargs):
         )
     # a model that drops out at random computes each copy of a prompt differently
     dropout = drops_out(self)
-    agree_options(self, _options(self, state, dropout))
+    agree_options(self, _options(self, state, dropout, skips))
     _check_attention(self)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
@@ -610,7 +631,8 @@ def _paged_generate(self, *args, **kwargs):
         state.kept_pools = kept[0]
         kwargs[cache_kwarg(type(self))] = cache
         try:
-            return stock(*args, **kwargs)
+            with _generating(state, cache, skips):
+                return stock(*args, **kwargs)
         except BaseException:
             state.last_cache = lambda: cache  # held, so the caller can see what was kept
             raise

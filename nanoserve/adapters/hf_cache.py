@@ -56,9 +56,11 @@ class PagedCache(Cache):
         self.drops_out: str | None = None
         # False until the first forward of a generate call has checked its whole mask
         self.mask_checked = False
-        # the forward hook a replayed step would skip (graph_forward.submodule_hooks), found
-        # by that forward, or None: then no step of the call replays a graph
+        # what a replayed step would skip (graph_forward.replay_skips: a submodule's hook),
+        # found at a generate call's start or at each forward outside one, or None; while
+        # set, no step replays a graph
         self.hooked: str | None = None
+        self.generating = False  # inside a generate call (its start looked for hooks)
 
     # -- the step boundary (once per forward) -----------------------------------------------
 

@@ -22,6 +22,7 @@ import nanoserve
 from nanoserve.adapters import fused_rotary
 from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.fused_decode import FusedDecode
+from nanoserve.adapters.hf_cache import cache_kwarg
 from nanoserve.adapters.llama import LLAMA
 from nanoserve.adapters.step import state_of
 
@@ -189,25 +190,59 @@ def test_the_switch_is_checked():
 
 @NEEDS_INTERPRETER
 def test_a_hook_added_after_the_first_call_runs():
-    """A hook added between calls runs at every step of the next call: that call finds it
-    and runs its steps eagerly (a replay would run no Python hook, fused or not), and
-    within a graph step the fused MLP leaves a hooked module to stock's forward (its
-    modules are checked at every step). Planted: both checks dropped: failed."""
+    """A hook added between calls keeps the next call off the graphs (a replay would run no
+    Python hook); so does one added before a forward of the caller's own on a returned
+    cache, which looks again at each forward. Planted: the call's check dropped, and the
+    direct forward's check dropped: each failed."""
     model = fp16_model()
     inputs = padded_batch([6, 2], 6)
     nanoserve.patch_model(model, block_size=4, backend="triton")
     state_of(model).graphs = DecodeGraphs(capture=False)
     try:
         with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=3, **GREEDY)
+            replays = nanoserve.decode_graph_stats(model)["replays"]
+            assert replays == 2
+            cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+            handle = model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, i, o: None)
+            step = dict(input_ids=out.sequences[:, -1:], use_cache=True)
+            positions = cache.paged.seq_lens()
+            step["position_ids"] = torch.tensor(positions).view(-1, 1)
+            model(**step, **{cache_kwarg(type(model)): cache})  # the caller's own step
+            stats = nanoserve.decode_graph_stats(model)
+            assert stats["replays"] == replays  # eager
+            assert stats["eager_reason"] == "a forward hook on model.layers.1.mlp.down_proj"
             model.generate(**inputs, max_new_tokens=3, **GREEDY)
-            calls = []
-            model.model.layers[1].mlp.down_proj.register_forward_hook(
-                lambda m, i, o: calls.append(i[0].shape[0])
-            )
+            assert nanoserve.decode_graph_stats(model)["replays"] == replays
+            handle.remove()
             model.generate(**inputs, max_new_tokens=3, **GREEDY)
+            stats = nanoserve.decode_graph_stats(model)
+            assert stats["replays"] == replays + 2 and stats["eager_reason"] is None
     finally:
         nanoserve.unpatch_model(model)
-    assert len(calls) == 3  # the prefill and both decode steps
+
+
+@NEEDS_INTERPRETER
+def test_wrapped_forwards_and_capturing_configs_keep_calls_off_the_graphs():
+    """An accelerate-style wrapped forward (offload hooks move weights in Python) and a
+    config that turns transformers' output capturing on in every forward run eagerly;
+    enable_input_require_grads' hook (autograd only) keeps the graphs. Planted: the
+    wrapped-forward check dropped, and the config check dropped: each failed."""
+    model = fp16_model()
+    inputs = padded_batch([6, 2], 6)
+    mlp = model.model.layers[0].mlp
+    stock_forward = mlp.forward
+    mlp.forward = lambda x: stock_forward(x)  # as accelerate's add_hook_to_module does
+    _, stats = run(model, inputs, steps=3)
+    assert stats["replays"] == 0
+    assert stats["eager_reason"] == "a wrapped forward on model.layers.0.mlp"
+    del mlp.forward
+    model.enable_input_require_grads()
+    _, stats = run(model, inputs, steps=3)
+    assert stats["replays"] == 2 and stats["eager_reason"] is None
+    model.config.output_hidden_states = True
+    _, stats = run(model, inputs, steps=3)
+    assert stats["replays"] == 0 and "output_hidden_states" in stats["eager_reason"]
 
 
 @NEEDS_INTERPRETER
