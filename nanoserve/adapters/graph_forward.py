@@ -23,14 +23,16 @@ from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step
 from nanoserve.adapters.tensor_parallel import tp_size
 
-# Hooks a replay may skip, by "module.qualname" prefix: tensor parallelism's through
-# torch.distributed.tensor (the collectives they add are captured in the graph),
+# Hooks and forward wrappers a replay may skip, by "module.qualname" prefix: tensor
+# parallelism's (torch.distributed.tensor's hooks, transformers' wrapped forwards: the
+# collectives they add are captured in the graph),
 # transformers' output capturing (installed for good by a forward that asked for hidden
 # states or attentions, inactive in any other forward; those never replay a graph), and
 # enable_input_require_grads' (marks the embeddings' output for autograd, which generate
 # does not run)
 _REPLAY_SAFE_HOOKS = (
     "torch.distributed.tensor.",
+    "transformers.distributed.tensor_parallel.",
     "transformers.utils.output_capturing.",
     "transformers.modeling_utils.PreTrainedModel.enable_input_require_grads.",
 )
@@ -88,7 +90,7 @@ def replay_skips(model) -> str | None:
     a submodule whose ``forward`` another library wrapped (accelerate's offload hooks), would
     run only while its step is captured, where stock runs it at every step (whatever it
     moves, records or decides there). The model's own hooks run around its forward, replay
-    or not; the hooks of ``_REPLAY_SAFE_HOOKS`` may be skipped."""
+    or not; the hooks and wrappers of ``_REPLAY_SAFE_HOOKS`` may be skipped."""
     config = getattr(model, "config", None)
     for flag in _CAPTURE_FLAGS:
         if getattr(config, flag, False):
@@ -103,13 +105,14 @@ def replay_skips(model) -> str | None:
         hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
         if any(not _replay_safe(h) for h in hooks):
             return f"a forward hook on {name}"
-        if "forward" in module.__dict__:
+        forward = module.__dict__.get("forward")
+        if forward is not None and not _replay_safe(forward):
             return f"a wrapped forward on {name}"
     return None
 
 
 def _replay_safe(hook) -> bool:
-    """A hook of ``_REPLAY_SAFE_HOOKS`` (partials unwrapped)."""
+    """A hook or forward wrapper of ``_REPLAY_SAFE_HOOKS`` (partials unwrapped)."""
     while isinstance(hook, functools.partial):
         hook = hook.func
     module = getattr(hook, "__module__", None) or ""

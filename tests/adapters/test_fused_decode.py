@@ -226,8 +226,9 @@ def test_a_hook_added_after_the_first_call_runs():
 def test_wrapped_forwards_and_capturing_configs_keep_calls_off_the_graphs():
     """An accelerate-style wrapped forward (offload hooks move weights in Python) and a
     config that turns transformers' output capturing on in every forward run eagerly;
-    enable_input_require_grads' hook (autograd only) keeps the graphs. Planted: the
-    wrapped-forward check dropped, and the config check dropped: each failed."""
+    enable_input_require_grads' hook (autograd only) and tensor parallelism's wrapped
+    forwards keep the graphs. Planted: the wrapped-forward check dropped, the config check
+    dropped, and the exemption of tensor parallelism's wrappers dropped: each failed."""
     model = fp16_model()
     inputs = padded_batch([6, 2], 6)
     mlp = model.model.layers[0].mlp
@@ -237,6 +238,12 @@ def test_wrapped_forwards_and_capturing_configs_keep_calls_off_the_graphs():
     assert stats["replays"] == 0
     assert stats["eager_reason"] == "a wrapped forward on model.layers.0.mlp"
     del mlp.forward
+
+    def tp_forward(x):  # as transformers' tensor-parallel layers wrap theirs
+        return stock_forward(x)
+
+    tp_forward.__module__ = "transformers.distributed.tensor_parallel"
+    mlp.forward = tp_forward
     model.enable_input_require_grads()
     _, stats = run(model, inputs, steps=3)
     assert stats["replays"] == 2 and stats["eager_reason"] is None
