@@ -37,13 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.adapters import fused_rotary
+from nanoserve.adapters.fused_inputs import fusable
 from nanoserve.kernels.dispatch import use_triton
 from nanoserve.kernels.rms_norm import input_problem as norm_problem
 from nanoserve.kernels.rms_norm import rms_norm
 from nanoserve.kernels.small_batch_linear import MAX_ROWS, small_batch_linear
 from nanoserve.kernels.small_batch_linear import input_problem as linear_problem
 
-FUSED_DTYPES = (torch.float16, torch.bfloat16)
 FUSED_KINDS = ("attention", "mlp", "norm", "rotary")
 # past this many rows cuBLAS reads a down projection's long K as fast as the kernel, whose
 # programs each re-read the whole x tile
@@ -115,21 +115,8 @@ def fits(
     in a 16-bit step outside autocast; anything else runs stock's."""
     weights, biases = [m.weight for m in linears], [m.bias for m in linears]
     return (
-        _fusable(x) and linear_problem(x, weights, biases, gated) is None and use_triton(backend, x)
+        fusable(x) and linear_problem(x, weights, biases, gated) is None and use_triton(backend, x)
     )
-
-
-def _fusable(x: torch.Tensor) -> bool:
-    """A float16 / bfloat16 input outside autocast (under it stock's modules compute in the
-    autocast dtype)."""
-    return x.dtype in FUSED_DTYPES and not _autocast(x)
-
-
-def _autocast(x: torch.Tensor) -> bool:
-    try:
-        return torch.is_autocast_enabled(x.device.type)
-    except TypeError:  # torch before 2.4 takes no device type
-        return torch.is_autocast_enabled()
 
 
 def _hooks_before(modules) -> bool:
@@ -147,11 +134,7 @@ def _hooks_skipped(modules) -> bool:
 def _norm_forward(norm, stock_forward, backend: str, ran: set):
     def forward(x: torch.Tensor) -> torch.Tensor:
         weight, eps = norm.weight, norm.variance_epsilon
-        if (
-            not _fusable(x)
-            or norm_problem(x, weight, eps) is not None
-            or not use_triton(backend, x)
-        ):
+        if not fusable(x) or norm_problem(x, weight, eps) is not None or not use_triton(backend, x):
             return stock_forward(x)
         ran.add(("norm", id(norm)))
         return rms_norm(x, weight, eps, backend=backend)

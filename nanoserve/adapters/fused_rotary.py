@@ -20,11 +20,11 @@ from types import ModuleType
 
 import torch
 
+from nanoserve.adapters.fused_inputs import fusable
 from nanoserve.kernels.dispatch import use_triton
 from nanoserve.kernels.rotary import apply_rotary, input_problem
 
 NAME = "apply_rotary_pos_emb"
-ROTARY_DTYPES = (torch.float16, torch.bfloat16)
 
 _lock = threading.Lock()
 # module name -> [original, stand-in, users]
@@ -85,15 +85,11 @@ def _fits(q, k, cos, sin, backend: str) -> bool:
     """16-bit tensors outside autocast and autograd that ``apply_rotary`` takes on this
     backend."""
     tensors = (q, k, cos, sin)
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or q.dtype not in ROTARY_DTYPES:
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or not fusable(q):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False  # (the kernel records no graph for backward)
-    try:
-        autocast = torch.is_autocast_enabled(q.device.type)
-    except TypeError:  # torch before 2.4 takes no device type
-        autocast = torch.is_autocast_enabled()
-    return not autocast and input_problem(*tensors) is None and use_triton(backend, q)
+    return input_problem(*tensors) is None and use_triton(backend, q)
 
 
 @contextlib.contextmanager

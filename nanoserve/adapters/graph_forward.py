@@ -18,7 +18,8 @@ import torch
 from nanoserve.adapters.compiled_layers import CompiledLayers
 from nanoserve.adapters.decode_graphs import bucket_for
 from nanoserve.adapters.extend_static import MAX_TOKENS, column_bucket
-from nanoserve.adapters.fused_decode import FUSED_DTYPES, FusedDecode
+from nanoserve.adapters.fused_decode import FusedDecode
+from nanoserve.adapters.fused_inputs import FUSED_DTYPES
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step
 from nanoserve.adapters.tensor_parallel import tp_size
