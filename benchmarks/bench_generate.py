@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 import time
@@ -204,6 +205,20 @@ def provider_patched(model, ids, mask, lens, new, device, **patch_kwargs):
     return out, secs, stats["bytes_reserved"]
 
 
+def provider_no_pdl(model, ids, mask, lens, new, device):
+    """The default graphs with every kernel launched without programmatic dependent launch
+    (``NANOSERVE_PDL=0``): the A/B of the launches' overlap."""
+    before = os.environ.get("NANOSERVE_PDL")
+    os.environ["NANOSERVE_PDL"] = "0"
+    try:
+        return provider_patched(model, ids, mask, lens, new, device, cuda_graphs=True)
+    finally:
+        if before is None:
+            del os.environ["NANOSERVE_PDL"]
+        else:
+            os.environ["NANOSERVE_PDL"] = before
+
+
 def check_fused(graphs: dict, fuse: bool, rows: int) -> None:
     """RuntimeError unless the norms ran fused exactly when ``fuse`` and the projections
     too when at most MAX_ROWS rows did."""
@@ -284,6 +299,7 @@ def capacity(
 PROVIDERS = {
     "stock_default": provider_stock,
     "nanoserve_graphs": functools.partial(provider_patched, cuda_graphs=True),
+    "nanoserve_graphs_no_pdl": provider_no_pdl,
     "nanoserve_graphs_compiled": functools.partial(
         provider_patched, cuda_graphs=True, compile_decode=True
     ),

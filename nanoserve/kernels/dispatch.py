@@ -93,9 +93,15 @@ def supports_pdl(device: torch.device) -> bool:
     CUDA tensors) and on ROCm (no such instruction)."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    if _interpreting():
+    if _interpreting() or os.environ.get("NANOSERVE_PDL") == "0":  # (the A/B switch)
         return False
     return _capability_major(_cuda_index(device)) >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch options for a kernel that opens with ``triton_common.pdl_enter``: programmatic
+    dependent launch where ``supports_pdl``, else none."""
+    return {"launch_pdl": True} if supports_pdl(device) else {}
 
 
 def unit_stride(tensor: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.kernels.dispatch import next_pow2, use_triton
+from nanoserve.kernels.dispatch import next_pow2, pdl_launch, use_triton
 
 MAX_WIDTH = 65536
 
@@ -59,6 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str 
         return out
     block = next_pow2(width)
     num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    launch = pdl_launch(x.device)
     _rms_norm_kernel[(rows.shape[0],)](
         rows,
         weight.contiguous(),
@@ -67,6 +68,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str 
         width,
         float(eps),
         BLOCK=block,
+        PDL=bool(launch),
         num_warps=num_warps,
+        **launch,
     )
     return out

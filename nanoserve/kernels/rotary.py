@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.kernels.dispatch import next_pow2, use_triton
+from nanoserve.kernels.dispatch import next_pow2, pdl_launch, use_triton
 
 # elements of one half-head tile a program holds, per tensor (x1, x2 and the products)
 _TILE = 2048
@@ -76,12 +76,14 @@ def apply_rotary(
     block = next_pow2(half)
     heads = min(next_pow2(max(q_heads, k_heads)), max(1, _TILE // block))
     q_blocks, k_blocks = -(-q_heads // heads), -(-k_heads // heads)
+    launch = pdl_launch(q.device)
     _rotary_kernel[(batch * seq, q_blocks + k_blocks)](
         q, k, cos, sin, q_out, k_out,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         seq, q_heads, k_heads, half, q_blocks,
-        HEADS=heads, BLOCK=block, num_warps=4,
+        HEADS=heads, BLOCK=block, PDL=bool(launch), num_warps=4,
         enable_fp_fusion=False,  # a product fused into the sum would skip eager's rounding
+        **launch,
     )  # fmt: skip
     return q_out, k_out

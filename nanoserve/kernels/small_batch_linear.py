@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanoserve.kernels.dispatch import sm_count, use_triton
+from nanoserve.kernels.dispatch import pdl_launch, sm_count, use_triton
 
 MAX_ROWS = 64
 MAX_WEIGHTS = 3
@@ -105,6 +105,7 @@ def small_batch_linear(
     n0, n1, n2 = sizes + [0] * len(pad)
     has_bias = biases[0] is not None
     fp32 = x.dtype == torch.float32
+    launch = pdl_launch(x.device)
     _linear_kernel[(sum(tiles), split)](
         x, x.stride(0), rows, k,
         w0, w1, w2, b0, b1, b2, n0, n1, n2,
@@ -112,16 +113,16 @@ def small_batch_linear(
         out, out.stride(0), partial, share,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=split, GATED=gated, HAS_BIAS=has_bias, EVEN_K=k % cfg.block_k == 0,
-        FP32=fp32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP32=fp32, PDL=bool(launch),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
     if split > 1:
         sum_block = 64
         _sum_shares_kernel[(-(-width // sum_block),)](
             partial, out, out.stride(0), rows, b0, b1, b2, n0, n1,
             width=width, BLOCK_M=block_m, BLOCK_N=sum_block,
-            SPLIT=split, GATED=gated, HAS_BIAS=has_bias,
-            num_warps=4,
+            SPLIT=split, GATED=gated, HAS_BIAS=has_bias, PDL=bool(launch),
+            num_warps=4, **launch,
         )  # fmt: skip
     return out
 

@@ -7,6 +7,18 @@ import triton.language as tl
 
 
 @triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """First statement of a kernel launched with programmatic dependent launch (``PDL``):
+    wait until the kernel before it in the stream has finished and its stores are visible
+    (so everything before that has finished too), then let the next kernel's launch begin
+    while this one runs. The launch of a kernel in a decode step then overlaps its
+    predecessor instead of following it."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def tanh(x):
     """tanh through exp2: saturates cleanly to +-1 (exp2 overflows to inf, never NaN)."""
     return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)

@@ -13,10 +13,10 @@ online softmax in float32. Two launches cut the work into runs:
 - fixed splits: each row in the same number of equal splits, from shapes only.
 
 A row in one run writes its output directly. Otherwise partial results and their log-sum-exp go
-to a float32 scratch and a second kernel merges them. On NVIDIA Hopper and later the merge
-kernel is launched with programmatic dependent launch: its launch overlaps the split kernel's
-run and it waits on the device (griddepcontrol) for that kernel's results, which hides part of
-the launch cost of small shapes (see benchmarks/RESULTS.md).
+to a float32 scratch and a second kernel merges them. On NVIDIA Hopper and later both kernels
+are launched with programmatic dependent launch: each launch overlaps the kernel before it and
+waits on the device (griddepcontrol) for that kernel's results, which hides part of the launch
+cost of small shapes (see benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import triton.language as tl
 
 from nanoserve.kernels.dispatch import next_pow2, sm_count, supports_pdl, unit_stride
 from nanoserve.kernels.quant import is_quantized
-from nanoserve.kernels.triton_common import mma, scores_to_log2
+from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
 
 MAX_SPLITS = 64
 # Balanced launch below this many (row, KV head) programs per SM (see benchmarks/RESULTS.md).
@@ -72,9 +72,7 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
     k_scale=None, v_scale=None, FP8: tl.constexpr = False,
 ):  # fmt: skip
-    if PDL:
-        # lets the merge kernel's launch start now; it still waits for this grid to finish
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(PDL)  # (the merge kernel's launch then starts while this one runs)
     # one grid axis for (work, KV head): axis 1 of a CUDA grid stops at 65,535
     kv_head = tl.program_id(0) % num_kv_heads
     if BALANCED:
@@ -424,10 +422,11 @@ def paged_decode_attention_triton(
         mid_lse = torch.empty((slots, num_q_heads), dtype=torch.float32, device=query.device)
     else:
         mid_o = mid_lse = out  # unused
-    pdl = (balanced or plan.num_splits > 1) and supports_pdl(query.device)
+    pdl = supports_pdl(query.device)
     window = int(sliding_window or 0)
     s_pad = next_pow2(num_seqs) if balanced else 1
     grid = (slots * num_kv_heads, 1) if balanced else (num_seqs * num_kv_heads, plan.num_splits)
+    launch = {"launch_pdl": True} if pdl else {}
     _decode_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
         float(scale), float(softcap or 1.0), window, num_kv_heads, num_seqs, plan.work_items,
@@ -440,9 +439,8 @@ def paged_decode_attention_triton(
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32, PDL=pdl,
         k_scale=k_scale, v_scale=v_scale, FP8=k_scale is not None,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch,
     )  # fmt: skip
-    launch = {"launch_pdl": True} if pdl else {}
     if balanced:
         # a row holds at most work_items + 1 items, and never more than its tiles
         row_most = min(plan.work_items + 1, max(tiles, 1))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.triton_common import mma_acc
+from nanoserve.kernels.triton_common import mma_acc, pdl_enter
 
 
 @triton.jit
@@ -75,8 +75,9 @@ def _linear_kernel(
     out, stride_out, partial, k_share,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, FP32: tl.constexpr,
+    EVEN_K: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     out_dtype = out.dtype.element_ty
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -124,9 +125,10 @@ def _linear_kernel(
 def _sum_shares_kernel(
     partial, out, stride_out, M, b0, b1, b2, n0, n1,
     width: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Adds the K shares in order and writes what ``_linear_kernel`` writes unsplit."""
+    pdl_enter(PDL)
     out_dtype = out.dtype.element_ty
     tile = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)

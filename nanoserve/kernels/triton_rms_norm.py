@@ -6,9 +6,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.triton_common import pdl_enter
+
 
 @triton.jit
-def _rms_norm_kernel(x, weight, out, stride_x, D, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x, weight, out, stride_x, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < D

@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.triton_common import pdl_enter
+
 
 @triton.jit
 def _rotate_heads(src, dst, stride_b, stride_h, stride_s, b, s, S, H, head0, c1, c2, s1, s2,
@@ -30,7 +32,8 @@ def _rotary_kernel(q, k, cos, sin, q_out, k_out,
                    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                    stride_cb, stride_cs, stride_sb, stride_ss,
                    S, HQ, HK, HALF, Q_BLOCKS,
-                   HEADS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                   HEADS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     b = token // S

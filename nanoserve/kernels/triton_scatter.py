@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.dispatch import next_pow2, unit_stride
+from nanoserve.kernels.dispatch import next_pow2, pdl_launch, unit_stride
+from nanoserve.kernels.triton_common import pdl_enter
 
 
 @triton.jit
@@ -49,7 +50,9 @@ def _slot_scatter_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     r = tl.arange(0, BLOCK_T * BLOCK_H)
     tokens = tl.program_id(0) * BLOCK_T + r // BLOCK_H
     heads = tl.program_id(1) * BLOCK_H + r % BLOCK_H
@@ -117,10 +120,11 @@ def slot_scatter_triton(
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     else:
         k_scale = v_scale = slot_mapping  # unused
+    launch = pdl_launch(key.device)
     _slot_scatter_kernel[grid](
         key, value, key_cache, value_cache, slot_mapping, num_tokens, k_scale, v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8,
-        num_warps=num_warps,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, PDL=bool(launch),
+        num_warps=num_warps, **launch,
     )  # fmt: skip

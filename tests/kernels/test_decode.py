@@ -267,7 +267,7 @@ def test_programmatic_dependent_launch_only_on_nvidia(monkeypatch):
 def test_split_decode_launches_its_merge_with_pdl_where_supported(monkeypatch):
     """With PDL supported, the split kernel signals its dependents and the merge launch
     carries launch_pdl (the merge then waits on the device), for fixed splits and for the
-    balanced launch; without splits, no PDL."""
+    balanced launch; a row in one run is launched with PDL too (``test_pdl.py``)."""
     import nanoserve.kernels.triton_decode as triton_decode
 
     launches = []
@@ -294,5 +294,5 @@ def test_split_decode_launches_its_merge_with_pdl_where_supported(monkeypatch):
     assert names == ["split", "merge", "split", "split", "merge items"]
     (_, split_kw), (_, merge_kw), (_, alone_kw), (_, items_kw), (_, merge_items_kw) = launches
     assert split_kw["PDL"] and merge_kw["PDL"] and merge_kw["launch_pdl"] is True
-    assert alone_kw["PDL"] is False
+    assert alone_kw["PDL"] and alone_kw["launch_pdl"] is True  # (after the step's scatter)
     assert items_kw["PDL"] and items_kw["BALANCED"] and merge_items_kw["launch_pdl"] is True
