@@ -31,7 +31,13 @@ from transformers import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from nanoserve.adapters.decode_graphs import bucket_for
-from nanoserve.adapters.device_sampling import StopRule, apply_steps, processor_steps, unsupported
+from nanoserve.adapters.device_sampling import (
+    StopRule,
+    apply_steps,
+    greedy_tokens,
+    processor_steps,
+    unsupported,
+)
 from nanoserve.adapters.hf_cache import PagedCache
 from nanoserve.adapters.read_back import READ_BACK_LAG, ReadBack
 from nanoserve.adapters.registry import family_for
@@ -167,7 +173,7 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
             rng.save(length)
             tokens = batch.draw(torch.nn.functional.softmax(processed, dim=-1))
         else:
-            tokens = torch.argmax(processed, dim=-1)
+            tokens = greedy_tokens(processed)
         if pad is not None:  # finished rows get the pad token, as in stock
             tokens = torch.where(unfinished, tokens, pad)
         batch.write(sequences, length, tokens)
