@@ -344,9 +344,11 @@ def test_beam_search_never_reaches_the_loop():
 def test_hook_lives_on_the_class_while_patched():
     """generate looks ``_sample`` up on the class: the hook is there while a patched model of
     the class lives and gone after the last unpatch; an unpatched model of the same class
-    runs stock's ``_sample`` meanwhile."""
+    runs stock's ``_sample`` meanwhile. The models are of a subclass of their own, so that
+    a patched Llama another test left alive cannot hold the hook on this class."""
     first, second = tiny_model("llama"), tiny_model("llama", seed=1)
-    cls = type(first)
+    cls = type("IsolatedLlama", (type(first),), {})
+    first.__class__ = second.__class__ = cls
     assert "_sample" not in cls.__dict__
     inputs = padded_batch([6, 3], 6)
     with torch.no_grad():
