@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.nn.modules import module as _module_hooks
 
+from nanoserve.adapters.module_attrs import module_attr
 from nanoserve.adapters.step import CACHE_KWARGS, new_token_mask
 from nanoserve.cache import block_digests
 from nanoserve.kernels.content_hash import content_digest, kernel_runs_on
@@ -37,6 +38,7 @@ _log = get_logger(__name__)
 
 # Forward arguments whose rows can be taken from the group leaders alone.
 _ROW_KWARGS = ("input_ids", "attention_mask", "position_ids")
+_NONE = object()
 _SHAREABLE = {*_ROW_KWARGS, "use_cache", "cache_position", "logits_to_keep", "return_dict",
               *CACHE_KWARGS}  # fmt: skip
 
@@ -175,7 +177,7 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
                     tensors.append(t)
                     layout.append((t.data_ptr(), _version(t), t.dtype, t.shape))
         hooks = (*module._forward_pre_hooks, *module._forward_hooks)
-        if hooks or hasattr(module, "active_adapters"):
+        if hooks or module_attr(module, "active_adapters", _NONE) is not _NONE:
             switches.append((len(seen), hooks, _adapters_on(module)))
         stack.extend(m for m in module._modules.values() if m is not None)
     global_hooks = (*_module_hooks._global_forward_pre_hooks, *_module_hooks._global_forward_hooks)
@@ -193,7 +195,7 @@ def unnameable(model) -> str | None:
     call of another length computes other K for the same prefix), or a module that drops
     out at random (training mode, ``drops_out``)."""
     for module in model.modules():
-        kind = getattr(module, "rope_type", None)
+        kind = module_attr(module, "rope_type")
         kinds = kind.values() if isinstance(kind, dict) else [kind]
         for kind in kinds:
             if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
@@ -213,7 +215,7 @@ def drops_out(model) -> str | None:
 
 
 def _attention_dropout(module) -> float:
-    rate = getattr(module, "attention_dropout", 0.0)
+    rate = module_attr(module, "attention_dropout", 0.0)
     return float(rate) if isinstance(rate, (int, float)) else 0.0
 
 
