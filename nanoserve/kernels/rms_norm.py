@@ -46,30 +46,75 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str 
     problem = input_problem(x, weight, eps)
     if problem is not None:
         raise ValueError(problem)
-    width = x.shape[-1]
     if not use_triton(backend, x):
         return rms_norm_ref(x, weight, eps)
+    return _launch(x, None, weight, eps)[1]
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: (x + residual, its ``rms_norm_ref``); x and residual [..., D] of one shape
+    and dtype, weight [D]; both results in that dtype."""
+    total = x + residual
+    return total, rms_norm_ref(total, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm_ref`` by one Triton launch: a pre-norm decoder layer's residual add and
+    the norm after it. x and residual as ``rms_norm``'s x, of one shape, dtype and device.
+    Returns two new contiguous tensors shaped as x: the sum (rounded as PyTorch's add rounds
+    it) and its norm."""
+    problem = add_input_problem(x, residual, weight, eps)
+    if problem is not None:
+        raise ValueError(problem)
+    if not use_triton(backend, x):
+        return add_rms_norm_ref(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps)
+
+
+def add_input_problem(x: torch.Tensor, residual, weight: torch.Tensor, eps) -> str | None:
+    """Why ``add_rms_norm`` refuses these arguments (the ValueError's message), or None."""
+    if not isinstance(residual, torch.Tensor):
+        return f"residual: expected a tensor, got {type(residual).__name__}"
+    if (residual.shape, residual.dtype, residual.device) != (x.shape, x.dtype, x.device):
+        return (
+            f"residual: expected x's shape {tuple(x.shape)}, dtype {x.dtype} and device "
+            f"{x.device}, got {tuple(residual.shape)} {residual.dtype} on {residual.device}"
+        )
+    return input_problem(x, weight, eps)
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    rows = t.reshape(-1, width)  # a view where the rows allow it
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _launch(x, residual, weight, eps) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the sum or None, the norm) by one launch; arguments already checked."""
     from nanoserve.kernels.triton_rms_norm import _rms_norm_kernel
 
-    rows = x.reshape(-1, width)  # a view where the rows allow it
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    width = x.shape[-1]
+    rows = _rows(x, width)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    total = None if residual is None else torch.empty_like(out)
     if rows.shape[0] == 0:
-        return out
+        return total, out
+    others = rows if residual is None else _rows(residual, width)
     block = next_pow2(width)
     num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     launch = pdl_launch(x.device)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows,
-        weight.contiguous(),
-        out,
-        rows.stride(0),
-        width,
-        float(eps),
-        BLOCK=block,
-        PDL=bool(launch),
-        num_warps=num_warps,
-        **launch,
-    )
-    return out
+        rows, others, weight.contiguous(), out, out if total is None else total,
+        rows.stride(0), others.stride(0), width, float(eps),
+        BLOCK=block, RESIDUAL=residual is not None, PDL=bool(launch),
+        num_warps=num_warps, **launch,
+    )  # fmt: skip
+    return total, out

@@ -1,5 +1,6 @@
 """RMSNorm: Triton (interpreter) against the reference and against transformers'
-LlamaRMSNorm, odd widths, strided rows, bad input."""
+LlamaRMSNorm, odd widths, strided rows, bad input; the residual add and the norm in one
+launch (``add_rms_norm``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from kernel_inputs import needs_interpreter
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from nanoserve.kernels.rms_norm import rms_norm, rms_norm_ref
+from nanoserve.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 
 
 def _ulps(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -74,3 +75,46 @@ def test_strided_rows_and_copied_layouts():
 def test_bad_input_names_the_argument(x, weight, eps, message):
     with pytest.raises(ValueError, match=message):
         rms_norm(x, weight, eps)
+
+
+@needs_interpreter
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("rows", "width"), [(1, 64), (3, 80), (5, 96), (33, 128), (2, 7)])
+def test_add_rms_norm_is_the_add_then_the_norm(rows, width, dtype):
+    """The sum bit-equal to PyTorch's add (rounded once, in x's dtype) and the norm bit-equal
+    to ``rms_norm`` of that sum (one kernel, the same roundings); both near LlamaRMSNorm's.
+    Planted: the sum left in float32 for the norm (not rounded first), and the residual read
+    with x's row stride: each failed."""
+    gen = torch.Generator().manual_seed(rows * width)
+    x = (3 * torch.randn(rows, width, generator=gen)).to(dtype)
+    wide = (3 * torch.randn(rows, 2 * width, generator=gen)).to(dtype)
+    residual = wide[:, ::2] if width > 64 else wide[:, :width]  # strided rows or copied
+    weight = torch.randn(width, generator=gen).to(dtype)
+    total, normed = add_rms_norm(x, residual, weight, 1e-5, backend="triton")
+    assert total.shape == normed.shape == x.shape and total.is_contiguous()
+    assert torch.equal(total, residual + x)
+    assert torch.equal(normed, rms_norm(total, weight, 1e-5, backend="triton"))
+    ref_total, ref_normed = add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(ref_total, total)
+    module = LlamaRMSNorm(width, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        assert torch.equal(ref_normed, module(total))
+    assert _ulps(normed, ref_normed).max() <= (8 if dtype == torch.float32 else 2.01)
+
+
+@pytest.mark.parametrize(
+    ("residual", "message"),
+    [
+        (None, "residual: expected a tensor"),
+        (torch.zeros(2, 7), "residual: expected x's shape"),
+        (torch.zeros(2, 8, dtype=torch.float16), "residual: expected x's shape"),
+        (torch.zeros(1, 8), "residual: expected x's shape"),  # no broadcasting
+    ],
+)
+def test_add_rms_norm_bad_residual_names_it(residual, message):
+    with pytest.raises(ValueError, match=message):
+        add_rms_norm(torch.zeros(2, 8), residual, torch.zeros(8), 1e-6)
+    with pytest.raises(ValueError, match="weight: expected"):
+        add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(7), 1e-6)
