@@ -71,7 +71,11 @@ class Family:
     computing ``weight * (x * rsqrt(mean(x**2) + eps)).to(dtype)`` as ``LlamaRMSNorm`` does
     (``fuse_decode`` runs them as one launch); ``rotary_attention_classes``: its attention
     classes whose forward calls its modeling module's ``apply_rotary_pos_emb(q, k, cos,
-    sin)`` with Llama's formula (``fuse_decode`` runs it as one launch).
+    sin)`` with Llama's formula (``fuse_decode`` runs it as one launch);
+    ``pre_norm_layer_classes``: its decoder layer classes whose forward adds ``self_attn``'s
+    output (its ``o_proj``'s) to the layer's input and normalizes the sum with
+    ``post_attention_layernorm``, then adds ``mlp``'s output and hands the sum to the next
+    layer (``fuse_decode`` runs each add with the norm after it as one launch).
     """
 
     name: str
@@ -85,6 +89,7 @@ class Family:
     gated_mlp_classes: tuple[str, ...] = ()
     rms_norm_classes: tuple[str, ...] = ()
     rotary_attention_classes: tuple[str, ...] = ()
+    pre_norm_layer_classes: tuple[str, ...] = ()
 
     def layout(self, config) -> KVLayout:
         """``kv_layout(config)`` with its ``sliding_window`` from ``cache_window`` and its

@@ -38,13 +38,14 @@ import torch.nn.functional as F
 
 from nanoserve.adapters import fused_rotary
 from nanoserve.adapters.fused_inputs import fusable
+from nanoserve.adapters.fused_residual import ResidualNorms
 from nanoserve.kernels.dispatch import use_triton
 from nanoserve.kernels.rms_norm import input_problem as norm_problem
 from nanoserve.kernels.rms_norm import rms_norm
 from nanoserve.kernels.small_batch_linear import MAX_ROWS, small_batch_linear
 from nanoserve.kernels.small_batch_linear import input_problem as linear_problem
 
-FUSED_KINDS = ("attention", "mlp", "norm", "rotary")
+FUSED_KINDS = ("attention", "mlp", "norm", "rotary", "residual")
 # past this many rows cuBLAS reads a down projection's long K as fast as the kernel, whose
 # programs each re-read the whole x tile
 DOWN_MAX_ROWS = 16
@@ -84,7 +85,9 @@ class _Siblings:
         return forward
 
 
-def _gated_mlp_forward(mlp, stock_forward, classes: Sequence[str], backend: str, ran: set):
+def _gated_mlp_forward(
+    mlp, stock_forward, classes: Sequence[str], backend: str, ran: set, note=None
+):
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not _gated_mlp(mlp, classes):
             return stock_forward(x)
@@ -102,7 +105,10 @@ def _gated_mlp_forward(mlp, stock_forward, classes: Sequence[str], backend: str,
             down_bias = [down.bias] if down.bias is not None else None
             out = small_batch_linear(hidden, [down.weight], down_bias)
         ran.add(("mlp", id(mlp)))
-        return out.view(*x.shape[:-1], out.shape[-1])
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        if note is not None:
+            note(mlp, out)
+        return out
 
     return forward
 
@@ -131,8 +137,12 @@ def _hooks_skipped(modules) -> bool:
     return _hooks_before(modules) or bool(global_hooks) or any(m._forward_hooks for m in modules)
 
 
-def _norm_forward(norm, stock_forward, backend: str, ran: set):
+def _norm_forward(norm, stock_forward, backend: str, ran: set, residual=None):
     def forward(x: torch.Tensor) -> torch.Tensor:
+        held = residual.take(norm, x) if residual is not None else None
+        if held is not None:  # computed with the residual add that made x
+            ran.add(("norm", id(norm)))
+            return held
         weight, eps = norm.weight, norm.variance_epsilon
         if not fusable(x) or norm_problem(x, weight, eps) is not None or not use_triton(backend, x):
             return stock_forward(x)
@@ -190,7 +200,9 @@ class FusedDecode:
     """The fused forwards of a model's norms and its ``layers``' projections, swapped in only
     inside ``active()``. ``root``: the module whose submodules include every norm (the base
     model); ``family``: the model's ``Family`` (its MLP, RMSNorm and attention classes);
-    ``rotary``: whether the rotary embedding is fused too."""
+    ``rotary``: whether the rotary embedding is fused too; ``residual``: whether the residual
+    adds of the family's pre-norm layers run with the norms after them
+    (``fused_residual.py``)."""
 
     def __init__(
         self,
@@ -199,6 +211,7 @@ class FusedDecode:
         family,
         backend: str,
         rotary: bool = True,
+        residual: bool = True,
     ):
         self.backend = backend
         # (module, its fused forward, whether it is a projection: those only serve steps of up
@@ -206,7 +219,7 @@ class FusedDecode:
         self.swaps: list[tuple[torch.nn.Module, object, bool]] = []
         self.siblings: list[_Siblings] = []
         # ("attention" | "mlp" | "norm", id of the module) for each that has run fused, and
-        # ("rotary", n) for the n-th rotary call of a step
+        # ("rotary" | "residual", n) for the n-th rotary call or fused add of a step
         self.ran: set[tuple[str, int]] = set()
         attentions = [getattr(layer, "self_attn", None) for layer in layers]
         self.rotary_modules = ()
@@ -221,9 +234,21 @@ class FusedDecode:
             for m, f in zip(modules, forwards, strict=True):
                 self.swaps.append((m, torch.compiler.disable(f), projection))
 
-        for module in root.modules():
-            if _rms_norm(module, family.rms_norm_classes):
-                swap([module], [_norm_forward(module, module.forward, backend, self.ran)], False)
+        norms = [m for m in root.modules() if _rms_norm(m, family.rms_norm_classes)]
+        self.residual = None
+        if residual and family.pre_norm_layer_classes:
+            self.residual = ResidualNorms(
+                layers,
+                getattr(root, "norm", None),
+                family.pre_norm_layer_classes,
+                {id(m) for m in norms},
+                backend,
+                self.ran,
+            )
+        for module in norms:
+            forward = _norm_forward(module, module.forward, backend, self.ran, self.residual)
+            swap([module], [forward], False)
+        note = self.residual.note if self.residual is not None else None
         for layer in layers:
             attention = getattr(layer, "self_attn", None)
             linears = _attention_siblings(attention) if attention is not None else None
@@ -239,13 +264,14 @@ class FusedDecode:
                 and _gated_mlp(mlp, classes)
                 and "forward" not in mlp.__dict__
             ):
-                fused = _gated_mlp_forward(mlp, mlp.forward, classes, backend, self.ran)
+                fused = _gated_mlp_forward(mlp, mlp.forward, classes, backend, self.ran, note)
                 swap([mlp], [fused], True)
 
     def counts(self) -> dict[str, int]:
         """Modules that have run fused in some step so far: {"attention": q/k/v groups,
-        "mlp": gated MLPs, "norm": RMSNorms, "rotary": rotary calls of the step that ran the
-        most} (a step the kernels do not take runs stock's)."""
+        "mlp": gated MLPs, "norm": RMSNorms, "rotary": rotary calls and "residual": residual
+        adds run with their norm, both of the step that ran the most} (a step the kernels do
+        not take runs stock's)."""
         kinds = [kind for kind, _ in self.ran]
         return {kind: kinds.count(kind) for kind in FUSED_KINDS}
 
@@ -267,10 +293,11 @@ class FusedDecode:
         rotary = contextlib.nullcontext()
         if self.rotary_modules:
             rotary = fused_rotary.swapped(self.rotary_modules, self.backend, rotary_fused)
+        residual = self.residual.active() if self.residual is not None else None
         for module, forward in swapped:
             module.forward = forward
         try:
-            with rotary:
+            with rotary, residual or contextlib.nullcontext():
                 yield
         finally:
             for group in self.siblings:

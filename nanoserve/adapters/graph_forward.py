@@ -179,7 +179,9 @@ def _fused(model, state: PatchState, rows: int):
             family.decoder_layers(model),
             family,
             state.backend,
-            rotary=not state.compile_decode,  # (the compiler fuses it; a swap would break)
+            # (the compiler fuses these itself; a swap would break its graph)
+            rotary=not state.compile_decode,
+            residual=not state.compile_decode,
         )
     return state.fused_decode.active(rows)
 

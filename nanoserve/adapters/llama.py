@@ -36,4 +36,10 @@ LLAMA = Family(
         "Qwen2Attention",
         "Qwen3Attention",
     ),
+    pre_norm_layer_classes=(
+        "LlamaDecoderLayer",
+        "MistralDecoderLayer",
+        "Qwen2DecoderLayer",
+        "Qwen3DecoderLayer",
+    ),
 )

@@ -48,8 +48,14 @@ def fp16_model(name="llama"):
     return model
 
 
-def counts(attention=0, mlp=0, norm=0, rotary=0):
-    return {"attention": attention, "mlp": mlp, "norm": norm, "rotary": rotary}
+def counts(attention=0, mlp=0, norm=0, rotary=0, residual=0):
+    return {
+        "attention": attention,
+        "mlp": mlp,
+        "norm": norm,
+        "rotary": rotary,
+        "residual": residual,
+    }
 
 
 # two layers' input and post-attention norms and the final norm; Qwen3 adds q and k norms
@@ -66,7 +72,7 @@ def test_fused_steps_match_unfused(name):
     plain, plain_stats = run(model, inputs, fuse=False)
     fused, stats = run(model, inputs, fuse=True)
     assert plain_stats["fused_decode"] == counts()
-    assert stats["fused_decode"] == counts(2, 2, NORMS[name], rotary=2)
+    assert stats["fused_decode"] == counts(2, 2, NORMS[name], rotary=2, residual=4)
     assert stats["replays"] == plain_stats["replays"] == 5
     assert torch.equal(plain.sequences, fused.sequences)
     for a, b in zip(plain.logits, fused.logits, strict=True):
@@ -103,7 +109,7 @@ def test_a_bucket_of_32_rows_runs_fused(monkeypatch):
     inputs = padded_batch([5, 3, 4, 2, 5] * 4, 5)  # 20 rows: bucket of 32
     plain, _ = run(model, inputs, fuse=False, steps=3)
     fused, stats = run(model, inputs, steps=3)
-    assert stats["fused_decode"] == counts(2, 2, 5, 2)
+    assert stats["fused_decode"] == counts(2, 2, 5, 2, residual=4)
     # q/k/v (three weights) and gate/up (two) of both layers in both steps; no down
     assert sorted(launched) == [(32, 2)] * 4 + [(32, 3)] * 4
     for a, b in zip(plain.logits, fused.logits, strict=True):
@@ -117,7 +123,8 @@ def test_more_rows_than_the_kernel_takes_run_stock():
     alone keeps stock's projections)."""
     inputs = padded_batch([5] * 65, 5)  # bucket of 128 rows
     _, stats = run(fp16_model(), inputs, steps=3)
-    assert stats["fused_decode"] == counts(norm=5, rotary=2)
+    # the adds after attention only: the MLPs run stock's
+    assert stats["fused_decode"] == counts(norm=5, rotary=2, residual=2)
     assert stats["replays"] == 2
 
 
@@ -140,7 +147,8 @@ def test_subclassed_projections_keep_their_forwards():
     inputs = padded_batch([6, 2], 6)
     plain, _ = run(model, inputs, fuse=False)
     fused, stats = run(model, inputs)
-    assert stats["fused_decode"] == counts(1, 2, 5, 2)  # layer 0's attention: k is a subclass
+    # layer 0's attention: k is a subclass
+    assert stats["fused_decode"] == counts(1, 2, 5, 2, residual=4)
     assert torch.equal(plain.sequences, fused.sequences)
     for a, b in zip(plain.logits, fused.logits, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
@@ -285,7 +293,8 @@ def test_modules_shared_between_layers_are_swapped_once():
     inputs = padded_batch([6, 2], 6)
     plain, _ = run(model, inputs, fuse=False)
     fused, stats = run(model, inputs)
-    assert stats["fused_decode"] == counts(1, 1, 5, 2)
+    # the shared MLP is followed by two norms: its adds stay apart
+    assert stats["fused_decode"] == counts(1, 1, 5, 2, residual=2)
     for a, b in zip(plain.logits, fused.logits, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
     for module in model.modules():
@@ -434,3 +443,63 @@ def test_rotary_is_swapped_only_for_the_familys_attention():
     assert FusedDecode(model.model, layers, LLAMA, "torch", rotary=False).rotary_modules == ()
     phi = other_model("phi3")
     assert fused_rotary.rotary_modules([phi.model.layers[0].self_attn], ("LlamaAttention",)) == ()
+
+
+@NEEDS_INTERPRETER
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_residual_adds_with_their_norms_change_no_bit(name, monkeypatch):
+    """A residual add run with the norm after it gives the bits of the add and of the norm
+    apart: the same tokens and logits, bit for bit, as the fused step without it, and every
+    o_proj's forward its own again after. Planted: the norm after an MLP taken from the
+    layer's own post-attention norm, and eps dropped from the fused launch: each failed."""
+    from nanoserve.adapters import fused_residual
+
+    model = fp16_model(name)
+    inputs = padded_batch([9, 4, 7], 9)
+    together, stats = run(model, inputs)
+    assert stats["fused_decode"]["residual"] == 4  # two layers, two adds each
+    monkeypatch.setattr(fused_residual, "_ADDS", set())  # no add is watched
+    apart, apart_stats = run(model, inputs)
+    assert apart_stats["fused_decode"] == {**stats["fused_decode"], "residual": 0}
+    assert torch.equal(together.sequences, apart.sequences)
+    for a, b in zip(together.logits, apart.logits, strict=True):
+        assert torch.equal(a, b)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@NEEDS_INTERPRETER
+def test_only_an_add_of_a_noted_output_is_fused():
+    """An add of a noted sublayer output to a tensor of its shape and dtype runs fused, once;
+    broadcast adds, other dtypes, extra arguments and other tensors run as before, and the
+    kept norm serves only the very sum tensor it was computed from."""
+    from nanoserve.adapters.fused_residual import ResidualNorms
+    from nanoserve.kernels.rms_norm import rms_norm
+
+    model = fp16_model()
+    layers = model.model.layers
+    norms = {id(m) for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"}
+    ran = set()
+    classes = ("LlamaDecoderLayer",)
+    residual = ResidualNorms(layers, model.model.norm, classes, norms, "triton", ran)
+    o_proj, post_norm = layers[0].self_attn.o_proj, layers[0].post_attention_layernorm
+    x = torch.randn(3, 1, o_proj.out_features).to(torch.float16)
+    out = torch.randn_like(x)
+    residual.note(o_proj, out)
+    assert residual.fuse(x[:, :, :1], out) is None  # broadcast: no
+    assert residual.fuse(x.float(), out) is None  # other dtype: no
+    assert residual.fuse(x, out.clone()) is None  # not the noted tensor: no
+    total = residual.fuse(x, out)
+    assert torch.equal(total, x + out) and not ran
+    assert residual.fuse(x, out) is None  # noted once, fused once
+    assert residual.take(post_norm, total.clone()) is None  # held for that very tensor only
+    residual.note(o_proj, out)
+    total = residual.fuse(out, x)
+    weight, eps = post_norm.weight, post_norm.variance_epsilon
+    expected = rms_norm(x + out, weight, eps, backend="triton")
+    assert torch.equal(residual.take(post_norm, total), expected)
+    assert ran == {("residual", 0)}  # counted where the norm is taken
+    assert residual.take(post_norm, total) is None  # taken once
+    with residual.active():
+        assert torch.equal(torch.add(x, out, alpha=2), x + 2 * out)  # extra argument: as before
+        assert "forward" in o_proj.__dict__
+    assert "forward" not in o_proj.__dict__
