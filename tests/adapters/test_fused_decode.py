@@ -1,5 +1,5 @@
-"""fuse_decode: a decode graph step's RMSNorms in one launch each, q/k/v in one launch and
-a SiLU-gated MLP in two.
+"""fuse_decode: a decode graph step's RMSNorms in one launch each, q/k/v in one launch, a
+SiLU-gated MLP in two, and each residual add of a Llama-family layer with the norm after it.
 
 On CPU the graph runner executes its static buffers eagerly (``DecodeGraphs(capture=False)``)
 and the kernel runs under the Triton interpreter (``backend="triton"``) on float16 models;
