@@ -503,3 +503,41 @@ def test_only_an_add_of_a_noted_output_is_fused():
         assert torch.equal(torch.add(x, out, alpha=2), x + 2 * out)  # extra argument: as before
         assert "forward" in o_proj.__dict__
     assert "forward" not in o_proj.__dict__
+
+
+def test_residual_adds_stay_apart_under_compile_decode():
+    """compile_decode's compiler fuses the adds with the norms itself (a watched add would
+    break its graph); without it the Llama family's adds are fused, Gemma's never."""
+    from types import SimpleNamespace
+
+    from test_new_families import tiny_model as gemma_model
+
+    from nanoserve.adapters.graph_forward import _fused
+
+    def residual_of(model, compile_decode):
+        state = SimpleNamespace(
+            fuse_decode=True, backend="auto", compile_decode=compile_decode, fused_decode=None
+        )
+        _fused(model, state, rows=1)
+        return state.fused_decode.residual
+
+    llama = fp16_model()
+    assert residual_of(llama, compile_decode=True) is None
+    fused = residual_of(llama, compile_decode=False)
+    assert fused.o_projs == [layer.self_attn.o_proj for layer in llama.model.layers]
+    assert residual_of(gemma_model("gemma").to(torch.float16), compile_decode=False) is None
+
+
+@NEEDS_INTERPRETER
+def test_no_function_mode_is_left_behind():
+    """The add watch is a TorchFunctionMode for the step only: none is active after a call,
+    and none after a step that raised."""
+    model = fp16_model()
+    run(model, padded_batch([5, 3], 5), steps=3)
+    assert torch._C._len_torch_function_stack() == 0
+    fused = FusedDecode(model.model, model.model.layers, LLAMA, "triton")
+    with pytest.raises(RuntimeError, match="planted"), fused.active(rows=2):
+        assert torch._C._len_torch_function_stack() == 1
+        raise RuntimeError("planted")
+    assert torch._C._len_torch_function_stack() == 0
+    assert not any("forward" in m.__dict__ for m in model.modules())
