@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.adapters import fused_rotary
-from nanoserve.adapters.fused_inputs import fusable
+from nanoserve.adapters.fused_inputs import fusable, plain_linear
 from nanoserve.adapters.fused_residual import ResidualNorms
 from nanoserve.kernels.dispatch import use_triton
 from nanoserve.kernels.rms_norm import input_problem as norm_problem
@@ -152,12 +152,6 @@ def _norm_forward(norm, stock_forward, backend: str, ran: set, residual=None):
     return forward
 
 
-def _plain_linear(module) -> bool:
-    """An nn.Linear itself (not a subclass: LoRA and quantized layers compute more), its
-    forward not wrapped by another library."""
-    return type(module) is torch.nn.Linear and "forward" not in module.__dict__
-
-
 def _rms_norm(module, classes: Sequence[str]) -> bool:
     """One of the family's norm classes, not wrapped; its weight and eps are checked at
     every call (``norm_problem``)."""
@@ -172,7 +166,7 @@ def _rms_norm(module, classes: Sequence[str]) -> bool:
 def _attention_siblings(attention) -> tuple[torch.nn.Linear, ...] | None:
     names = ("q_proj", "k_proj", "v_proj")
     linears = tuple(getattr(attention, n, None) for n in names)
-    if not all(_plain_linear(m) for m in linears):
+    if not all(plain_linear(m) for m in linears):
         return None
     if len({m.in_features for m in linears}) != 1:
         return None
@@ -185,7 +179,7 @@ def _gated_mlp(mlp, classes: Sequence[str]) -> bool:
     if type(mlp).__name__ not in classes:
         return False
     parts = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not all(_plain_linear(m) for m in parts):
+    if not all(plain_linear(m) for m in parts):
         return False
     gate, up, down = parts
     act = getattr(mlp, "act_fn", None)

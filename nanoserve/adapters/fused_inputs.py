@@ -13,6 +13,17 @@ def fusable(x: torch.Tensor) -> bool:
     return x.dtype in FUSED_DTYPES and not _autocast(x)
 
 
+def records_grad(*tensors: torch.Tensor) -> bool:
+    """True when autograd would record an op on ``tensors`` (the kernels record none)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def plain_linear(module) -> bool:
+    """An nn.Linear itself (not a subclass: LoRA and quantized layers compute more), its
+    forward not wrapped by another library."""
+    return type(module) is torch.nn.Linear and "forward" not in module.__dict__
+
+
 def _autocast(x: torch.Tensor) -> bool:
     try:
         return torch.is_autocast_enabled(x.device.type)

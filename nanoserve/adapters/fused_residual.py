@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from nanoserve.adapters.fused_inputs import fusable
+from nanoserve.adapters.fused_inputs import fusable, plain_linear, records_grad
 from nanoserve.kernels.dispatch import use_triton
 from nanoserve.kernels.rms_norm import add_input_problem, add_rms_norm
 
@@ -48,13 +48,15 @@ class ResidualNorms:
     ):
         self.backend, self.ran = backend, ran
         self.norm_after: dict[int, torch.nn.Module] = {}  # id(o_proj or mlp) -> next norm
-        self.o_projs: list[torch.nn.Module] = []
+        o_projs: dict[int, torch.nn.Module] = {}
         shared: set[int] = set()  # a sublayer two layers share is followed by two norms
         for i, layer in enumerate(layers):
             if type(layer).__name__ not in layer_classes or "forward" in layer.__dict__:
                 continue
             attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             o_proj = getattr(attention, "o_proj", None)
+            if o_proj is not None:
+                o_projs[id(o_proj)] = o_proj
             last = i + 1 == len(layers)
             after_mlp = final_norm if last else getattr(layers[i + 1], "input_layernorm", None)
             pairs = ((o_proj, getattr(layer, "post_attention_layernorm", None)), (mlp, after_mlp))
@@ -66,12 +68,7 @@ class ResidualNorms:
                     self.norm_after.pop(id(sublayer), None)
                 else:
                     self.norm_after[id(sublayer)] = norm
-        self.o_projs = [
-            layer.self_attn.o_proj
-            for layer in layers
-            if id(getattr(getattr(layer, "self_attn", None), "o_proj", None)) in self.norm_after
-            and _plain_linear(layer.self_attn.o_proj)
-        ]
+        self.o_projs = [m for i, m in o_projs.items() if i in self.norm_after and plain_linear(m)]
         self.noted: dict[int, tuple[torch.Tensor, torch.nn.Module]] = {}
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(norm) -> (sum, norm)
         self.adds = itertools.count()
@@ -112,7 +109,7 @@ class ResidualNorms:
                 not fusable(output)
                 or add_input_problem(output, other, weight, eps) is not None
                 or not use_triton(self.backend, output)
-                or (torch.is_grad_enabled() and (output.requires_grad or other.requires_grad))
+                or records_grad(output, other)
             ):
                 return None
             del self.noted[id(output)]
@@ -149,7 +146,3 @@ class _AddWatch(TorchFunctionMode):
             if total is not None:
                 return total
         return func(*args, **(kwargs or {}))
-
-
-def _plain_linear(module) -> bool:
-    return type(module) is torch.nn.Linear and "forward" not in module.__dict__

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from nanoserve.adapters.fused_inputs import fusable
+from nanoserve.adapters.fused_inputs import fusable, records_grad
 from nanoserve.kernels.dispatch import use_triton
 from nanoserve.kernels.rotary import apply_rotary, input_problem
 
@@ -87,7 +87,7 @@ def _fits(q, k, cos, sin, backend: str) -> bool:
     tensors = (q, k, cos, sin)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or not fusable(q):
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if records_grad(*tensors):
         return False  # (the kernel records no graph for backward)
     return input_problem(*tensors) is None and use_triton(backend, q)
 

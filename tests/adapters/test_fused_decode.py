@@ -137,7 +137,7 @@ class _Scaled(torch.nn.Linear):
 
 @NEEDS_INTERPRETER
 def test_subclassed_projections_keep_their_forwards():
-    """Planted: the subclass check dropped from ``_plain_linear``: failed."""
+    """Planted: the subclass check dropped from ``plain_linear``: failed."""
     model = fp16_model()
     layer = model.model.layers[0]
     k = layer.self_attn.k_proj
