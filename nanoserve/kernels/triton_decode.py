@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.dispatch import next_pow2, sm_count, supports_pdl, unit_stride
+from nanoserve.kernels.dispatch import next_pow2, pdl_launch, sm_count, unit_stride
 from nanoserve.kernels.quant import is_quantized
 from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
 
@@ -422,11 +422,11 @@ def paged_decode_attention_triton(
         mid_lse = torch.empty((slots, num_q_heads), dtype=torch.float32, device=query.device)
     else:
         mid_o = mid_lse = out  # unused
-    pdl = supports_pdl(query.device)
+    launch = pdl_launch(query.device)
+    pdl = bool(launch)
     window = int(sliding_window or 0)
     s_pad = next_pow2(num_seqs) if balanced else 1
     grid = (slots * num_kv_heads, 1) if balanced else (num_seqs * num_kv_heads, plan.num_splits)
-    launch = {"launch_pdl": True} if pdl else {}
     _decode_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
         float(scale), float(softcap or 1.0), window, num_kv_heads, num_seqs, plan.work_items,

@@ -268,6 +268,7 @@ def test_split_decode_launches_its_merge_with_pdl_where_supported(monkeypatch):
     """With PDL supported, the split kernel signals its dependents and the merge launch
     carries launch_pdl (the merge then waits on the device), for fixed splits and for the
     balanced launch; a row in one run is launched with PDL too (``test_pdl.py``)."""
+    import nanoserve.kernels.dispatch as dispatch
     import nanoserve.kernels.triton_decode as triton_decode
 
     launches = []
@@ -279,7 +280,7 @@ def test_split_decode_launches_its_merge_with_pdl_where_supported(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.name, kwargs))
 
-    monkeypatch.setattr(triton_decode, "supports_pdl", lambda device: True)
+    monkeypatch.setattr(dispatch, "supports_pdl", lambda device: True)
     monkeypatch.setattr(triton_decode, "_decode_kernel", Recorder("split"))
     monkeypatch.setattr(triton_decode, "_reduce_kernel", Recorder("merge"))
     monkeypatch.setattr(triton_decode, "_merge_items_kernel", Recorder("merge items"))

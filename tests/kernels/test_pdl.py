@@ -69,7 +69,6 @@ def test_a_kernel_launched_with_pdl_waits_on_the_device(monkeypatch, supported):
     for module, name in KERNELS:
         monkeypatch.setattr(module, name, _Recorder(name, launches))
     monkeypatch.setattr(dispatch, "supports_pdl", lambda device: supported)
-    monkeypatch.setattr(triton_decode, "supports_pdl", lambda device: supported)
     _launch_every_kernel()
     names = {name for name, _ in launches}
     assert names == {name for _, name in KERNELS}, names
