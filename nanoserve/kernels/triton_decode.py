@@ -42,6 +42,10 @@ MANY_ROWS = 16
 # Most partial results the merge kernel reads per step: a row of up to this many items merges
 # in one step, since each step waits on its loads.
 MERGE_ITEMS_STEP = 64
+# Register cap for FP8 tiles of up to 128 tokens (4 warps, head dim <= 128): the compiler's
+# own choice holds both converted 16-bit tiles at once and fits two programs per SM; capped,
+# four fit (a few registers spill), which hides more of the conversion's latency.
+FP8_TILE_REGISTERS = 128
 
 
 @triton.jit
@@ -320,13 +324,15 @@ def choose_work_items(num_seqs: int, num_kv_heads: int, device: torch.device) ->
 class DecodePlan(NamedTuple):
     """How one decode launch runs: tile, warps, stages, and either ``num_splits`` fixed splits
     per row (``work_items`` 0) or the balanced plan (``num_splits`` 0): rows cut into items of
-    about total_tokens / ``work_items`` tokens, at least one item per row."""
+    about total_tokens / ``work_items`` tokens, at least one item per row. ``max_registers``
+    caps the split kernel's registers per thread (0: the compiler's choice)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     num_splits: int
     work_items: int
+    max_registers: int = 0
 
 
 def decode_plan(
@@ -356,12 +362,14 @@ def decode_plan(
         config = (max(64, next_pow2(block_size)), 4, 2)
     fp8_tiles = config is None and is_quantized(key_cache) and query.dtype != torch.float32
     block_n, num_warps, num_stages = config or decode_config(head_dim, block_size, query.dtype)
+    max_registers = 0
     if fp8_tiles:
-        # one-byte K/V: twice the tokens per step for the bytes of a 16-bit tile, three stages
-        # deep in every launch while a tile holds no more bytes than a 16-bit one of 64
-        # tokens (see benchmarks/RESULTS.md)
+        # one-byte K/V: twice the tokens per step for the bytes of a 16-bit tile, two stages,
+        # and registers capped so that four programs fit per SM (see benchmarks/RESULTS.md)
         block_n = max(min(2 * block_n, 128), next_pow2(block_size))
-        num_stages = 3 if next_pow2(head_dim) <= 128 and block_n <= 128 else 2
+        num_stages = 2
+        if next_pow2(head_dim) <= 128 and block_n <= 128 and num_warps == 4:
+            max_registers = FP8_TILE_REGISTERS
     items = 0
     if balanced:
         items = work_items or choose_work_items(num_seqs, num_kv_heads, query.device)
@@ -374,7 +382,7 @@ def decode_plan(
         # A split launch pipelines two stages deep: a third stage costs this grid's split
         # kernel registers, hence occupancy, and ran slower (see RESULTS.md).
         num_stages = min(num_stages, 2)
-    return DecodePlan(block_n, num_warps, num_stages, num_splits, items)
+    return DecodePlan(block_n, num_warps, num_stages, num_splits, items, max_registers)
 
 
 def paged_decode_attention_triton(
@@ -424,6 +432,7 @@ def paged_decode_attention_triton(
         mid_o = mid_lse = out  # unused
     launch = pdl_launch(query.device)
     pdl = bool(launch)
+    registers = {"maxnreg": plan.max_registers} if plan.max_registers else {}
     window = int(sliding_window or 0)
     s_pad = next_pow2(num_seqs) if balanced else 1
     grid = (slots * num_kv_heads, 1) if balanced else (num_seqs * num_kv_heads, plan.num_splits)
@@ -439,7 +448,7 @@ def paged_decode_attention_triton(
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32, PDL=pdl,
         k_scale=k_scale, v_scale=v_scale, FP8=k_scale is not None,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch, **registers,
     )  # fmt: skip
     if balanced:
         # a row holds at most work_items + 1 items, and never more than its tiles

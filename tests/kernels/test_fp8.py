@@ -169,19 +169,30 @@ def test_decode_fp8_bfloat16_query_of_any_magnitude(magnitude, poison_outputs):
 
 
 def test_decode_plan_for_fp8_pools():
-    """FP8 pools (16-bit query) step 128 tokens three stages deep, the bytes of a 16-bit tile
-    of 64 tokens; pages of 256 tokens make 256-token tiles, which stay two stages deep (three
-    would hold 1.5x the shared memory); float32 queries and a given config keep their plans.
-    Planted, reverted: three stages whatever the tile: failed on the 256-token pages."""
-    from nanoserve.kernels.triton_decode import decode_plan
+    """FP8 pools (16-bit query) step 128 tokens two stages deep, the bytes of a 16-bit tile of
+    64 tokens, with registers capped at FP8_TILE_REGISTERS; pages of 256 tokens make
+    256-token tiles, which keep the compiler's registers (capped they spill); so do head dims
+    past 128, float32 queries and a given config.
+    Planted, reverted: three stages (the earlier plan): failed; the cap on 256-token tiles:
+    failed."""
+    from nanoserve.kernels.triton_decode import FP8_TILE_REGISTERS, decode_plan
 
-    for block_size, expected in ((16, (128, 4, 3)), (128, (128, 4, 3)), (256, (256, 4, 2))):
-        kc = torch.zeros(4, block_size, 2, 128, dtype=FP8_DTYPE)
+    cap = FP8_TILE_REGISTERS
+    for block_size, dim, expected in (
+        (16, 128, (128, 4, 2, cap)),
+        (128, 128, (128, 4, 2, cap)),
+        (16, 64, (128, 4, 2, cap)),
+        (256, 128, (256, 4, 2, 0)),
+        (16, 256, (64, 4, 2, 0)),
+    ):
+        kc = torch.zeros(4, block_size, 2, dim, dtype=FP8_DTYPE)
         tables = torch.zeros(1, 4, dtype=torch.int32)
-        query = torch.zeros(1, 8, 128, dtype=torch.float16)
-        assert decode_plan(query, kc, tables)[:3] == expected, block_size
-        assert decode_plan(query.float(), kc, tables)[2] == 2
-        assert decode_plan(query, kc, tables, config=(64, 4, 2))[:3] == (64, 4, 2)
+        query = torch.zeros(1, 8, dim, dtype=torch.float16)
+        plan = decode_plan(query, kc, tables)
+        assert (*plan[:3], plan.max_registers) == expected, (block_size, dim)
+        assert decode_plan(query.float(), kc, tables).max_registers == 0
+        given = decode_plan(query, kc, tables, config=(64, 4, 2))
+        assert given[:3] == (64, 4, 2) and given.max_registers == 0
 
 
 # (num_kv_heads, group, head_dim, block_size, history_lens, new_lens, window, softcap)
