@@ -1,7 +1,7 @@
 """The prefix salt's cost on the GPU: the content hash over a 1B-shaped Llama's weights.
 
 Every patched ``generate`` call with prefix sharing on reads all of the model's parameters
-and buffers once to name its cached prefixes (``shared_rows.prefix_salt``). This times, on
+and buffers once to name its cached prefixes (``prefix_salt.prefix_salt``). This times, on
 the 1B shape of ``bench_generate.py`` (bf16, 148 tensors, 2.47 GB), each a whole call with
 its read back to the host (``do_bench``, eager, L2 cleared): the content hash
 (``content_digest``, one Triton launch), the float fingerprint it replaced on CUDA
@@ -29,7 +29,7 @@ require_cuda("bench_content_hash")
 from bench_generate import build_model  # noqa: E402
 from harness import ceiling, set_quick, show_table, time_eager, versions  # noqa: E402
 
-from nanoserve.adapters.shared_rows import _float_fingerprint, prefix_salt  # noqa: E402
+from nanoserve.adapters.prefix_salt import _float_fingerprint, prefix_salt  # noqa: E402
 from nanoserve.kernels.content_hash import content_digest  # noqa: E402
 
 COLUMNS = ["provider", "check", "ms", "GB/s", "vs_read"]

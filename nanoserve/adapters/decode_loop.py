@@ -113,6 +113,8 @@ def stock_reason(
         return "a cache other than nanoserve's PagedCache"
     if cache.drops_out is not None:
         return cache.drops_out  # rows leaving the batch would shift its dropout draws
+    if cache.batch_hooks is not None:
+        return f"{cache.batch_hooks} (it would see rows leave the batch)"
     if model_kwargs.get("use_cache") is False:
         return "use_cache=False"
     for name, value in model_kwargs.items():
@@ -153,7 +155,9 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
     del outputs
 
-    sequences = input_ids.new_empty(rows, max(rule.max_length, prompt_len + 1))
+    # int64 whatever the prompt's integer dtype, as stock's concatenation promotes it
+    dtype = torch.promote_types(input_ids.dtype, torch.long)
+    sequences = input_ids.new_empty(rows, max(rule.max_length, prompt_len + 1), dtype=dtype)
     sequences[:, :prompt_len] = input_ids
     unfinished = torch.ones(rows, dtype=torch.bool, device=device)
     # Finished rows leave the batch only where nothing of theirs past EOS is returned: no
@@ -165,8 +169,8 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     rng = _RandomStates(device) if config.do_sample else None
     while stop_at is None:
         processed = apply_steps(steps, logits, length)
-        if scores is not None:
-            scores.append(processed)
+        if scores is not None:  # HF's processors each return a new tensor, never the logits
+            scores.append(processed.clone() if steps and processed is logits else processed)
         if raw_logits is not None:
             raw_logits.append(logits)
         if config.do_sample:

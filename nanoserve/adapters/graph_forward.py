@@ -11,7 +11,6 @@ the host and runs through ``DecodeGraphs``; the caller runs every other forward 
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
@@ -23,20 +22,8 @@ from nanoserve.adapters.fused_inputs import FUSED_DTYPES
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step
 from nanoserve.adapters.tensor_parallel import tp_size
+from nanoserve.adapters.user_hooks import HookScan
 
-# Hooks and forward wrappers a replay may skip, by "module.qualname" prefix: tensor
-# parallelism's (torch.distributed.tensor's hooks, transformers' wrapped forwards: the
-# collectives they add are captured in the graph),
-# transformers' output capturing (installed for good by a forward that asked for hidden
-# states or attentions, inactive in any other forward; those never replay a graph), and
-# enable_input_require_grads' (marks the embeddings' output for autograd, which generate
-# does not run)
-_REPLAY_SAFE_HOOKS = (
-    "torch.distributed.tensor.",
-    "transformers.distributed.tensor_parallel.",
-    "transformers.utils.output_capturing.",
-    "transformers.modeling_utils.PreTrainedModel.enable_input_require_grads.",
-)
 # config flags under which transformers' output capturing is active in every forward
 _CAPTURE_FLAGS = ("output_hidden_states", "output_attentions", "output_router_logits")
 
@@ -85,40 +72,16 @@ def graph_step_kind(state: PatchState, cache, kwargs: dict, new: torch.Tensor) -
     return "extend"
 
 
-def replay_skips(model) -> str | None:
+def replay_skips(model, hooks: HookScan) -> str | None:
     """What a replayed step of ``model`` would skip (a phrase), or None. A replay runs the
-    captured kernels and no Python, so a forward hook on a submodule (or a global one), or
-    a submodule whose ``forward`` another library wrapped (accelerate's offload hooks), would
-    run only while its step is captured, where stock runs it at every step (whatever it
-    moves, records or decides there). The model's own hooks run around its forward, replay
-    or not; the hooks and wrappers of ``_REPLAY_SAFE_HOOKS`` may be skipped."""
+    captured kernels and no Python, so transformers' output capturing (config flags) and a
+    forward hook or wrapped forward on a submodule (``hooks``, from ``scan_hooks``), which
+    stock runs at every step, would run only while its step is captured."""
     config = getattr(model, "config", None)
     for flag in _CAPTURE_FLAGS:
         if getattr(config, flag, False):
             return f"config.{flag} (transformers' output capturing runs in every forward)"
-    global_hooks = getattr(torch.nn.modules.module, "_global_forward_hooks", {})
-    global_pre = getattr(torch.nn.modules.module, "_global_forward_pre_hooks", {})
-    if any(not _replay_safe(h) for h in (*global_hooks.values(), *global_pre.values())):
-        return "a global forward hook (register_module_forward_hook)"
-    for name, module in model.named_modules():
-        if not name:
-            continue
-        hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
-        if any(not _replay_safe(h) for h in hooks):
-            return f"a forward hook on {name}"
-        forward = module.__dict__.get("forward")
-        if forward is not None and not _replay_safe(forward):
-            return f"a wrapped forward on {name}"
-    return None
-
-
-def _replay_safe(hook) -> bool:
-    """A hook or forward wrapper of ``_REPLAY_SAFE_HOOKS`` (partials unwrapped)."""
-    while isinstance(hook, functools.partial):
-        hook = hook.func
-    module = getattr(hook, "__module__", None) or ""
-    name = f"{module}.{getattr(hook, '__qualname__', '')}"
-    return name.startswith(_REPLAY_SAFE_HOOKS)
+    return hooks.replay
 
 
 def graph_step(model, state: PatchState, stock_forward, cache, kwargs, new):

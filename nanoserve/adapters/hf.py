@@ -23,10 +23,11 @@ from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.fused_decode import FUSED_KINDS
 from nanoserve.adapters.graph_forward import graph_step, graph_step_kind, replay_skips
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
+from nanoserve.adapters.prefix_salt import drops_out, prefix_salt
 from nanoserve.adapters.read_back import READ_BACK_LAG
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.sample_hook import hook, unhook
-from nanoserve.adapters.shared_rows import drops_out, first_forward, prefix_salt
+from nanoserve.adapters.shared_rows import first_forward
 from nanoserve.adapters.sizing import (
     PoolOptions,
     PoolSize,
@@ -56,6 +57,7 @@ from nanoserve.adapters.tensor_parallel import (
     capture_agreement,
     local_layout,
 )
+from nanoserve.adapters.user_hooks import HookScan, scan_hooks
 from nanoserve.adapters.versions import check_transformers_version
 from nanoserve.cache import GroupedKVCache, PagedKVCache
 from nanoserve.kernels.dispatch import check_backend
@@ -327,8 +329,7 @@ def _paged_forward(self, *args, **kwargs):
             check_whole_mask(kwargs)
             cache.mask_checked = True
         if not cache.generating:  # a forward of the caller's own: hooks may change between
-            cache.hooked = replay_skips(self) if state.graphs is not None else None
-            state.eager_reason = cache.drops_out or cache.hooked
+            _note_hooks(state, cache, scan_hooks(self), self)
         run_step = functools.partial(_run_step, self, state, stock, cache)
         if state.prefix_sharing:
             output = first_forward(run_step, cache, kwargs)
@@ -451,32 +452,42 @@ def _may_share(kwargs: dict, option) -> bool:
     return not any(isinstance(v, torch.Tensor) and k not in rows for k, v in kwargs.items())
 
 
+def _note_hooks(state: PatchState, cache: PagedCache, hooks: HookScan, model) -> None:
+    """Put on ``cache`` what the model's hooks (``scan_hooks``) rule out for its forwards."""
+    cache.hooked = replay_skips(model, hooks) if state.graphs is not None else None
+    cache.row_hooks, cache.batch_hooks = hooks.rows, hooks.batch
+    state.eager_reason = cache.drops_out or cache.hooked
+
+
 @contextlib.contextmanager
-def _generating(state: PatchState, cache: PagedCache, skips: str | None):
-    """``cache`` inside a generate call: what a replay would skip was found at the call's
-    start (``skips``), and its forwards do not look again (their steps stay cheap)."""
-    cache.hooked, cache.generating = skips, True
-    state.eager_reason = cache.drops_out or skips
-    if skips is not None:
-        _log.info("decode graphs: this call's steps run eagerly (%s)", skips)
+def _generating(state: PatchState, cache: PagedCache, hooks: HookScan, model):
+    """``cache`` inside a generate call: what the model's hooks rule out was found at the
+    call's start (``hooks``), and its forwards do not look again (their steps stay cheap)."""
+    _note_hooks(state, cache, hooks, model)
+    cache.generating = True
+    if cache.hooked is not None:
+        _log.info("decode graphs: this call's steps run eagerly (%s)", cache.hooked)
+    if hooks.rows is not None and state.prefix_sharing:
+        _log.info("prefix sharing: off for this call (%s may compute rows apart)", hooks.rows)
     try:
         yield
     finally:
         cache.generating = False
 
 
-def _options(model, state: PatchState, dropout: str | None, skips: str | None) -> dict:
+def _options(model, state: PatchState, dropout: str | None, hooks: HookScan) -> dict:
     """What every tensor-parallel rank must run a call with (``agree_options``): the patch
-    options, the attention implementation, whether the model drops out and whether a
-    replay would skip something (one rank replaying while another runs eagerly would pair
-    the collectives wrongly)."""
+    options, the attention implementation, whether the model drops out and what its hooks
+    rule out (one rank replaying, sharing rows or running its own loop while another does
+    not would pair the collectives wrongly)."""
     return dict(
         pool=state.pool, backend=state.backend, cuda_graphs=state.cuda_graphs,
         compile_decode=state.compile_decode, fuse_decode=state.fuse_decode,
         keep_pools=state.keep_pools,
         prefix_sharing=state.prefix_sharing, decode_loop=state.decode_loop,
         attn_implementation=model.config._attn_implementation, dropout=dropout,
-        replay_skips=skips is not None,
+        replay_skips=replay_skips(model, hooks) is not None and state.graphs is not None,
+        row_hooks=hooks.rows is not None, batch_hooks=hooks.batch is not None,
     )  # fmt: skip
 
 
@@ -555,14 +566,17 @@ def _new_store(state: PatchState, size: PoolSize, num_blocks, pools, allocators)
 def _paged_generate(self, *args, **kwargs):
     state = _state(self)
     stock = _stock(self, state.previous_generate, "generate")
+    if len(args) > 1:  # a generation config (or more) passed by position: read as keywords
+        with contextlib.suppress(TypeError, ValueError):
+            args, kwargs = (), _keywords(stock, args, kwargs)
     hook(self)  # generate looks _sample up on the class (sample_hook.py)
     option = functools.partial(generate_option, self, kwargs)
 
     if state.graphs is not None:
         state.graphs.recheck = True  # the weights may have moved since the last call
     state.eager_reason = None
-    # what a replayed step would skip (a submodule's hook): then every step runs eagerly
-    skips = replay_skips(self) if state.graphs is not None else None
+    # what the hooks rule out: graph replays, prefix sharing, nanoserve's decode loop
+    hooks = scan_hooks(self)
     user_salt = kwargs.pop("cache_salt", None)
     if user_salt is not None and not isinstance(user_salt, (str, bytes)):
         raise ValueError(f"cache_salt: expected a str or bytes, got {type(user_salt).__name__}")
@@ -570,13 +584,13 @@ def _paged_generate(self, *args, **kwargs):
     if isinstance(passed, PagedCache):
         with state.lock:
             dropout = drops_out(self)
-            agree_options(self, _options(self, state, dropout, skips))
+            agree_options(self, _options(self, state, dropout, hooks))
             _check_attention(self)
             _check_continuation(passed, args, kwargs)
             _room_to_continue(state, passed, self, args, kwargs)
             passed.mask_checked = False
             passed.drops_out = dropout  # (training mode may have changed since)
-            with _generating(state, passed, skips):
+            with _generating(state, passed, hooks, self):
                 return stock(*args, **kwargs)
     if passed is not None or option("use_cache") is False:
         why = "the caller's own cache" if passed is not None else "use_cache=False"
@@ -596,7 +610,7 @@ def _paged_generate(self, *args, **kwargs):
         )
     # a model that drops out at random computes each copy of a prompt differently
     dropout = drops_out(self)
-    agree_options(self, _options(self, state, dropout, skips))
+    agree_options(self, _options(self, state, dropout, hooks))
     _check_attention(self)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
@@ -604,7 +618,12 @@ def _paged_generate(self, *args, **kwargs):
     with state.lock:
         for name in CACHE_KWARGS:
             kwargs.pop(name, None)
-        share = state.prefix_sharing and dropout is None and _may_share(kwargs, option)
+        share = (
+            state.prefix_sharing
+            and dropout is None
+            and hooks.rows is None
+            and _may_share(kwargs, option)
+        )
         size = pool_size(state.pool, self, args, kwargs, share)
         pool_dtype = state.pool.pool_dtype(self.dtype)
         num_blocks, pools, allocators = _pools_for(state, size, pool_dtype)
@@ -612,7 +631,7 @@ def _paged_generate(self, *args, **kwargs):
         cache = PagedCache(paged)
         cache.drops_out = dropout
         salt = None
-        if state.prefix_sharing and not option("prefill_chunk_size"):  # else none looked up
+        if state.prefix_sharing and hooks.rows is None and not option("prefill_chunk_size"):
             salt = prefix_salt(self, user_salt, state)
         stores = [group.allocator.store_id for group in paged.groups]
         cache.prefix_salt = agreed_salt(self, salt, stores)
@@ -631,7 +650,7 @@ def _paged_generate(self, *args, **kwargs):
         state.kept_pools = kept[0]
         kwargs[cache_kwarg(type(self))] = cache
         try:
-            with _generating(state, cache, skips):
+            with _generating(state, cache, hooks, self):
                 return stock(*args, **kwargs)
         except BaseException:
             state.last_cache = lambda: cache  # held, so the caller can see what was kept

@@ -60,6 +60,11 @@ class PagedCache(Cache):
         # found at a generate call's start or at each forward outside one, or None; while
         # set, no step replays a graph
         self.hooked: str | None = None
+        # what the model's hooks rule out (user_hooks.scan_hooks), found alike: a hook that
+        # may compute rows apart (no row takes another's prefill or a stored prefix), and
+        # one that would see the batch shrink (HF's loop runs, not nanoserve's)
+        self.row_hooks: str | None = None
+        self.batch_hooks: str | None = None
         self.generating = False  # inside a generate call (its start looked for hooks)
 
     # -- the step boundary (once per forward) -----------------------------------------------

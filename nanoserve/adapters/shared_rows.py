@@ -20,25 +20,20 @@ Two things are known before a call's first forward (nothing of the call cached y
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.nn.modules import module as _module_hooks
 
-from nanoserve.adapters.module_attrs import module_attr
 from nanoserve.adapters.step import CACHE_KWARGS, new_token_mask
 from nanoserve.cache import block_digests
-from nanoserve.kernels.content_hash import content_digest, kernel_runs_on
 from nanoserve.log import get_logger
 
 _log = get_logger(__name__)
 
 # Forward arguments whose rows can be taken from the group leaders alone.
 _ROW_KWARGS = ("input_ids", "attention_mask", "position_ids")
-_NONE = object()
 _SHAREABLE = {*_ROW_KWARGS, "use_cache", "cache_position", "logits_to_keep", "return_dict",
               *CACHE_KWARGS}  # fmt: skip
 
@@ -146,147 +141,8 @@ def _prefill_common_prefixes(run_step, cache, kwargs: dict, plan: _Plan) -> int:
     return computed
 
 
-def prefix_salt(model, user_salt, state) -> bytes | None:
-    """What names a call's cached prefixes beside their tokens (16 bytes), or None when K/V
-    cannot be named across calls (``unnameable``: then only copies within the call share).
-
-    The key: every parameter and buffer (address, in-place version, dtype, shape, and a
-    fingerprint of its values, ``_fingerprint``, read once a call: fused optimizers and
-    writes through ``.data`` change values without a new version), the forward hooks registered
-    on any module (handle ids: adding or removing one changes the key; what a hook does
-    from call to call cannot be seen), the adapters each tuner layer has on (peft), the
-    model's dtype and the caller's ``cache_salt``. The digest of the last key is kept on
-    ``state`` (a ``PatchState``); under tensor parallelism the caller joins the ranks'
-    digests into one (``tensor_parallel.agreed_salt``)."""
-    reason = unnameable(model)
-    if reason is not None:
-        if state.salt_key != reason:
-            state.salt_key = reason
-            _log.info("prefix cache: no prefix found across calls (%s)", reason)
-        return None
-    tensors, layout, switches = [], [], []
-    seen, stack = set(), [model]
-    while stack:  # every module once; parameters() and buffers() would walk them twice
-        module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        for tensors_of in (module._parameters, module._buffers):
-            for t in tensors_of.values():
-                if t is not None:
-                    tensors.append(t)
-                    layout.append((t.data_ptr(), _version(t), t.dtype, t.shape))
-        hooks = (*module._forward_pre_hooks, *module._forward_hooks)
-        if hooks or module_attr(module, "active_adapters", _NONE) is not _NONE:
-            switches.append((len(seen), hooks, _adapters_on(module)))
-        stack.extend(m for m in module._modules.values() if m is not None)
-    global_hooks = (*_module_hooks._global_forward_pre_hooks, *_module_hooks._global_forward_hooks)
-    values = _fingerprint(tensors, state.backend)
-    key = (tuple(layout), values, tuple(switches), global_hooks, model.dtype, user_salt)
-    if state.salt_key != key:
-        state.salt_key = key
-        state.salt = hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
-    return state.salt
-
-
-def unnameable(model) -> str | None:
-    """Why K/V of this model cannot be named by tokens and weights alone (a phrase), or None:
-    rotary frequencies that depend on the call's length (``dynamic``, ``longrope``: a later
-    call of another length computes other K for the same prefix), or a module that drops
-    out at random (training mode, ``drops_out``)."""
-    for module in model.modules():
-        kind = module_attr(module, "rope_type")
-        kinds = kind.values() if isinstance(kind, dict) else [kind]
-        for kind in kinds:
-            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
-                return f"rope_type {kind!r}: its frequencies depend on the call's length"
-    return drops_out(model)
-
-
-def drops_out(model) -> str | None:
-    """Which module of ``model`` drops out at random (training mode, a rate above 0), as a
-    phrase, or None. Such a model computes other K/V and logits for each copy of a prompt,
-    so no row may take another's."""
-    for module in model.modules():
-        rate = module.p if isinstance(module, torch.nn.Dropout) else _attention_dropout(module)
-        if module.training and rate > 0:
-            return f"{type(module).__name__} drops out at random in training mode"
-    return None
-
-
-def _attention_dropout(module) -> float:
-    rate = module_attr(module, "attention_dropout", 0.0)
-    return float(rate) if isinstance(rate, (int, float)) else 0.0
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors keep no version: their values are compared
-        return None
-
-
-def _adapters_on(module) -> tuple:
-    """A tuner layer's (peft) switches: adapters disabled, active and merged."""
-    active = getattr(module, "active_adapters", ())
-    merged = getattr(module, "merged_adapters", ())
-    return (
-        bool(getattr(module, "disable_adapters", False)),
-        tuple(active) if isinstance(active, (list, tuple)) else (active,),
-        tuple(merged) if isinstance(merged, (list, tuple)) else (merged,),
-    )
-
-
-def _fingerprint(tensors: list[torch.Tensor], backend: str = "auto") -> tuple:
-    """What the values of ``tensors`` are, per device. Where the Triton kernels run (CUDA, or
-    the interpreter with ``backend="triton"``): ``content_digest``, a hash of every byte at
-    its place (any changed byte changes it). Elsewhere (CPU): ``_float_fingerprint``."""
-    per_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-        if t.device.type != "meta" and t.numel():
-            per_device.setdefault(t.device, []).append(t.detach())
-    prints = []
-    for device, group in per_device.items():
-        if kernel_runs_on(backend, device):
-            prints.append(content_digest(group, backend=backend))
-        else:
-            prints.append(_float_fingerprint(device, group))
-    return tuple(prints)
-
-
-def _float_fingerprint(device: torch.device, tensors: list[torch.Tensor]) -> tuple:
-    """Two position-weighted sums over every tensor's row sums and column sums (a tensor of
-    more dimensions read as [first dim, the rest]; complex values as pairs of reals;
-    one-byte and non-float dtypes by their raw values), read back with one copy. A changed
-    value changes them beyond float rounding, and so does a write that keeps each tensor's
-    total and norm, such as reordered rows, heads or columns (the weights differ by
-    position). Each row or column sum enters squashed to a signed logarithm, with NaN and
-    infinities as fixed values, so that a mask of -inf or a huge buffer cannot drown the
-    rest. Not a hash: changes made to cancel can pass, and so can a change below float
-    rounding of a large sum."""
-    sums = []
-    for t in tensors:
-        if t.is_complex():
-            t = torch.view_as_real(t.resolve_conj())  # (rotary tables kept as complex)
-        if t.element_size() == 1:
-            t = t.view(torch.uint8)
-        # a reduction widens its input to the accumulation dtype first, except 16-bit floats
-        # into float32 on CUDA: a float64 sum would copy every weight to float64
-        wide = t.dtype == torch.float64 or not t.is_floating_point()
-        dtype = torch.float64 if wide else torch.float32
-        grid = t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(1, -1)
-        sums += [grid.sum(dim=1, dtype=dtype).double(), grid.sum(dim=0, dtype=dtype).double()]
-    flat = torch.nan_to_num(torch.cat(sums), nan=0.5, posinf=1e300, neginf=-1e300)
-    flat = torch.sign(flat) * torch.log1p(flat.abs())
-    position = torch.arange(flat.numel(), dtype=torch.float64, device=device)
-    first = (flat * (torch.sin(position * 0.6180339887498949) + 1.5)).sum()
-    second = (flat * (torch.cos(position * 1.4142135623730951) + 1.5)).sum()
-    return tuple(torch.stack([first, second]).cpu().tolist())
-
-
 def _plan(cache, kwargs: dict) -> _Plan | None:
-    if cache.drops_out is not None or cache.paged.num_seqs:
+    if cache.drops_out is not None or cache.row_hooks is not None or cache.paged.num_seqs:
         return None
     if not set(kwargs) <= _SHAREABLE or kwargs.get("return_dict") is False:
         return None  # (a tuple output has no logits field to give every row)
@@ -364,10 +220,13 @@ def _leader_inputs(kwargs: dict, plan: _Plan, cached: list[int], seq_lens, trim:
                 sub[name] = value.index_select(0, rows.to(value.device))
         return sub, new_token_mask(sub, seq_lens)
     rest = [cols[n:] for cols, n in zip(plan.columns, cached, strict=True)]
-    width = max(len(cols) for cols in rest)
+    width = max(1, *(len(cols) for cols in rest))
     take = np.zeros((len(rest), width), np.int64)
     new = np.zeros((len(rest), width), bool)
     for u, cols in enumerate(rest):
+        if not len(cols):  # an empty prompt: its last column, as the untrimmed forward runs it
+            take[u, -1] = ids.shape[1] - 1
+            continue
         take[u, width - len(cols) :] = cols
         new[u, width - len(cols) :] = True
     take_t = torch.from_numpy(take).to(ids.device)

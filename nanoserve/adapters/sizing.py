@@ -177,12 +177,18 @@ class CallShape:
 
 def generate_option(model, kwargs: dict, name: str):
     """Generate's option ``name``: from the call's keywords, else its generation config,
-    else the model's; None when none sets it."""
+    else the model's (transformers fills what a passed config leaves unset from the
+    model's, unless the call says ``use_model_defaults=False``); None when none sets it.
+    ``kwargs`` are keywords only (a positional generation config moved into them)."""
     value = kwargs.get(name)
     if value is not None:
         return value
-    config = kwargs.get("generation_config") or model.generation_config
-    return getattr(config, name, None)
+    passed = kwargs.get("generation_config")
+    if passed is not None:
+        value = getattr(passed, name, None)
+        if value is not None or kwargs.get("use_model_defaults") is False:
+            return value
+    return getattr(model.generation_config, name, None)
 
 
 def call_inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:

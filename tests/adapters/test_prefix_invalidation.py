@@ -15,7 +15,7 @@ from test_new_families import tiny_model as new_family_model
 
 import nanoserve
 from nanoserve.adapters.decode_loop import _CACHE_FIELD as CACHE_FIELD
-from nanoserve.adapters.shared_rows import unnameable
+from nanoserve.adapters.prefix_salt import unnameable
 
 OPTS = dict(max_new_tokens=3, do_sample=False, eos_token_id=None, output_logits=True,
             return_dict_in_generate=True)  # fmt: skip
@@ -152,7 +152,7 @@ def test_a_reordering_moves_the_fingerprint_beyond_rounding():
     """Swapped rows, swapped columns, a reversed vector, integer or float: the fingerprint
     moves by far more than float rounding (which alone may or may not move a sum of
     reordered terms). Planted: unweighted sums: failed, a move of rounding size."""
-    from nanoserve.adapters.shared_rows import _fingerprint
+    from nanoserve.adapters.prefix_salt import _fingerprint
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(6, 5, generator=gen)
@@ -193,6 +193,60 @@ def test_a_forward_hook_added_or_removed_between_calls():
     out, hits = generate(model, call)
     assert hits == 1
     assert_same(out, generate(reference, call)[0])
+    nanoserve.unpatch_model(model)
+
+
+class _Doubled(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def _subclassed_k_proj(m):
+    """k_proj replaced by a Linear subclass holding the same weight Parameter."""
+    old = m.model.layers[0].self_attn.k_proj
+    new = _Doubled(old.in_features, old.out_features, bias=False, device="meta")
+    new.weight = old.weight
+    m.model.layers[0].self_attn.k_proj = new
+
+
+def _every(kind: str, change):
+    """Apply ``change`` to every module whose class name ends with ``kind``."""
+    return lambda m: [change(x) for x in m.modules() if type(x).__name__.endswith(kind)]
+
+
+def _triple_scaling(attention):
+    attention.scaling *= 3  # the score scale, a plain float
+
+
+def _large_eps(norm):
+    norm.variance_epsilon = 0.5  # a plain float
+
+
+NON_TENSOR_CHANGES = {
+    "rotary attention_scaling": (
+        "llama",
+        lambda m: setattr(m.model.rotary_emb, "attention_scaling", 1.7),
+    ),
+    "attention scaling": ("llama", _every("Attention", _triple_scaling)),
+    "rms_norm eps": ("llama", _every("RMSNorm", _large_eps)),
+    "activation swapped": (
+        "llama",
+        lambda m: setattr(m.model.layers[0].mlp, "act_fn", torch.nn.GELU()),
+    ),
+    "k_proj subclassed, same weight": ("llama", _subclassed_k_proj),
+    "config.sliding_window": ("mistral", lambda m: setattr(m.config, "sliding_window", 3)),
+}
+
+
+@pytest.mark.parametrize("change", list(NON_TENSOR_CHANGES))
+def test_non_tensor_changes_between_calls_find_nothing(change):
+    """What a forward reads besides tensors names the blocks too: plain attributes of any
+    module, which modules (by class) make up the model, and the config. Planted, reverted: the
+    salt over tensors, hooks and adapters alone: each case found the first call's blocks and
+    its logits moved (by 0.26 to 6.4)."""
+    family, apply = NON_TENSOR_CHANGES[change]
+    model = sharpen(tiny_model(family))
+    check_change_invalidates(model, padded_batch([13], 13, seed=3), apply)
     nanoserve.unpatch_model(model)
 
 

@@ -27,24 +27,30 @@ def repeated_batch():
     return {k: v[order] for k, v in base.items()}
 
 
-def forward_shapes(model, dim: int):
+def forward_shapes(model, dim: int, monkeypatch):
     """A list that receives ``input_ids.shape[dim]`` of every forward of ``model``'s base
-    model (0: the rows it ran, 1: the columns)."""
-    sizes = []
-    model.model.register_forward_pre_hook(
-        lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[dim]), with_kwargs=True
-    )
+    model (0: the rows it ran, 1: the columns). It wraps the class's forward, not the
+    instance's: a hook on a submodule would turn prefix sharing off (test_user_hooks.py)."""
+    sizes, base = [], model.model
+    original = type(base).forward
+
+    def recording(self, *args, **kwargs):
+        if self is base:
+            sizes.append(kwargs["input_ids"].shape[dim])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(base), "forward", recording)
     return sizes
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_repeated_rows_are_prefilled_once(backend):
+def test_repeated_rows_are_prefilled_once(backend, monkeypatch):
     model = tiny_model("llama")
     inputs = repeated_batch()
     opts = dict(max_new_tokens=7, output_logits=True, return_dict_in_generate=True, **GREEDY)
     with torch.no_grad():
         stock = model.generate(**inputs, **opts)
-    sizes = forward_shapes(model, 0)
+    sizes = forward_shapes(model, 0, monkeypatch)
     with patched(model, block_size=4, backend=backend), torch.no_grad():
         paged = model.generate(**inputs, **opts)
         stats = nanoserve.cache_stats(model)
@@ -57,10 +63,10 @@ def test_repeated_rows_are_prefilled_once(backend):
     assert stats["blocks_used"] < sum(-(-(n + 6) // 4) for n in (11, 6, 11, 11, 3, 6))
 
 
-def test_sharing_off_prefills_every_row():
+def test_sharing_off_prefills_every_row(monkeypatch):
     model = tiny_model("llama")
     inputs = repeated_batch()
-    sizes = forward_shapes(model, 0)
+    sizes = forward_shapes(model, 0, monkeypatch)
     with patched(model, prefix_sharing=False), torch.no_grad():
         model.generate(**inputs, max_new_tokens=3, **GREEDY)
         stats = nanoserve.cache_stats(model)
@@ -69,7 +75,7 @@ def test_sharing_off_prefills_every_row():
         nanoserve.patch_model(model, prefix_sharing="no")
 
 
-def test_num_return_sequences_sampling_and_beams_share_the_prompt():
+def test_num_return_sequences_sampling_and_beams_share_the_prompt(monkeypatch):
     model = tiny_model("llama")
     inputs = padded_batch([9, 5], 9, seed=2)
     cases = [
@@ -81,13 +87,13 @@ def test_num_return_sequences_sampling_and_beams_share_the_prompt():
         torch.manual_seed(11)
         with torch.no_grad():
             stock = model.generate(**inputs, **opts)
-        sizes = forward_shapes(model, 0)
+        sizes = forward_shapes(model, 0, monkeypatch)
         with patched(model, block_size=4), torch.no_grad():
             torch.manual_seed(11)
             paged = model.generate(**inputs, **opts)
         assert sizes[0] == 2, (opts, sizes)  # HF copied each prompt; they ran once
         assert torch.equal(stock, paged), opts
-        model.model._forward_pre_hooks.clear()
+        monkeypatch.undo()
 
 
 def test_chunked_prefill_and_static_buffers_with_repeated_rows():
@@ -135,7 +141,7 @@ def system_prompt_batch(seed: int, rows: int = 2, user: int = 4):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_later_call_skips_the_system_prompt_an_earlier_one_stored(backend):
+def test_a_later_call_skips_the_system_prompt_an_earlier_one_stored(backend, monkeypatch):
     """The rows have no padding, so every forward's attention reads the query in place
     (no packing). Each step's logits are stock's: with that path planted to unflatten its
     output in the wrong order the tokens still agreed, and the logits did not."""
@@ -149,7 +155,7 @@ def test_a_later_call_skips_the_system_prompt_an_earlier_one_stored(backend):
 
     with torch.no_grad():
         stock = [generate(c) for c in calls]
-    widths = forward_shapes(model, 1)
+    widths = forward_shapes(model, 1, monkeypatch)
     with patched(model, block_size=4, backend=backend), torch.no_grad():
         first = generate(calls[0])
         stats = nanoserve.cache_stats(model)
@@ -323,3 +329,37 @@ def test_a_tuple_output_with_repeated_rows():
             out = model(**inputs, return_dict=False, use_cache=True, **{name: cache})
     assert isinstance(out, tuple)
     torch.testing.assert_close(out[0], stock, rtol=1e-5, atol=1e-5)
+
+
+def test_an_empty_prompt_beside_shared_and_stored_prefixes():
+    """A row whose mask is all zeros, beside rows that share leading blocks (one call) and
+    beside a row that finds its prompt stored (a second call): its logits are stock's, which
+    come from the last column. Planted, reverted: the trimmed forward fed such a row its
+    first column: its first logits moved by about 5 in both cases."""
+    from helpers import sharpen
+
+    model = sharpen(tiny_model("llama"))
+    ids = torch.randint(3, 97, (3, 12), generator=torch.Generator().manual_seed(6))
+    ids[1, :8] = ids[0, :8]  # rows 0 and 1 share two blocks of 4
+    mask = torch.ones_like(ids)
+    mask[2] = 0
+    opts = dict(max_new_tokens=3, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    calls = [
+        dict(input_ids=ids, attention_mask=mask),
+        dict(input_ids=ids[[0, 2]], attention_mask=mask[[0, 2]]),
+    ]
+    with torch.no_grad():
+        stock = [model.generate(**call, **opts) for call in calls]
+        with patched(model, block_size=4, num_blocks=64):
+            ours = []
+            for call in calls:
+                out = model.generate(**call, **opts)
+                ours.append(
+                    (out.sequences, out.logits, nanoserve.cache_stats(model)["prefix_hits"])
+                )
+                del out  # (a held output keeps its cache: the next call would take a fresh pool)
+    assert [hits for *_, hits in ours] == [2, 1]  # shared within the first, stored for the second
+    for theirs, (sequences, logits, _) in zip(stock, ours, strict=True):
+        assert torch.equal(sequences, theirs.sequences)
+        for a, b in zip(logits, theirs.logits, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

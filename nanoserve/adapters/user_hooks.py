@@ -1,0 +1,115 @@
+"""Forward hooks and wrapped forwards on a patched model, and which of nanoserve's shortcuts
+each one would change.
+
+Stock runs every hook at every forward, on the whole batch. Three shortcuts would not:
+
+- A CUDA-graph replay runs no Python: a hook or wrapper on a submodule (or a global hook)
+  would run only while its step is captured.
+- Prefix sharing gives a row the K/V that another row, or an earlier call, computed: a hook
+  on a submodule may compute each row differently (by its batch index) or each call
+  differently (by its own state), and no key can name that.
+- nanoserve's decode loop drops finished rows from the batch: any hook, one on the model
+  itself included, would see fewer rows than stock shows it.
+
+Exempt: the hooks a replay may skip (``REPLAY_SAFE_HOOKS``), and accelerate's hooks that
+only move or cast tensors (device maps, offload), which change no value a row computes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+from torch.nn.modules import module as _torch_module
+
+# Hooks and forward wrappers a replay may skip, by "module.qualname" prefix: tensor
+# parallelism's (torch.distributed.tensor's hooks, transformers' wrapped forwards: the
+# collectives they add are captured in the graph),
+# transformers' output capturing (installed for good by a forward that asked for hidden
+# states or attentions, inactive in any other forward; those never replay a graph), and
+# enable_input_require_grads' (marks the embeddings' output for autograd, which generate
+# does not run)
+REPLAY_SAFE_HOOKS = (
+    "torch.distributed.tensor.",
+    "transformers.distributed.tensor_parallel.",
+    "transformers.utils.output_capturing.",
+    "transformers.modeling_utils.PreTrainedModel.enable_input_require_grads.",
+)
+# accelerate's hooks (``module._hf_hook``, run by a wrapped forward) that move weights and
+# activations between devices or cast them, the same way for every row and call
+_VALUE_NEUTRAL_ACCELERATE_HOOKS = ("AlignDevicesHook", "CpuOffload", "LayerwiseCastingHook")
+
+
+class HookScan(NamedTuple):
+    """What a model's hooks rule out, each as a phrase naming the first hook found, or None.
+
+    ``replay``: a replayed step would skip it. ``rows``: it may change what a row computes
+    (no prefix sharing). ``batch``: it would see the batch that nanoserve's decode loop
+    shrinks (HF's loop runs)."""
+
+    replay: str | None = None
+    rows: str | None = None
+    batch: str | None = None
+
+
+def scan_hooks(model) -> HookScan:
+    """Walk ``model``'s modules once for forward hooks, pre-hooks and wrapped forwards (and
+    the global hooks); see ``HookScan``. The model's own forward is nanoserve's while
+    patched, so only its hooks count."""
+    global_hooks = (
+        *_torch_module._global_forward_hooks.values(),
+        *_torch_module._global_forward_pre_hooks.values(),
+    )
+    if any(not _replay_safe(h) for h in global_hooks):
+        phrase = "a global forward hook (register_module_forward_hook)"
+        return HookScan(phrase, phrase, phrase)
+    replay = rows = batch = None
+    for name, module in model.named_modules():
+        hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+        if not name:  # the model itself: its hooks run around its forward, replay or not
+            if any(not _neutral(h, module) for h in hooks):
+                batch = batch or "a forward hook on the model"
+            continue
+        forward = module.__dict__.get("forward")
+        unsafe = [(h, "forward hook") for h in hooks if not _replay_safe(h)]
+        if forward is not None and not _replay_safe(forward):
+            unsafe.append((forward, "wrapped forward"))
+        if unsafe and replay is None:
+            replay = f"a {unsafe[0][1]} on {name}"
+        changing = [kind for h, kind in unsafe if not _neutral(h, module)]
+        if changing and rows is None:
+            rows = f"a {changing[0]} on {name}"
+            batch = batch or rows
+        if replay is not None and rows is not None and batch is not None:
+            break
+    return HookScan(replay, rows, batch)
+
+
+def _unwrapped(hook):
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    return hook
+
+
+def _replay_safe(hook) -> bool:
+    """A hook or forward wrapper of ``REPLAY_SAFE_HOOKS`` (partials unwrapped)."""
+    hook = _unwrapped(hook)
+    module = getattr(hook, "__module__", None) or ""
+    name = f"{module}.{getattr(hook, '__qualname__', '')}"
+    return name.startswith(REPLAY_SAFE_HOOKS)
+
+
+def _neutral(hook, module) -> bool:
+    """A hook or wrapper that changes no value a row computes: replay-safe ones, and
+    accelerate's wrapped forward where every hook it runs is a device or cast hook."""
+    if _replay_safe(hook):
+        return True
+    if not (getattr(_unwrapped(hook), "__module__", None) or "").startswith("accelerate."):
+        return False
+    attached = module.__dict__.get("_hf_hook")
+    parts = getattr(attached, "hooks", (attached,))  # accelerate's SequentialHook
+    return attached is not None and all(
+        type(h).__module__.startswith("accelerate.")
+        and type(h).__name__ in _VALUE_NEUTRAL_ACCELERATE_HOOKS
+        for h in parts
+    )

@@ -1,0 +1,128 @@
+"""Forward hooks that stock runs at every forward on the whole batch: a patched model keeps
+stock's tokens with them. A hook on a submodule may compute each row, or each call,
+differently (no prefix is shared: neither copies within the call nor blocks an earlier call
+stored); any hook would see the batch shrink in nanoserve's decode loop (HF's loop runs).
+accelerate's device hooks change no value and keep sharing on."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from test_decode_loop import EOS, eos_early
+from test_families import padded_batch, tiny_model
+from test_prefix_invalidation import assert_same, generate, sharp_model
+
+import nanoserve
+from nanoserve.adapters.user_hooks import scan_hooks
+
+
+class ScaleKeys:
+    """A hook on k_proj whose effect the caller changes between calls (its handle stays)."""
+
+    def __init__(self):
+        self.factor = 1.0
+
+    def __call__(self, module, args, out):
+        return out * self.factor
+
+
+def scale_by_row(module, args, out):
+    """A hook that computes each row of the batch differently (steering by batch index)."""
+    factor = 1.0 + 0.5 * torch.arange(out.shape[0], dtype=out.dtype)
+    return out * factor.view(-1, *[1] * (out.dim() - 1))
+
+
+def patched_pair(model):
+    """(the model patched, an unpatched copy of it)."""
+    reference = copy.deepcopy(model)
+    nanoserve.patch_model(model, block_size=4, num_blocks=64)
+    return model, reference
+
+
+def test_a_hook_whose_state_changes_between_calls_finds_no_stored_prefix():
+    """The first call stores the prompt's blocks with the hook scaling K by 1; the hook
+    then scales by 1.7 under the same handle. Planted: prefix lookups with such a hook on
+    (the salt sees only the handle): the second call found the stale blocks and its logits
+    moved by about 6."""
+    model, reference = patched_pair(sharp_model())
+    hooks = [ScaleKeys(), ScaleKeys()]
+    for m, h in zip((model, reference), hooks, strict=True):
+        m.model.layers[0].self_attn.k_proj.register_forward_hook(h)
+    call = padded_batch([13], 13, seed=3)
+    generate(model, call)
+    for h in hooks:
+        h.factor = 1.7
+    out, hits = generate(model, call)
+    assert hits == 0
+    assert_same(out, generate(reference, call)[0])
+    nanoserve.unpatch_model(model)
+
+
+def test_a_hook_that_computes_rows_apart_shares_no_copy():
+    """Two copies of one prompt, a hook scaling each row's K by its batch index: no row may
+    take the other's prefill. Planted: copies shared with the hook on: row 1 took row 0's
+    K/V and its logits moved by about 6."""
+    model, reference = patched_pair(sharp_model())
+    for m in (model, reference):
+        m.model.layers[1].self_attn.k_proj.register_forward_hook(scale_by_row)
+    one = padded_batch([13], 13, seed=3)
+    call = {k: v.repeat(2, 1) for k, v in one.items()}
+    out, _ = generate(model, call)
+    assert nanoserve.cache_stats(model)["rows_shared"] == 0
+    assert_same(out, generate(reference, call)[0])
+    nanoserve.unpatch_model(model)
+
+
+def test_a_hook_on_the_model_sees_every_row_as_in_stock():
+    """A hook on the model records each step's batch: rows ending at different steps must
+    not leave it (HF's loop runs, and says why). Planted: nanoserve's loop with such a hook:
+    the hook saw 3, 2 and 1 rows where stock shows 3."""
+    model = eos_early(tiny_model("llama", seed=10), 3.0)  # rows end after 6, 13 and 4 tokens
+    inputs = padded_batch([13, 6, 2], 13)
+    seen = []
+    model.register_forward_hook(lambda module, args, out: seen.append(out.logits.shape[0]))
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=30)
+        stock_seen, seen[:] = list(seen), []
+        nanoserve.patch_model(model)
+        ours = model.generate(**inputs, max_new_tokens=30)
+    assert torch.equal(stock, ours)
+    assert seen == stock_seen and set(seen) == {3}
+    loop = nanoserve.decode_graph_stats(model)["decode_loop"]
+    assert loop.startswith("stock: a forward hook on the model"), loop
+    assert (stock[:, 13:] == EOS).any(dim=1).all()
+    nanoserve.unpatch_model(model)
+
+
+def test_device_hooks_keep_prefix_sharing():
+    """accelerate's device hook (a wrapped forward that moves tensors) changes no value: a
+    later call still finds the prompt (a graph replay would skip it, so ``replay`` names it)."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    model = sharp_model()
+    add_hook_to_module(model.model.layers[0], AlignDevicesHook(execution_device="cpu"))
+    scan = scan_hooks(model)
+    assert scan.rows is None and scan.batch is None
+    assert scan.replay == "a wrapped forward on model.layers.0"
+    model, reference = patched_pair(model)
+    call = padded_batch([13], 13, seed=3)
+    generate(model, call)
+    out, hits = generate(model, call)
+    assert hits == 1
+    assert_same(out, generate(reference, call)[0])
+    nanoserve.unpatch_model(model)
+
+
+def test_scan_names_the_first_hook_of_each_kind():
+    """What ``scan_hooks`` finds: nothing on a plain model; a submodule's forward hook rules
+    out all three shortcuts; a hook on the model only nanoserve's loop."""
+    model = tiny_model("llama")
+    assert scan_hooks(model) == (None, None, None)
+    handle = model.register_forward_pre_hook(lambda module, args: None)
+    assert scan_hooks(model) == (None, None, "a forward hook on the model")
+    handle.remove()
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: None)
+    phrase = "a forward hook on model.layers.1.mlp"
+    assert scan_hooks(model) == (phrase, phrase, phrase)
+    handle.remove()
