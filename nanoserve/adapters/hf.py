@@ -325,6 +325,8 @@ def _paged_forward(self, *args, **kwargs):
             "without a PagedCache (a patched model's generate does that for this option)"
         )
     with state.lock:
+        if state_of(self) is not state:  # unpatched (or patched again) by another thread
+            return self.forward(**kwargs)
         if not cache.mask_checked:
             check_whole_mask(kwargs)
             cache.mask_checked = True
@@ -353,17 +355,36 @@ def _run_step(model, state: PatchState, stock, cache: PagedCache, kwargs: dict, 
     graph's replay where ``graph_step_kind`` allows, else eagerly. The step is begun here
     (OutOfBlocks leaves everything as it was) and forgotten if the forward fails; the
     caller ends it."""
-    if graph_step_kind(state, cache, kwargs, new) is not None:
+    autograd = _records_grad(model, kwargs)
+    if not autograd and graph_step_kind(state, cache, kwargs, new) is not None:
         return graph_step(model, state, stock, cache, kwargs, new)
     tokens = kwargs.get("input_ids")
     device = (tokens if tokens is not None else kwargs["inputs_embeds"]).device
     meta = cache.begin_step(new, device)
     try:
-        with paged_step(cache, meta, state.backend):
+        # the Triton kernels (and a replay) record no autograd graph; the references do
+        with paged_step(cache, meta, "torch" if autograd else state.backend):
             return stock(**kwargs)
     except BaseException:
         cache.abort_step()  # the step's tokens were never all written: forget them
         raise
+
+
+def _generate_again(model, args: tuple, kwargs: dict, user_salt):
+    """The call as the model stands now: another thread unpatched it (or patched it again)
+    while this call waited for the lock. ``cache_salt`` goes only to a patched model."""
+    if user_salt is not None and state_of(model) is not None:
+        kwargs = dict(kwargs, cache_salt=user_salt)
+    return model.generate(*args, **kwargs)
+
+
+def _records_grad(model, kwargs: dict) -> bool:
+    """Whether autograd records this forward: grad mode on, and a parameter or a tensor
+    argument (``inputs_embeds``, say) that requires grad. generate runs without grad."""
+    if not torch.is_grad_enabled():
+        return False
+    tensors = (v for v in kwargs.values() if isinstance(v, torch.Tensor))
+    return any(t.requires_grad for t in tensors) or any(p.requires_grad for p in model.parameters())
 
 
 def _grow(paged, more: list[int]) -> None:
@@ -503,13 +524,28 @@ def _check_attention(model) -> None:
         )
 
 
-def _check_continuation(cache: PagedCache, args: tuple, kwargs: dict) -> None:
-    """ValueError naming ``input_ids`` when a returned cache passed back to generate already
-    holds every column of the call's inputs: there is no token it has not seen to start
-    from (stock then feeds and stores every column a second time)."""
+def _check_continuation(model, cache: PagedCache, args: tuple, kwargs: dict) -> None:
+    """ValueError naming ``input_ids`` when a returned cache passed back to generate does not
+    fit the call's inputs: other rows than it holds (after generate's copies for beams or
+    ``num_return_sequences``), or every column already in it: there is no token it has not
+    seen to start from (stock then feeds and stores every column a second time)."""
     embeds = kwargs.get("inputs_embeds")  # (generate counts positions by these when given)
     inputs = embeds if embeds is not None else call_inputs(args, kwargs)
     cached = cache.get_seq_length()
+    held = cache.paged.num_seqs
+    copies = max(
+        generate_option(model, kwargs, "num_beams") or 1,
+        generate_option(model, kwargs, "num_return_sequences") or 1,
+    )
+    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and held:
+        rows = inputs.shape[0] * copies
+        if rows != held:
+            copied = f" ({inputs.shape[0]} x {copies} copies)" if copies > 1 else ""
+            raise ValueError(
+                f"input_ids: {rows} rows{copied}, and the cache passed back holds {held} "
+                "sequences; continue with the sequences it returned, one row each, without "
+                "new beams or num_return_sequences copies"
+            )
     if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] <= cached:
         raise ValueError(
             f"input_ids: {inputs.shape[1]} columns, and the cache passed back already holds "
@@ -582,16 +618,28 @@ def _paged_generate(self, *args, **kwargs):
         raise ValueError(f"cache_salt: expected a str or bytes, got {type(user_salt).__name__}")
     passed = find_cache(kwargs)
     if isinstance(passed, PagedCache):
+        if option("use_cache") is False:
+            raise ValueError(
+                "use_cache: False, with a PagedCache passed back to continue; stock would "
+                "store every column again in it: pass use_cache=True, or no cache"
+            )
         with state.lock:
+            if state_of(self) is not state:
+                return _generate_again(self, args, kwargs, user_salt)
             dropout = drops_out(self)
             agree_options(self, _options(self, state, dropout, hooks))
             _check_attention(self)
-            _check_continuation(passed, args, kwargs)
+            _check_continuation(self, passed, args, kwargs)
             _room_to_continue(state, passed, self, args, kwargs)
             passed.mask_checked = False
             passed.drops_out = dropout  # (training mode may have changed since)
-            with _generating(state, passed, hooks, self):
-                return stock(*args, **kwargs)
+            columns = passed.get_seq_length()
+            try:
+                with _generating(state, passed, hooks, self):
+                    return stock(*args, **kwargs)
+            except BaseException:
+                passed.crop(columns)  # a failed call (OutOfBlocks, say) leaves it as given
+                raise
     if passed is not None or option("use_cache") is False:
         why = "the caller's own cache" if passed is not None else "use_cache=False"
         _log.info("fallback: stock generate (%s)", why)
@@ -616,6 +664,8 @@ def _paged_generate(self, *args, **kwargs):
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         check_left_padded(mask)
     with state.lock:
+        if state_of(self) is not state:
+            return _generate_again(self, args, kwargs, user_salt)
         for name in CACHE_KWARGS:
             kwargs.pop(name, None)
         share = (

@@ -126,7 +126,9 @@ class PagedCache(Cache):
         batch, heads, q_len, head_dim = key_states.shape
         key = key_states.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
         value = value_states.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
-        return self.paged.write(layer_idx, key, value, check=False)
+        # (a torch step, where autograd records the forward, scatters by the reference too)
+        backend = "torch" if step.backend == "torch" else None
+        return self.paged.write(layer_idx, key, value, check=False, backend=backend)
 
     # -- what generate and the mask code call ------------------------------------------------
 

@@ -187,7 +187,8 @@ def original_attn(config) -> str:
 @dataclass
 class Step:
     """The paged forward in flight: its cache (a ``PagedCache``), the step metadata every
-    layer reads, and the kernel backend."""
+    layer reads, and the kernel backend ("torch" where autograd records the forward: the
+    Triton kernels record no graph, the torch references do)."""
 
     cache: object
     meta: StepMetadata

@@ -313,11 +313,17 @@ class GroupedKVCache:
             group.step = None if meta is None else meta.group_metas[g]
 
     def write(
-        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, *, check: bool = True
+        self,
+        layer_idx: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        check: bool = True,
+        backend: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``PagedKVCache.write`` into layer ``layer_idx``'s group; returns its pools."""
         group, local = self._where[self._layer(layer_idx)]
-        return self._groups[group].write(local, key, value, check=check)
+        return self._groups[group].write(local, key, value, check=check, backend=backend)
 
     # -- pools and figures -------------------------------------------------------------------
 

@@ -542,9 +542,16 @@ class PagedKVCache:
         raise ValueError("key_pool: not a pool of this cache")
 
     def write(
-        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, *, check: bool = True
+        self,
+        layer_idx: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        check: bool = True,
+        backend: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scatter this step's K/V [S * q, Hkv, D] (padded layout) into layer ``layer_idx``.
+        """Scatter this step's K/V [S * q, Hkv, D] (padded layout) into layer ``layer_idx``,
+        through ``backend`` (default: the cache's).
 
         Returns the layer's (key_pool, value_pool).
         """
@@ -563,7 +570,7 @@ class PagedKVCache:
         k_scale, v_scale = self.scales(layer_idx)
         slot_scatter(
             key, value, key_pool, value_pool, step.slot_mapping,
-            k_scale=k_scale, v_scale=v_scale, check=check, backend=self.backend,
+            k_scale=k_scale, v_scale=v_scale, check=check, backend=backend or self.backend,
         )  # fmt: skip
         self._written[layer_idx] = True
         return key_pool, value_pool

@@ -50,8 +50,15 @@ def check_tensor(
     return tensor
 
 
+# Windows up to this many tokens (the kernels take it as a 64-bit integer); a larger one
+# would cover any context anyway: pass None.
+MAX_WINDOW = 2**62
+
+
 def check_positive(name: str, value: object, *, integer: bool = False) -> None:
-    """Check that ``value`` is a finite positive number (a whole one with ``integer``).
+    """Check that ``value`` is a finite positive number (a whole one with ``integer``, at
+    most ``MAX_WINDOW``); a non-integer one must stay finite and above zero in float32,
+    the kernels' type for it.
 
     Bools are refused: ``sliding_window=True`` is a mistake, not a window of one token.
     """
@@ -61,6 +68,12 @@ def check_positive(name: str, value: object, *, integer: bool = False) -> None:
     number = float(value)
     if not math.isfinite(number) or number <= 0 or (integer and not number.is_integer()):
         _fail(name, f"must be {kind}, got {value}")
+    if integer and number > MAX_WINDOW:
+        _fail(name, f"must be at most 2**62, got {value} (None for no limit)")
+    if not integer:
+        single = torch.tensor(number, dtype=torch.float32).item()
+        if not math.isfinite(single) or single == 0.0:
+            _fail(name, f"{value} is outside float32's range, the kernels' type for it")
 
 
 def check_kv_pools(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -81,6 +94,17 @@ def check_kv_pools(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         )
     if min(key_cache.shape) == 0:
         _fail("key_cache", f"has an empty dimension: shape {tuple(key_cache.shape)}")
+    if _overlap(key_cache, value_cache):
+        _fail("value_cache", "shares memory with key_cache: K and V need pools of their own")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share any byte of memory."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    size = a.element_size()
+    a_lo, b_lo = a.storage_offset() * size, b.storage_offset() * size
+    return a_lo < b_lo + b.numel() * size and b_lo < a_lo + a.numel() * size
 
 
 def check_kv_scales(
@@ -188,7 +212,11 @@ def check_attention_args(
         check_positive("sliding_window", sliding_window, integer=True)
     if softcap is not None:
         check_positive("softcap", softcap)
-    if num_seqs == 0:
+    if num_seqs == 0:  # nothing to attend: the query must have no rows either
+        if query.shape[0] != 0:
+            _fail("query", f"has {query.shape[0]} rows for 0 sequences")
+        if cu_seqlens_q is not None and int(cu_seqlens_q.cpu()[0]) != 0:
+            _fail("cu_seqlens_q", "must run from 0 to 0 (the query rows)")
         return
     lens = seq_lens.cpu()
     capacity = block_tables.shape[1] * block_size

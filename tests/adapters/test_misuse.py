@@ -407,3 +407,114 @@ def test_pool_arguments_take_ints_not_bools_and_sane_blocks():
         assert type(stats["num_blocks"]) is int
     finally:
         nanoserve.unpatch_model(model)
+
+
+def test_out_of_blocks_while_continuing_leaves_the_cache_as_given():
+    """A continuation that runs out of blocks in a fixed pool raises OutOfBlocks and leaves
+    the returned cache as it was passed in: the same continuation with a smaller
+    max_new_tokens then gives stock's tokens. Planted, reverted: no roll-back: the cache kept
+    the failed call's columns and the retry was refused (input_ids: 13 columns, the cache
+    holds 20)."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4, 6], 9)
+    opts = dict(max_new_tokens=3, return_dict_in_generate=True, **GREEDY)
+    stock, stock_next = stock_and_continued(model, inputs, opts, 2)
+    with patched(model, block_size=4, num_blocks=14), torch.no_grad():
+        first = model.generate(**inputs, **opts)
+        cache = first.past_key_values
+        lens, columns = cache.paged.seq_lens(), cache.get_seq_length()
+        following = dict(**continued(inputs, first.sequences), **{cache_name(model): cache})
+        with pytest.raises(nanoserve.OutOfBlocks):
+            model.generate(**following, max_new_tokens=40, **GREEDY)
+        assert cache.paged.seq_lens() == lens and cache.get_seq_length() == columns
+        out = model.generate(**following, max_new_tokens=2, **GREEDY)
+    assert torch.equal(first.sequences, stock.sequences)
+    assert torch.equal(out, stock_next)
+
+
+def test_continuing_without_use_cache_or_with_other_rows_is_refused():
+    """``use_cache=False`` with a returned cache, and rows other than the cache holds (fewer,
+    or copied by num_return_sequences), are ValueErrors naming the argument, raised before
+    the cache changes; it then continues to stock's tokens. Planted, reverted: without the
+    checks, use_cache=False stored a column before failing on a right-padding message, and
+    other rows failed naming an internal function."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4], 9)
+    opts = dict(max_new_tokens=3, return_dict_in_generate=True, **GREEDY)
+    stock, stock_next = stock_and_continued(model, inputs, opts, 2)
+    with patched(model, block_size=4), torch.no_grad():
+        first = model.generate(**inputs, **opts)
+        cache = first.past_key_values
+        lens, columns = cache.paged.seq_lens(), cache.get_seq_length()
+        following = dict(**continued(inputs, first.sequences), **{cache_name(model): cache})
+        fewer = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in following.items()}
+        cases = [
+            ("^use_cache: False", dict(following, use_cache=False)),
+            ("^input_ids: 1 rows, and the cache passed back holds 2", fewer),
+            (
+                "^input_ids: 4 rows \\(2 x 2 copies\\)",
+                dict(following, do_sample=True, num_return_sequences=2),
+            ),  # fmt: skip
+        ]
+        for message, call in cases:
+            with pytest.raises(ValueError, match=message):
+                model.generate(**{**GREEDY, **call}, max_new_tokens=2)
+            assert cache.paged.seq_lens() == lens and cache.get_seq_length() == columns
+        out = model.generate(**following, max_new_tokens=2, **GREEDY)
+    assert torch.equal(first.sequences, stock.sequences)
+    assert torch.equal(out, stock_next)
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_gradients_through_a_paged_forward_are_stocks(backend):
+    """A forward with a PagedCache while autograd records (grad mode, weights that require
+    grad) runs the torch references, which autograd follows: every gradient is stock's. On
+    CPU "auto" is the references already; "triton" (the interpreter) is what CUDA runs.
+    Planted, reverted: the Triton kernels there too: q_proj's and v_proj's gradients were 0."""
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    inputs = padded_batch([9, 4], 9)
+    reference(**inputs).logits.pow(2).mean().backward()
+    with patched(model, block_size=4, backend=backend):
+        cache = nanoserve.PagedCache(nanoserve.PagedKVCache(2, 32, 4, backend=backend))
+        model(**inputs, **{cache_name(model): cache}).logits.pow(2).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_call_that_waited_while_another_thread_unpatched_runs_stock(monkeypatch):
+    """A generate call reads the patch state, then waits for its lock while another thread
+    unpatches the model: it runs as the model now stands (stock). Planted, reverted: no
+    re-check after the lock: the call ran on the stale state and stock's forward refused the
+    paged cache (RuntimeError)."""
+    from nanoserve.adapters import hf
+
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4], 9)
+    stock = stock_generate(model, **inputs, max_new_tokens=4, **GREEDY)
+    nanoserve.patch_model(model, block_size=4)
+    state = state_of(model)
+    reached, result = threading.Event(), {}
+    scan = hf.scan_hooks
+
+    def scanned(m):  # runs before the call takes the lock
+        reached.set()
+        return scan(m)
+
+    monkeypatch.setattr(hf, "scan_hooks", scanned)
+
+    def call():
+        try:
+            result["out"] = stock_generate(model, **inputs, max_new_tokens=4, **GREEDY)
+        except Exception as e:  # reported below
+            result["error"] = e
+
+    with state.lock:
+        thread = threading.Thread(target=call)
+        thread.start()
+        assert reached.wait(60)
+        thread.join(0.2)  # (it now waits for the lock)
+        nanoserve.unpatch_model(model)
+    thread.join(120)
+    assert "error" not in result, result.get("error")
+    assert torch.equal(result["out"], stock)

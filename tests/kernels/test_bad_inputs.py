@@ -83,6 +83,11 @@ BAD_KEYWORDS = [
     ("scale", NAN),
     ("scale", True),
     ("scale", torch.tensor([0.1, 0.2])),
+    # Before the fix: finite in float64 but inf or 0 in the kernels' float32 (NaN out), and
+    # a window past 64 bits (an OverflowError naming nothing)
+    ("scale", 1e39),
+    ("softcap", 1e-46),
+    ("sliding_window", 10**20),
 ]
 
 
@@ -123,6 +128,39 @@ def test_extend_bad_cu_seqlens(extend):
     args["seq_lens"] = torch.tensor([2, 16], dtype=torch.int32)
     with pytest.raises(ValueError, match="^cu_seqlens_q"):  # 3 new tokens, only 2 cached
         extend(**args, cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("extend", [paged_extend_attention, paged_extend_attention_ref])
+def test_extend_with_no_sequences_takes_no_query_rows(extend):
+    """No sequences (a [0, W] table) with query rows left over: a ValueError naming query.
+    Before the fix both paths returned the rows uninitialized."""
+    args = _attention_args()
+    args.update(
+        query=torch.randn(5, 4, 64),
+        block_tables=torch.zeros(0, 2, dtype=torch.int32),
+        seq_lens=torch.zeros(0, dtype=torch.int32),
+    )
+    for cu in ([0], [3]):
+        with pytest.raises(ValueError, match="^query: has 5 rows for 0 sequences"):
+            extend(**args, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+    args["query"] = torch.randn(0, 4, 64)
+    out = extend(**args, cu_seqlens_q=torch.tensor([0], dtype=torch.int32))
+    assert out.shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("op", ["scatter", *ATTENTION_OPS])
+def test_one_pool_for_k_and_v_is_refused(op):
+    """key_cache and value_cache sharing memory: V would overwrite K. Before the fix both
+    paths ran, and the slots held V."""
+    pool = torch.randn(4, 8, 2, 64)
+    if op == "scatter":
+        kv = torch.randn(2, 2, 64)
+        with pytest.raises(ValueError, match="^value_cache: shares memory"):
+            slot_scatter(kv, kv, pool, pool, torch.tensor([3, 7]), backend="triton")
+        return
+    args = dict(_attention_args(), key_cache=pool, value_cache=pool[:])
+    with pytest.raises(ValueError, match="^value_cache: shares memory"):
+        ATTENTION_OPS[op](**args)
 
 
 def test_triton_refuses_float64():
