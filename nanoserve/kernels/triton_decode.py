@@ -432,7 +432,9 @@ def paged_decode_attention_triton(
         mid_o = mid_lse = out  # unused
     launch = pdl_launch(query.device)
     pdl = bool(launch)
-    registers = {"maxnreg": plan.max_registers} if plan.max_registers else {}
+    # (a launch option of Triton's NVIDIA backend)
+    capped = plan.max_registers and torch.version.hip is None
+    registers = {"maxnreg": plan.max_registers} if capped else {}
     window = int(sliding_window or 0)
     s_pad = next_pow2(num_seqs) if balanced else 1
     grid = (slots * num_kv_heads, 1) if balanced else (num_seqs * num_kv_heads, plan.num_splits)
