@@ -301,12 +301,13 @@ def test_scales_for_unquantized_pools_and_fp8_queries_are_refused():
     tables = torch.zeros(1, 1, dtype=torch.int32)
     lens = torch.tensor([3], dtype=torch.int32)
     with pytest.raises(ValueError, match="^k_scale: .*only FP8 pools"):
-        paged_decode_attention(torch.randn(1, 4, 64), kc, kc, tables, lens, k_scale=torch.ones(2))
+        query = torch.randn(1, 4, 64)
+        paged_decode_attention(query, kc, kc.clone(), tables, lens, k_scale=torch.ones(2))
     fp8 = kc.to(FP8_DTYPE)
     scales = dict(k_scale=torch.ones(2), v_scale=torch.ones(2))
     with pytest.raises(ValueError, match="^query: dtype"):
         query = torch.zeros(1, 4, 64, dtype=FP8_DTYPE)
-        paged_decode_attention(query, fp8, fp8, tables, lens, **scales)
+        paged_decode_attention(query, fp8, fp8.clone(), tables, lens, **scales)
     with pytest.raises(ValueError, match="^key: dtype"):
         rows = torch.randn(2, 2, 64).double()
         slot_scatter(rows, rows, fp8, fp8.clone(), torch.tensor([0, 1]), **scales)
