@@ -120,3 +120,10 @@ def unit_stride(tensor: torch.Tensor) -> torch.Tensor:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (n >= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def head_dim_pad(head_dim: int) -> int:
+    """Width of the attention kernels' head-dim tiles: the power of two >= head_dim, and at
+    least 16, the smallest reduction ``tl.dot`` compiles on NVIDIA GPUs (head_dim 8 failed to
+    compile; the padding lanes are masked off)."""
+    return max(16, next_pow2(head_dim))

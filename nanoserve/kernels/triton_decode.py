@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.dispatch import next_pow2, pdl_launch, sm_count, unit_stride
+from nanoserve.kernels.dispatch import head_dim_pad, next_pow2, pdl_launch, sm_count, unit_stride
 from nanoserve.kernels.quant import is_quantized
 from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
 
@@ -417,7 +417,7 @@ def paged_decode_attention_triton(
         query = query.contiguous()
     block_tables, seq_lens = unit_stride(block_tables), unit_stride(seq_lens)
     group = num_q_heads // num_kv_heads
-    d_pad = next_pow2(head_dim)
+    d_pad = head_dim_pad(head_dim)
     plan = decode_plan(query, key_cache, block_tables, config, num_splits, work_items)
     balanced = plan.work_items > 0
     # The most items any lengths can need: sum of ceil(len / chunk) <= work_items + rows, and

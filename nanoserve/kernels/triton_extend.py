@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.dispatch import next_pow2, sm_count, unit_stride
+from nanoserve.kernels.dispatch import head_dim_pad, next_pow2, sm_count, unit_stride
 from nanoserve.kernels.triton_common import mma, mma_acc, scores_to_log2
 
 
@@ -403,7 +403,7 @@ def paged_extend_attention_triton(
         out.stride(0), out.stride(1),
     )  # fmt: skip
     meta = dict(
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim),
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=head_dim_pad(head_dim),
         BLOCK_SIZE=block_size, SEARCH_STEPS=max(1, num_seqs.bit_length()),
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32, FAST_TANH=fast_tanh(query),

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.dispatch import next_pow2, sm_count, supports_pdl, unit_stride
+from nanoserve.kernels.dispatch import head_dim_pad, next_pow2, sm_count, supports_pdl, unit_stride
 from nanoserve.kernels.triton_extend import _attend_tiles, fast_tanh
 
 MAX_SPLITS = 32
@@ -225,7 +225,7 @@ def paged_extend_attention_packed(
         if max_query_len is not None:
             busy = min(tiles, num_seqs * -(-max_query_len // tokens_per_tile))
         num_splits = packed_splits(busy * num_kv_heads, query.device)
-    d_pad = next_pow2(head_dim)
+    d_pad = head_dim_pad(head_dim)
     if num_splits > 1:
         partial_dtype = query.dtype if PARTIALS_16BIT else torch.float32
         mid_o = torch.empty(

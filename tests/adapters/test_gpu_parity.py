@@ -1,5 +1,6 @@
 """On a CUDA GPU, on the Triton kernels: random-weight models of SmolLM2-135M's and
-Llama-3.2-1B's shapes (fewer layers), a left-padded batch, 64 greedy tokens.
+Llama-3.2-1B's shapes (fewer layers) and a tiny one of head_dim 8, a left-padded batch, 64
+greedy tokens.
 
 Every run is forced onto the stock sdpa run's tokens (a logits processor), so the per-step
 logits are compared on the same inputs even where random weights make near-ties.
@@ -40,13 +41,23 @@ SHAPES = {
         tie_word_embeddings=True,
     ),
 }
+# Tiny test models' head dim (8), under the attention kernels' least tile of 16.
+TINY_SHAPES = {
+    "tiny-head-dim-8": dict(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+}
 NEW_TOKENS = 64
 DEVICE = "cuda"
 
 
 def make_model(shape: str, dtype: torch.dtype):
     config = transformers.LlamaConfig(
-        **SHAPES[shape],
+        **{**SHAPES, **TINY_SHAPES}[shape],
         num_hidden_layers=4,
         max_position_embeddings=512,
         pad_token_id=0,
@@ -85,7 +96,7 @@ def run(model, inputs, target=None):
     return torch.stack(out.logits).float(), out.sequences
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", [*SHAPES, *TINY_SHAPES])
 def test_float32_logits_match_stock(shape):
     model = make_model(shape, torch.float32)
     inputs = padded_batch(model.config.vocab_size)

@@ -21,6 +21,7 @@ CASES = {
     "speculative-verify": (2, 2, 64, 16, [17, 40, 63, 1], [2, 8, 4, 3], None, None),
     # seq_len 0 rows (no token yet, no new token: all padding) have no output rows
     "empty-rows": (1, 4, 64, 8, [0, 9, 0, 0], [0, 4, 0, 5], 6, None),
+    "d8-gqa4": (2, 4, 8, 16, [0, 15], [17, 2], None, None),
 }
 
 
