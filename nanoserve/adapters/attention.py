@@ -77,8 +77,9 @@ def paged_attention(
         raise RuntimeError(
             f"layer {getattr(module, 'layer_idx', '?')} of {type(module).__name__} attends "
             f"{'to all positions' if window is None else f'within {window}'}, but the cache "
-            f"releases blocks older than {kept} positions (Family.cache_window is wrong for "
-            "this config)"
+            f"releases blocks older than {kept} positions: a cache built for a shorter "
+            "sliding window than this layer's (build it from the model's config, or let "
+            "generate make one), or the family's cache_window wrong for this config"
         )
     batch, heads, q_len, head_dim = query.shape
     k_scale, v_scale = paged.scales_for(key)  # (None, None) unless FP8 pools

@@ -518,3 +518,18 @@ def test_a_call_that_waited_while_another_thread_unpatched_runs_stock(monkeypatc
     thread.join(120)
     assert "error" not in result, result.get("error")
     assert torch.equal(result["out"], stock)
+
+
+def test_a_cache_built_for_a_shorter_window_is_refused_naming_it():
+    """A user-built cache whose pool releases blocks a layer still attends to would return
+    wrong tokens; it is an error saying the cache's window is shorter than the layer's (the
+    message blamed nanoserve's family table alone before)."""
+    config = transformers.MistralConfig(
+        vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=80, num_hidden_layers=2, sliding_window=32,
+    )  # fmt: skip
+    model = transformers.MistralForCausalLM(config).eval()
+    ids = torch.randint(3, 128, (1, 40))
+    short = nanoserve.PagedCache(nanoserve.PagedKVCache(2, 64, 16, sliding_window=8))
+    with patched(model), pytest.raises(RuntimeError, match="shorter sliding window"):
+        model.generate(ids, **{cache_name(model): short}, max_new_tokens=5, do_sample=False)
