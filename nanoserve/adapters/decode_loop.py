@@ -39,6 +39,7 @@ from nanoserve.adapters.device_sampling import (
     unsupported,
 )
 from nanoserve.adapters.hf_cache import PagedCache
+from nanoserve.adapters.prefix_salt import length_dependent_rope
 from nanoserve.adapters.read_back import READ_BACK_LAG, ReadBack
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, find_cache, state_of
@@ -161,8 +162,10 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     sequences[:, :prompt_len] = input_ids
     unfinished = torch.ones(rows, dtype=torch.bool, device=device)
     # Finished rows leave the batch only where nothing of theirs past EOS is returned: no
-    # scores, logits or cache (stock's hold the pad steps' values)
+    # scores, logits or cache (stock's hold the pad steps' values), and where the other rows'
+    # rotary frequencies do not depend on the longest row still in the batch
     compact = pad is not None and not keep and fresh_cache
+    compact = compact and length_dependent_rope(model) is None
     batch = ActiveRows(rows, device, pad, compact=compact)
     watch = ReadBack(device, rows, streamer, batch.pad_value, rule.eos is not None)
     length, stop_at = prompt_len, None

@@ -89,16 +89,23 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
 
 def unnameable(model) -> str | None:
     """Why K/V of this model cannot be named by tokens and weights alone (a phrase), or None:
-    rotary frequencies that depend on the call's length (``dynamic``, ``longrope``: a later
+    rotary frequencies that depend on the call's length (``length_dependent_rope``: a later
     call of another length computes other K for the same prefix), or a module that drops
     out at random (training mode, ``drops_out``)."""
+    return length_dependent_rope(model) or drops_out(model)
+
+
+def length_dependent_rope(model) -> str | None:
+    """Which rotary type of ``model`` sets its frequencies from the longest position in the
+    batch (``dynamic``, ``longrope``: transformers' ``dynamic_rope_update``), as a phrase, or
+    None. Such a model computes other K/V for a row when the batch's other rows change."""
     for module in model.modules():
         kind = module_attr(module, "rope_type")
         kinds = kind.values() if isinstance(kind, dict) else [kind]
         for kind in kinds:
             if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
                 return f"rope_type {kind!r}: its frequencies depend on the call's length"
-    return drops_out(model)
+    return None
 
 
 def drops_out(model) -> str | None:

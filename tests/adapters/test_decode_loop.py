@@ -15,7 +15,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from helpers import patched
+from helpers import patched, sharpen
 from test_families import padded_batch, tiny_model
 from transformers import (
     LogitsProcessor,
@@ -185,6 +185,43 @@ def test_finished_rows_leave_the_batch(monkeypatch):
             ours = model.generate(**inputs, max_new_tokens=30)
     assert torch.equal(stock, ours)
     assert compactions == [(3, 2), (2, 1)]
+
+
+ROPES_SET_BY_LENGTH = {
+    "dynamic": dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
+    "longrope": dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8,
+        long_factor=[1.0 + i % 4 for i in range(8)], original_max_position_embeddings=24,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rope", list(ROPES_SET_BY_LENGTH))
+def test_rows_stay_while_rope_follows_the_longest_row(rope, monkeypatch):
+    """Dynamic and long-rope frequencies follow the batch's largest position: a finished row
+    leaving would change the other rows' rotary (stock keeps feeding it pads), so no row
+    leaves. Each run gets a fresh model: the rotary module keeps frequencies grown by an
+    earlier call. Planted: compaction left on for these ropes gave row 1 other tokens."""
+
+    def run(patch: bool, eos: int | None):
+        model = sharpen(tiny_model(
+            "llama", max_position_embeddings=24 if rope == "dynamic" else 96,
+            rope_parameters=dict(ROPES_SET_BY_LENGTH[rope]),
+        ))  # fmt: skip
+        inputs = padded_batch([30, 5], 30)
+        with torch.no_grad(), patched(model) if patch else nullcontext():
+            out = model.generate(**inputs, max_new_tokens=30, pad_token_id=0, eos_token_id=eos)
+            if patch:
+                assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
+        return out
+
+    free = run(False, None)[:, 30:].tolist()
+    # an EOS that the long row draws early and the short row never does
+    eos = next(t for t in free[0][:8] if t not in free[1] and t > 2)
+    compactions = count_compactions(monkeypatch)
+    stock, ours = run(False, eos), run(True, eos)
+    assert (stock[0] == 0).any() and not (stock[1, 30:] == eos).any()  # row 0 ended early
+    assert torch.equal(stock, ours) and not compactions
 
 
 def test_a_continued_cache_keeps_every_row(monkeypatch):
