@@ -59,6 +59,7 @@ from nanoserve.adapters.tensor_parallel import (
 )
 from nanoserve.adapters.user_hooks import HookScan, scan_hooks
 from nanoserve.adapters.versions import check_transformers_version
+from nanoserve.adapters.windows import check_windows
 from nanoserve.cache import GroupedKVCache, PagedKVCache
 from nanoserve.kernels.dispatch import check_backend
 from nanoserve.log import get_logger
@@ -130,6 +131,7 @@ def patch_model(
         )
     family = family_for(model.config)  # NotImplementedError names the supported families
     layout = local_layout(family.layout(model.config), model)  # this rank's KV heads
+    check_windows(model, layout)
     options = PoolOptions(layout, block_size, num_blocks, max_memory, kv_dtype, kv_scale)
     options.check_max_memory(model.dtype)
     for name, value in (
@@ -329,6 +331,8 @@ def _paged_forward(self, *args, **kwargs):
             return self.forward(**kwargs)
         if not cache.mask_checked:
             check_whole_mask(kwargs)
+            if not cache.generating:  # (generate checked the windows itself)
+                check_windows(self, state.pool.layout)
             cache.mask_checked = True
         if not cache.generating:  # a forward of the caller's own: hooks may change between
             _note_hooks(state, cache, scan_hooks(self), self)
@@ -629,6 +633,7 @@ def _paged_generate(self, *args, **kwargs):
             dropout = drops_out(self)
             agree_options(self, _options(self, state, dropout, hooks))
             _check_attention(self)
+            check_windows(self, state.pool.layout)
             _check_continuation(self, passed, args, kwargs)
             _room_to_continue(state, passed, self, args, kwargs)
             passed.mask_checked = False
@@ -660,6 +665,7 @@ def _paged_generate(self, *args, **kwargs):
     dropout = drops_out(self)
     agree_options(self, _options(self, state, dropout, hooks))
     _check_attention(self)
+    check_windows(self, state.pool.layout)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         check_left_padded(mask)

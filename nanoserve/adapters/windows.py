@@ -1,0 +1,67 @@
+"""Sliding windows changed after ``patch_model``: refused, since stock would follow them.
+
+transformers reads ``config.sliding_window`` and ``config.layer_types`` at every forward to
+build its masks (Qwen2/3, Gemma 2/3) or to pass the window (Mistral, Phi-3), while an
+attention module keeps the window and layer type it was built with, and nanoserve laid out
+its pools (which blocks a sliding layer may release, the layer groups) at patch time. A
+change to either after patching would make the paged attention differ from stock.
+"""
+
+from __future__ import annotations
+
+from nanoserve.adapters.family import KVLayout
+from nanoserve.adapters.module_attrs import module_attr
+from nanoserve.adapters.registry import family_for
+from nanoserve.adapters.tensor_parallel import local_layout
+
+_NONE = object()
+
+
+def check_windows(model, layout: KVLayout) -> None:
+    """ValueError naming ``config.sliding_window`` (or ``layer_types``) when the windows of
+    ``model`` are not the ones its paged pools were laid out for (``layout``, from
+    ``patch_model``), or when an attention module holds a window or layer type other than
+    the config's, which stock's masks follow."""
+    config = model.config
+    family = family_for(config)
+    now = local_layout(family.layout(config), model)
+    if (now.sliding_window, now.layer_groups) != (layout.sliding_window, layout.layer_groups):
+        raise ValueError(
+            "config.sliding_window / config.layer_types: changed after patch_model (the "
+            f"paged pools were laid out for window {layout.sliding_window} and layer groups "
+            f"{_groups(layout)}; the config now gives {now.sliding_window} and "
+            f"{_groups(now)}); call nanoserve.patch_model(model) again to lay them out anew, "
+            "or restore the config"
+        )
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    for layer in family.decoder_layers(model):
+        attention = module_attr(layer, "self_attn")
+        index = module_attr(attention, "layer_idx") if attention is not None else None
+        if not isinstance(index, int):
+            continue
+        kind = layer_types[index] if layer_types and index < len(layer_types) else None
+        held_kind = module_attr(attention, "layer_type", _NONE)
+        if held_kind is not _NONE and kind is not None and held_kind != kind:
+            raise ValueError(
+                f"config.layer_types: layer {index} is {kind!r} in the config but its "
+                f"attention was built as {held_kind!r}; stock's masks follow the config, the "
+                "attention module its own: rebuild the model, or restore the config"
+            )
+        held = module_attr(attention, "sliding_window", _NONE)
+        if held is _NONE or kind is None:
+            continue  # the attention reads the config's window itself (Mistral, Phi-3)
+        expected = window if kind == "sliding_attention" else None
+        if held != expected:
+            raise ValueError(
+                f"config.sliding_window: layer {index}'s attention holds sliding_window="
+                f"{held}, but stock's masks use {expected} (config.sliding_window="
+                f"{window}, layer type {kind!r}); set the attention modules' sliding_window "
+                "to the config's, or restore the config"
+            )
+
+
+def _groups(layout: KVLayout) -> str:
+    if layout.layer_groups is None:
+        return "none"
+    return ", ".join(f"{len(layers)} layers window {w}" for layers, w in layout.layer_groups)

@@ -1,0 +1,89 @@
+"""Sliding windows changed after the model was built or patched (``adapters/windows.py``).
+
+transformers' masks follow ``config.sliding_window`` and ``config.layer_types`` at every
+forward, while attention modules keep what they were built with and nanoserve's pools what
+``patch_model`` laid out. Each change is refused before anything runs, naming the config
+field; putting the config back (or patching again) gives stock's tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import patched
+from test_families import padded_batch
+from test_families import tiny_model as llama_family_model
+from test_misuse import cache_name
+from test_new_families import tiny_model as gemma_family_model
+
+import nanoserve
+from nanoserve.adapters.step import state_of
+
+GREEDY = dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
+
+
+def generate(model, inputs):
+    with torch.no_grad():
+        return model.generate(**inputs, **GREEDY)
+
+
+def test_a_config_window_changed_before_patching_is_refused():
+    """Qwen2's sliding layer holds window 6; the config now says 12, which stock's masks use
+    (nanoserve would attend within the module's 6: other tokens than stock's, found by a CPU
+    probe). Planted: the check left out, patch_model went through."""
+    model = llama_family_model("qwen2-sliding")
+    model.config.sliding_window = 12
+    with pytest.raises(ValueError, match="config.sliding_window: layer 1"):
+        nanoserve.patch_model(model)
+    assert state_of(model) is None  # refused before anything changed
+
+
+@pytest.mark.parametrize("name, change", [("mistral", 12), ("mistral", None), ("mistral", 3)])
+def test_a_window_changed_after_patching_is_refused_until_restored(name, change):
+    """Mistral's pool releases blocks past its window: a window changed after patch_model is
+    refused by generate naming the config (a narrower one too, though it would compute
+    stock's tokens: one rule, the windows patch_model laid out), and the restored config
+    runs stock's tokens. Planted: the check left out, the wider window met a RuntimeError
+    blaming the cache inside the first forward."""
+    model = llama_family_model(name)
+    inputs = padded_batch([19, 5], 19)
+    stock = generate(model, inputs)
+    with patched(model, block_size=4):
+        model.config.sliding_window = change
+        with pytest.raises(ValueError, match="changed after patch_model"):
+            generate(model, inputs)
+        model.config.sliding_window = 7
+        assert torch.equal(generate(model, inputs), stock)
+
+
+def test_patching_again_follows_the_new_window():
+    model = llama_family_model("mistral")
+    inputs = padded_batch([19, 5], 19)
+    model.config.sliding_window = 12
+    stock = generate(model, inputs)
+    with patched(model, block_size=4):
+        assert torch.equal(generate(model, inputs), stock)
+
+
+@pytest.mark.parametrize("field", ["sliding_window", "layer_types"])
+def test_gemma2_layer_groups_changed_after_patching_are_refused(field):
+    """Gemma 2's layer groups (pools per window) come from both fields."""
+    model = gemma_family_model("gemma2")
+    inputs = padded_batch([19, 5], 19)
+    with patched(model, block_size=4):
+        if field == "sliding_window":
+            model.config.sliding_window += 5
+        else:
+            model.config.layer_types = ["full_attention"] * len(model.config.layer_types)
+        with pytest.raises(ValueError, match="changed after patch_model"):
+            generate(model, inputs)
+
+
+def test_a_forward_of_the_callers_own_checks_the_windows_too():
+    model = llama_family_model("qwen2-sliding")
+    inputs = padded_batch([9], 9)
+    with patched(model):
+        cache = nanoserve.PagedCache(nanoserve.PagedKVCache(2, 8, 16))
+        model.config.sliding_window = 12
+        with pytest.raises(ValueError, match="config.sliding_window"), torch.no_grad():
+            model(**inputs, **{cache_name(model): cache}, use_cache=True)
