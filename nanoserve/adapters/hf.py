@@ -125,6 +125,13 @@ def patch_model(
     """
     check_transformers_version()
     if not isinstance(model, GenerationMixin):
+        inner = getattr(model, "get_base_model", None)
+        if callable(getattr(model, "generate", None)) and callable(inner):
+            raise ValueError(
+                f"model: {type(model).__name__} wraps a transformers model (peft, say); patch "
+                "the model inside it, nanoserve.patch_model(model.get_base_model()), and keep "
+                "calling the wrapper's generate"
+            )
         raise ValueError(
             f"model: {type(model).__name__} has no generate(); patch the model with the "
             "language-model head (e.g. AutoModelForCausalLM), not its base model"

@@ -185,6 +185,36 @@ def test_a_failed_patch_changes_nothing(monkeypatch):
     assert _snapshot(model) == before
 
 
+class LoraLikeWrapper(torch.nn.Module):
+    """The shape of peft's PeftModelForCausalLM: a module with generate and get_base_model,
+    not a GenerationMixin."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.base_model = model
+
+    def get_base_model(self):
+        return self.base_model
+
+    def generate(self, *args, **kwargs):
+        return self.base_model.generate(*args, **kwargs)
+
+
+def test_a_wrapper_model_is_refused_naming_the_model_inside():
+    """Patching peft's wrapper said it "has no generate()"; the error now names the way in.
+    Patching the inner model and calling the wrapper's generate gives stock's tokens."""
+    model = tiny_model("llama")
+    wrapper = LoraLikeWrapper(model)
+    with pytest.raises(ValueError, match=r"patch_model\(model.get_base_model\(\)\)"):
+        nanoserve.patch_model(wrapper)
+    assert state_of(model) is None
+    inputs = padded_batch([9, 4], 9)
+    with torch.no_grad():
+        stock = wrapper.generate(**inputs, max_new_tokens=5, do_sample=False)
+        with patched(wrapper.get_base_model()):
+            assert torch.equal(wrapper.generate(**inputs, max_new_tokens=5, do_sample=False), stock)
+
+
 def test_right_padding_is_refused_before_anything_changes():
     model = tiny_model("llama")
     left = padded_batch([9, 4], 9)
