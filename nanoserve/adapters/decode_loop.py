@@ -116,6 +116,9 @@ def stock_reason(
         return cache.drops_out  # rows leaving the batch would shift its dropout draws
     if cache.batch_hooks is not None:
         return f"{cache.batch_hooks} (it would see rows leave the batch)"
+    rope = length_dependent_rope(model)
+    if rope is not None:  # the steps run past the stop would move its frequencies on
+        return rope
     if model_kwargs.get("use_cache") is False:
         return "use_cache=False"
     for name, value in model_kwargs.items():
@@ -162,10 +165,8 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     sequences[:, :prompt_len] = input_ids
     unfinished = torch.ones(rows, dtype=torch.bool, device=device)
     # Finished rows leave the batch only where nothing of theirs past EOS is returned: no
-    # scores, logits or cache (stock's hold the pad steps' values), and where the other rows'
-    # rotary frequencies do not depend on the longest row still in the batch
+    # scores, logits or cache (stock's hold the pad steps' values)
     compact = pad is not None and not keep and fresh_cache
-    compact = compact and length_dependent_rope(model) is None
     batch = ActiveRows(rows, device, pad, compact=compact)
     watch = ReadBack(device, rows, streamer, batch.pad_value, rule.eos is not None)
     length, stop_at = prompt_len, None

@@ -196,32 +196,40 @@ ROPES_SET_BY_LENGTH = {
 }  # fmt: skip
 
 
+def rope_model(rope: str):
+    """A fresh model (the rotary module keeps frequencies grown by its earlier calls)."""
+    return sharpen(tiny_model(
+        "llama", max_position_embeddings=24 if rope == "dynamic" else 96,
+        rope_parameters=dict(ROPES_SET_BY_LENGTH[rope]),
+    ))  # fmt: skip
+
+
 @pytest.mark.parametrize("rope", list(ROPES_SET_BY_LENGTH))
-def test_rows_stay_while_rope_follows_the_longest_row(rope, monkeypatch):
-    """Dynamic and long-rope frequencies follow the batch's largest position: a finished row
-    leaving would change the other rows' rotary (stock keeps feeding it pads), so no row
-    leaves. Each run gets a fresh model: the rotary module keeps frequencies grown by an
-    earlier call. Planted: compaction left on for these ropes gave row 1 other tokens."""
-
-    def run(patch: bool, eos: int | None):
-        model = sharpen(tiny_model(
-            "llama", max_position_embeddings=24 if rope == "dynamic" else 96,
-            rope_parameters=dict(ROPES_SET_BY_LENGTH[rope]),
-        ))  # fmt: skip
-        inputs = padded_batch([30, 5], 30)
-        with torch.no_grad(), patched(model) if patch else nullcontext():
-            out = model.generate(**inputs, max_new_tokens=30, pad_token_id=0, eos_token_id=eos)
-            if patch:
-                assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
-        return out
-
-    free = run(False, None)[:, 30:].tolist()
+def test_ropes_set_by_length_run_hf_loop(rope):
+    """Dynamic and long-rope frequencies follow the largest position a forward meets, and
+    the rotary module keeps them for later calls: nanoserve's loop, which runs a few steps
+    past the stop and lets finished rows leave, would move them otherwise than stock. Two
+    calls in a row, the first stopping early at EOS in one row: both are stock's. Planted:
+    these ropes left in nanoserve's loop, the first call gave other tokens (rows leaving)
+    under both, and the second call too under dynamic (steps past the stop)."""
+    inputs = padded_batch([30, 5], 30)
+    later = padded_batch([26, 3], 26, seed=2)
+    opts = dict(max_new_tokens=30, pad_token_id=0)
+    with torch.no_grad():
+        free = rope_model(rope).generate(**inputs, **opts, eos_token_id=None)[:, 30:].tolist()
     # an EOS that the long row draws early and the short row never does
     eos = next(t for t in free[0][:8] if t not in free[1] and t > 2)
-    compactions = count_compactions(monkeypatch)
-    stock, ours = run(False, eos), run(True, eos)
+    runs = []
+    for patch in (False, True):
+        model = rope_model(rope)
+        with torch.no_grad(), patched(model) if patch else nullcontext():
+            runs.append([model.generate(**x, **opts, eos_token_id=eos) for x in (inputs, later)])
+            if patch:
+                loop = nanoserve.decode_graph_stats(model)["decode_loop"]
+                assert loop.startswith("stock: rope_type"), loop
+    (stock, stock_later), (ours, ours_later) = runs
     assert (stock[0] == 0).any() and not (stock[1, 30:] == eos).any()  # row 0 ended early
-    assert torch.equal(stock, ours) and not compactions
+    assert torch.equal(stock, ours) and torch.equal(stock_later, ours_later)
 
 
 def test_a_continued_cache_keeps_every_row(monkeypatch):
