@@ -211,6 +211,9 @@ def call_shape(model, args: tuple, kwargs: dict) -> CallShape:
     new_tokens = get("max_new_tokens")
     if new_tokens is None:
         new_tokens = max((get("max_length") or 20) - width, 0)
+    # prompt lookup's verify step stores its candidate tokens before cropping them, up to
+    # that many past max_length
+    new_tokens += get("prompt_lookup_num_tokens") or 0
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         prompt_lens = [int(n) for n in mask.sum(dim=1).tolist()]

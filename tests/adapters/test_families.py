@@ -13,6 +13,7 @@ from helpers import (
     check_launches,
     count_triton_launches,
     patched,
+    sharpen,
     stock_and_paged,
 )
 
@@ -203,6 +204,23 @@ def test_assisted_decoding_crops_and_matches_stock(monkeypatch):
             paged = model.generate(**inputs, **opts, assistant_model=draft)
     assert torch.equal(paged, stock)
     assert any(n < 0 for n in crops)
+
+
+@pytest.mark.parametrize("prompt, block_size", [(8, 2), (112, 16)])
+def test_prompt_lookup_fits_the_pool_it_sized(prompt, block_size):
+    """Prompt lookup's verify step stores up to prompt_lookup_num_tokens candidates past
+    max_length before cropping them; the pool nanoserve sizes itself has room for them.
+    Planted: sizing for prompt + max_new_tokens alone raised OutOfBlocks (112-token case)."""
+    model = sharpen(tiny_model("llama"))
+    ids = torch.randint(3, 97, (1, prompt), generator=torch.Generator().manual_seed(3))
+    ids[0, prompt // 2 :] = ids[0, : prompt - prompt // 2]  # repeats for the lookup to find
+    for new in (10, 15, 16):
+        opts = dict(max_new_tokens=new, do_sample=False, eos_token_id=None)
+        stock, paged = stock_and_paged(
+            model, input_ids=ids, prompt_lookup_num_tokens=3, **opts,
+            patch_options={"block_size": block_size},
+        )  # fmt: skip
+        assert torch.equal(stock, paged)
 
 
 def test_metadata_built_once_per_forward(monkeypatch):
