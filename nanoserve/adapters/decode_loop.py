@@ -136,6 +136,11 @@ def stock_reason(
     return None
 
 
+# The sequences buffer starts this many columns past the prompt and doubles as it fills:
+# max_new_tokens may be far more than the rows will generate before EOS.
+SEQUENCE_STEP = 512
+
+
 def _loop(model, input_ids, logits_processor, stopping_criteria, config, streamer, model_kwargs):
     device = input_ids.device
     rows, prompt_len = input_ids.shape
@@ -161,7 +166,8 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
 
     # int64 whatever the prompt's integer dtype, as stock's concatenation promotes it
     dtype = torch.promote_types(input_ids.dtype, torch.long)
-    sequences = input_ids.new_empty(rows, max(rule.max_length, prompt_len + 1), dtype=dtype)
+    columns = max(rule.max_length, prompt_len + 1)
+    sequences = input_ids.new_empty(rows, min(columns, prompt_len + SEQUENCE_STEP), dtype=dtype)
     sequences[:, :prompt_len] = input_ids
     unfinished = torch.ones(rows, dtype=torch.bool, device=device)
     # Finished rows leave the batch only where nothing of theirs past EOS is returned: no
@@ -184,6 +190,8 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
             tokens = greedy_tokens(processed)
         if pad is not None:  # finished rows get the pad token, as in stock
             tokens = torch.where(unfinished, tokens, pad)
+        if length == sequences.shape[1]:
+            sequences = _wider(sequences, min(columns, 2 * length), batch.pad)
         batch.write(sequences, length, tokens)
         length += 1
         for step in steps:
@@ -226,6 +234,16 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
         hidden_states=None,
         **{_CACHE_FIELD: cache},
     )
+
+
+def _wider(sequences: torch.Tensor, columns: int, pad) -> torch.Tensor:
+    """``sequences`` in a buffer of ``columns`` columns, the new ones ``pad`` (rows that left
+    the batch read pads there; the others' columns are written step by step)."""
+    wider = sequences.new_empty(sequences.shape[0], columns)
+    if pad is not None:
+        wider[:, sequences.shape[1] :] = pad
+    wider[:, : sequences.shape[1]] = sequences
+    return wider
 
 
 class _RandomStates:

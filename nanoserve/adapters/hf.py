@@ -23,6 +23,7 @@ from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.fused_decode import FUSED_KINDS
 from nanoserve.adapters.graph_forward import graph_step, graph_step_kind, replay_skips
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
+from nanoserve.adapters.pool_memory import check_pool_fits
 from nanoserve.adapters.prefix_salt import drops_out, prefix_salt
 from nanoserve.adapters.read_back import READ_BACK_LAG
 from nanoserve.adapters.registry import family_for
@@ -688,6 +689,8 @@ def _paged_generate(self, *args, **kwargs):
             and _may_share(kwargs, option)
         )
         size = pool_size(state.pool, self, args, kwargs, share)
+        kept = state.kept_pools
+        check_pool_fits(size, state.pool, self, kept.nbytes() if kept is not None else 0)
         pool_dtype = state.pool.pool_dtype(self.dtype)
         num_blocks, pools, allocators = _pools_for(state, size, pool_dtype)
         paged = _new_store(state, size, num_blocks, pools, allocators)

@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+from helpers import patched
 from test_families import padded_batch, tiny_model
 
 import nanoserve
@@ -239,3 +240,44 @@ def test_a_pool_grown_by_a_continuation_is_kept_at_its_size():
             assert pool_tensor(model).shape[0] == blocks
         finally:
             nanoserve.unpatch_model(model)
+
+
+def test_a_pool_past_the_free_memory_is_refused_naming_max_new_tokens():
+    """max_new_tokens far past what the rows generate: the default pool (reserved up front)
+    would need more than the machine holds. Refused before anything changes, naming the
+    argument; a fixed pool runs the call as stock does (the rows stop at EOS). Planted: no
+    check raised a bare MemoryError from the block allocator."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 97, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        eos = int(model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)[0, 10])
+        opts = dict(input_ids=ids, max_new_tokens=10**10, do_sample=False, eos_token_id=eos)
+        stock = model.generate(**opts)
+        with patched(model):
+            with pytest.raises(ValueError, match="^max_new_tokens: this call's KV pool"):
+                model.generate(**opts)
+            assert nanoserve.cache_stats(model)["kept_pool_blocks"] == 0  # nothing made
+        with patched(model, max_memory=2**20):
+            assert torch.equal(model.generate(**opts), stock)
+
+
+def test_sequences_grow_as_rows_generate(monkeypatch):
+    """nanoserve's loop keeps the sequences in a buffer that doubles as it fills (not one
+    sized by max_new_tokens); rows that left the batch read pads in the columns added
+    later. Planted: the added columns left unpadded failed it (the buffer check; the
+    generate call's rows happened to read pads from reused memory)."""
+    from nanoserve.adapters import decode_loop
+
+    monkeypatch.setattr(decode_loop, "SEQUENCE_STEP", 2)
+    model = tiny_model("llama", seed=10)
+    with torch.no_grad():
+        model.lm_head.weight[2] *= 3.0  # EOS (2) at spread steps
+    inputs = padded_batch([13, 6, 2], 13)
+    opts = dict(max_new_tokens=30, pad_token_id=5)  # a pad id fresh memory rarely holds
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+        with patched(model):
+            ours = model.generate(**inputs, **opts)
+    assert torch.equal(stock, ours) and (stock[:, 13:] == 5).sum() > 10
+    wider = decode_loop._wider(torch.zeros(2, 3, dtype=torch.long), 7, torch.tensor(12345))
+    assert (wider[:, :3] == 0).all() and (wider[:, 3:] == 12345).all()
