@@ -264,7 +264,8 @@ def pool_size(
     if options.num_blocks is not None:
         _log.info("pool: %d blocks of %d tokens (num_blocks)", options.num_blocks, bs)
         each = (options.num_blocks,) * len(groups) if grouped else ()
-        return PoolSize(options.num_blocks * max(1, len(each)), table_width, each)
+        width = min(table_width, coarse_width(options.num_blocks))  # no row holds more
+        return PoolSize(options.num_blocks * max(1, len(each)), width, each)
     chunk = generate_option(model, kwargs, "prefill_chunk_size") or None
     needed = [_blocks_held(shape, bs, window, share_rows, chunk) for _, window in groups]
     if options.max_memory is not None:
@@ -286,6 +287,7 @@ def pool_size(
             options.max_memory,
             "+".join(map(str, sizes)),
         )
+        table_width = min(table_width, coarse_width(max(blocks)))  # no row holds more
         if not grouped:
             return PoolSize(sum(blocks), table_width)
         return PoolSize(sum(blocks), table_width, tuple(blocks), tuple(needed))
