@@ -19,13 +19,13 @@ _NONE = object()
 
 def check_windows(model, layout: KVLayout) -> None:
     """ValueError naming ``config.sliding_window`` (or ``layer_types``) when the windows of
-    ``model`` are not the ones its paged pools were laid out for (``layout``, from
-    ``patch_model``), or when an attention module holds a window or layer type other than
-    the config's, which stock's masks follow."""
+    ``model`` are not ones its paged pools were laid out for (``layout``, from
+    ``patch_model``; a window every layer shares may narrow), or when an attention module
+    holds a window or layer type other than the config's, which stock's masks follow."""
     config = model.config
     family = family_for(config)
     now = local_layout(family.layout(config), model)
-    if (now.sliding_window, now.layer_groups) != (layout.sliding_window, layout.layer_groups):
+    if not _fits(now, layout):
         raise ValueError(
             "config.sliding_window / config.layer_types: changed after patch_model (the "
             f"paged pools were laid out for window {layout.sliding_window} and layer groups "
@@ -59,6 +59,20 @@ def check_windows(model, layout: KVLayout) -> None:
                 f"{window}, layer type {kind!r}); set the attention modules' sliding_window "
                 "to the config's, or restore the config"
             )
+
+
+def _fits(now: KVLayout, laid_out: KVLayout) -> bool:
+    """Whether pools laid out for ``laid_out`` hold what ``now`` attends to: the same windows,
+    or one window for every layer, no wider than the pools keep (they then keep more)."""
+    if (now.sliding_window, now.layer_groups) == (laid_out.sliding_window, laid_out.layer_groups):
+        return True
+    uniform = now.layer_groups is None and laid_out.layer_groups is None
+    return (
+        uniform
+        and now.sliding_window is not None
+        and laid_out.sliding_window is not None
+        and now.sliding_window <= laid_out.sliding_window
+    )
 
 
 def _groups(layout: KVLayout) -> str:
