@@ -59,7 +59,7 @@ from nanoserve.adapters.tensor_parallel import (
     local_layout,
 )
 from nanoserve.adapters.user_hooks import HookScan, scan_hooks
-from nanoserve.adapters.versions import check_transformers_version
+from nanoserve.adapters.versions import check_transformers_version, transformers_before
 from nanoserve.adapters.windows import check_windows
 from nanoserve.cache import GroupedKVCache, PagedKVCache
 from nanoserve.kernels.dispatch import check_backend
@@ -536,6 +536,11 @@ def _check_attention(model) -> None:
         )
 
 
+# transformers from which continuing a returned cache with chunked prefill or prompt lookup
+# gives stock's tokens on a patched model (5.17 measured otherwise; none between tested)
+CHUNKED_CONTINUATION_FROM = "5.24"
+
+
 def _check_continuation(model, cache: PagedCache, args: tuple, kwargs: dict) -> None:
     """ValueError naming ``input_ids`` when a returned cache passed back to generate does not
     fit the call's inputs: other rows than it holds (after generate's copies for beams or
@@ -564,6 +569,15 @@ def _check_continuation(model, cache: PagedCache, args: tuple, kwargs: dict) -> 
             f"{cached}; pass the sequences it returned (they end with a token it has not "
             "seen), or generate without the cache"
         )
+    if transformers_before(CHUNKED_CONTINUATION_FROM):
+        for name in ("prefill_chunk_size", "prompt_lookup_num_tokens"):
+            if generate_option(model, kwargs, name):
+                raise ValueError(
+                    f"{name}: continuing a returned cache with it needs transformers >= "
+                    f"{CHUNKED_CONTINUATION_FROM} (5.17's generate feeds such a call's prompt "
+                    "otherwise than without the cache, and nanoserve's tokens then differ from "
+                    "stock's); continue without it, or upgrade transformers"
+                )
 
 
 def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs) -> None:

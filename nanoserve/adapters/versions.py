@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 
 from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 # transformers releases the adapters were written and tested against: [lowest, first unsupported)
 SUPPORTED_TRANSFORMERS = ("5.17", "6")
@@ -30,3 +31,8 @@ def check_transformers_version(version: str | None = None) -> None:
             f"nanoserve's adapters support transformers >= {low}, < {high}; this is {version} "
             f'(pip install "transformers>={low},<{high}")'
         )
+
+
+def transformers_before(version: str) -> bool:
+    """Whether the imported transformers is older than ``version``."""
+    return Version(importlib.import_module("transformers").__version__) < Version(version)

@@ -563,3 +563,35 @@ def test_a_cache_built_for_a_shorter_window_is_refused_naming_it():
     short = nanoserve.PagedCache(nanoserve.PagedKVCache(2, 64, 16, sliding_window=8))
     with patched(model), pytest.raises(RuntimeError, match="shorter sliding window"):
         model.generate(ids, **{cache_name(model): short}, max_new_tokens=5, do_sample=False)
+
+
+@pytest.mark.parametrize("name", ["prefill_chunk_size", "prompt_lookup_num_tokens"])
+def test_continuing_with_chunks_or_prompt_lookup(name):
+    """A returned cache continued by a call with new prompt tokens and chunked prefill or
+    prompt lookup: on transformers 5.17 the patched tokens differed from stock's (and from
+    the uncached ones; a CPU probe), so it is refused there before anything changes; from
+    5.24 on, stock's tokens."""
+    from nanoserve.adapters.versions import transformers_before
+
+    model = tiny_model("llama", seed=1)
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(4))
+    extra = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(5))
+    first_opts = dict(input_ids=ids, max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
+
+    def continue_it(first):
+        longer = torch.cat([first.sequences, extra], dim=1)
+        return stock_generate(
+            model, input_ids=longer, attention_mask=torch.ones_like(longer), max_new_tokens=8,
+            **{name: 3, cache_name(model): first.past_key_values}, **GREEDY,
+        )  # fmt: skip
+
+    stock = continue_it(stock_generate(model, **first_opts))
+    with patched(model):
+        first = stock_generate(model, **first_opts)
+        if transformers_before("5.24"):
+            length = first.past_key_values.get_seq_length()
+            with pytest.raises(ValueError, match=f"^{name}: continuing a returned cache"):
+                continue_it(first)
+            assert first.past_key_values.get_seq_length() == length
+        else:
+            assert torch.equal(continue_it(first), stock)
