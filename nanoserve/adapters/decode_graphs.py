@@ -253,6 +253,7 @@ class DecodeGraphs:
                     raise
         except Exception as error:  # a model whose forward cannot be captured stays eager
             failure = inner or error
+            _end_generator_capture(static.input_ids.device)
         else:
             failure = None
         if self.agree is not None and not self.agree(failure is None) and failure is None:
@@ -286,6 +287,18 @@ class DecodeGraphs:
         graph.replay()
         self._count_replay(static.input_ids.shape[1])
         return _trim(captured, cache, batch)
+
+
+def _end_generator_capture(device: torch.device) -> None:
+    """Take the device's CUDA generator out of capture mode after a failed capture: the
+    failed ``capture_end`` raises before the epilogue that turns it off, and every random op
+    of the process then failed ("Offset increment outside graph capture encountered
+    unexpectedly"). An empty capture that ends cleanly runs that epilogue."""
+    with torch.cuda.device(device):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.empty(1, device=device).zero_()
+        del graph
 
 
 def _dead_ref():

@@ -9,7 +9,7 @@ import contextlib
 
 import pytest
 import torch
-from helpers import BACKENDS, check_launches, count_triton_launches
+from helpers import BACKENDS, check_launches, count_triton_launches, patched
 from test_families import padded_batch, tiny_model
 
 import nanoserve
@@ -430,3 +430,29 @@ def check_close_to_stock(stock, paged, prompt_len: int, tol: float) -> None:
             f"{err[rows].tolist()} > {bound[rows].tolist()}"
         )
     assert (agreed >= first_tie).all(), (agreed.tolist(), first_tie.tolist())
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_failed_capture_leaves_random_ops_working():
+    """A forward that cannot be captured (dynamic rope reads a tensor on the host) decodes
+    eagerly. The failed capture had left the CUDA generator in capture mode, and every
+    later random op of the process failed ("Offset increment outside graph capture
+    encountered unexpectedly": a GPU probe, sampling and torch.randn alike)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                         max_position_embeddings=24, rope_parameters=rope)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).eval()
+    inputs = {k: v.cuda() for k, v in padded_batch([30, 9], 30, vocab=1000).items()}
+    with pytest.warns(UserWarning, match="CUDA-graph capture failed"):
+        _, stats = _run(model, inputs, True, max_new_tokens=8, **GREEDY)
+    assert stats["captures"] == 0 and stats["disabled"] is not None
+    assert torch.randn(4, device="cuda").isfinite().all()
+    with patched(model), torch.no_grad():
+        sampled = model.generate(**inputs, max_new_tokens=8, do_sample=True, top_k=5)
+    assert sampled.shape == (2, 38)
