@@ -590,7 +590,11 @@ def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs)
     need = blocks_to_continue(paged, cache.get_seq_length(), model, args, kwargs)
     free = [group.allocator.num_free for group in paged.groups]
     if any(n > f for n, f in zip(need, free, strict=True)):
-        _grow(paged, [max(0, n - f) for n, f in zip(need, free, strict=True)])
+        more = [max(0, n - f) for n, f in zip(need, free, strict=True)]
+        grown = [g.allocator.num_blocks + m for g, m in zip(paged.groups, more, strict=True)]
+        each = tuple(grown) if len(grown) > 1 else ()
+        check_pool_fits(PoolSize(sum(grown), paged.table_width, each), state.pool, model)
+        _grow(paged, more)
 
 
 def _new_store(state: PatchState, size: PoolSize, num_blocks, pools, allocators):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import patched
 from test_families import padded_batch, tiny_model
+from test_misuse import cache_name
 
 import nanoserve
 from nanoserve.adapters.sizing import coarse_blocks, coarse_width
@@ -245,8 +246,11 @@ def test_a_pool_grown_by_a_continuation_is_kept_at_its_size():
 def test_a_pool_past_the_free_memory_is_refused_naming_max_new_tokens():
     """max_new_tokens far past what the rows generate: the default pool (reserved up front)
     would need more than the machine holds. Refused before anything changes, naming the
-    argument; a fixed pool runs the call as stock does (the rows stop at EOS). Planted: no
-    check raised a bare MemoryError from the block allocator."""
+    argument; a fixed pool runs the call as stock does (the rows stop at EOS); a returned
+    cache continued with it is refused before its pool grows, and left as it was. Planted:
+    without the check on a new pool, the process was killed for memory (an earlier run: a
+    MemoryError from the block allocator); the continuation's check was not planted out,
+    since the same would happen to the machine running it."""
     model = tiny_model("llama")
     ids = torch.randint(3, 97, (1, 10), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -259,6 +263,15 @@ def test_a_pool_past_the_free_memory_is_refused_naming_max_new_tokens():
             assert nanoserve.cache_stats(model)["kept_pool_blocks"] == 0  # nothing made
         with patched(model, max_memory=2**20):
             assert torch.equal(model.generate(**opts), stock)
+        with patched(model):  # a returned cache continued: its pool would grow past it
+            first = model.generate(input_ids=ids, max_new_tokens=2, do_sample=False,
+                                   eos_token_id=None, return_dict_in_generate=True)  # fmt: skip
+            cache = first.past_key_values
+            held = cache.paged.allocator.num_blocks, cache.get_seq_length()
+            more = dict(opts, input_ids=torch.cat([first.sequences, ids[:, :3]], dim=1))
+            with pytest.raises(ValueError, match="^max_new_tokens: this call's KV pool"):
+                model.generate(**more, **{cache_name(model): cache})
+            assert (cache.paged.allocator.num_blocks, cache.get_seq_length()) == held
 
 
 def test_sequences_grow_as_rows_generate(monkeypatch):
