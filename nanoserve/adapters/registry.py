@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+from nanoserve.adapters.dense import DENSE
 from nanoserve.adapters.family import Family
 from nanoserve.adapters.gemma import GEMMA
 from nanoserve.adapters.llama import LLAMA
+from nanoserve.adapters.moe import MOE
 from nanoserve.adapters.phi3 import PHI3
 
-FAMILIES: tuple[Family, ...] = (LLAMA, GEMMA, PHI3)
+FAMILIES: tuple[Family, ...] = (LLAMA, GEMMA, PHI3, DENSE, MOE)
 
 
 def supported_model_types() -> list[str]:

@@ -42,6 +42,9 @@ def check_windows(model, layout: KVLayout) -> None:
             continue
         kind = layer_types[index] if layer_types and index < len(layer_types) else None
         held_kind = module_attr(attention, "layer_type", _NONE)
+        sliding = module_attr(attention, "is_sliding", _NONE)  # Exaone 4 marks it so
+        if held_kind is _NONE and isinstance(sliding, bool):
+            held_kind = "sliding_attention" if sliding else "full_attention"
         if held_kind is not _NONE and kind is not None and held_kind != kind:
             raise ValueError(
                 f"config.layer_types: layer {index} is {kind!r} in the config but its "
@@ -51,6 +54,8 @@ def check_windows(model, layout: KVLayout) -> None:
         held = module_attr(attention, "sliding_window", _NONE)
         if held is _NONE or kind is None:
             continue  # the attention reads the config's window itself (Mistral, Phi-3)
+        if sliding is False:
+            held = None  # it holds the window but passes it on sliding layers only
         expected = window if kind == "sliding_attention" else None
         if held != expected:
             raise ValueError(
