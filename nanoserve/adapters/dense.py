@@ -1,15 +1,16 @@
 """Dense decoders whose attention keeps Llama's contract: OLMo, OLMo 2, OLMo 3, Granite,
 StarCoder2, Cohere (Command R), Cohere 2, SmolLM3, GLM, GLM-4, Helium, Ministral, EXAONE 4,
-StableLM, GPT-NeoX (Pythia), Phi (1, 1.5, 2), Seed-OSS, Apertus, Arcee and ERNIE 4.5.
+StableLM, GPT-NeoX (Pythia), Phi (1, 1.5, 2), Seed-OSS, Apertus, Arcee, ERNIE 4.5, Nemotron,
+Hunyuan (dense) and BitNet.
 
 Their attention modules call ``cache.update(k, v, layer_idx)`` and then the registered
 attention function with ``scaling`` and, on sliding layers, ``sliding_window``; what else
 sets them apart (q/k norms, partial or interleaved rotary, QKV clipping, Granite's
-multipliers, Cohere's parallel block and logit scale, NoPE layers) acts on the query and key
-before ``cache.update`` or outside attention, so the cache stores the K/V it is given. Their
-model classes keep GenerationMixin's ``prepare_inputs_for_generation``. Sliding layers mixed
-with global ones (``config.layer_types``: OLMo 3, Cohere 2, SmolLM3, Ministral, EXAONE 4) are
-stored in a pool of their own, as Gemma's are.
+multipliers, Cohere's parallel block and logit scale, NoPE layers, Nemotron's 1p norm) acts
+on the query and key before ``cache.update`` or outside attention, so the cache stores the
+K/V it is given. Their model classes keep GenerationMixin's ``prepare_inputs_for_generation``.
+Sliding layers mixed with global ones (``config.layer_types``: OLMo 3, Cohere 2, SmolLM3,
+Ministral, EXAONE 4) are stored in a pool of their own, as Gemma's are.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def check(config) -> None:
 MODEL_TYPES = (
     "olmo", "olmo2", "olmo3", "granite", "starcoder2", "cohere", "cohere2", "smollm3",
     "glm", "glm4", "helium", "ministral", "exaone4", "stablelm", "gpt_neox", "phi",
-    "seed_oss", "apertus", "arcee", "ernie4_5",
+    "seed_oss", "apertus", "arcee", "ernie4_5", "nemotron", "hunyuan_v1_dense", "bitnet",
 )  # fmt: skip
 
 DENSE = Family(

@@ -131,6 +131,13 @@ CONFIGS = {
     "apertus": ("ApertusConfig", "ApertusForCausalLM", dict()),
     "arcee": ("ArceeConfig", "ArceeForCausalLM", dict()),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=16)),
+    "nemotron": (
+        "NemotronConfig",
+        "NemotronForCausalLM",
+        dict(partial_rotary_factor=0.5, head_dim=16),
+    ),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(head_dim=16)),
+    "bitnet": ("BitNetConfig", "BitNetForCausalLM", dict()),
 }
 WINDOWED = ["mixtral", "qwen2_moe", "olmo3", "starcoder2", "cohere2", "ministral", "exaone4"]
 GREEDY = dict(do_sample=False, eos_token_id=None)
