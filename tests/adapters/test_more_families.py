@@ -5,7 +5,12 @@ real head dims through the Triton kernels and the decode graphs."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -447,3 +452,36 @@ def test_gpu_bfloat16_drift_within_stock_eager(shape):
     assert paged_err.mean() <= eager_err.mean()
     if family_for(model.config).name != "moe":
         assert paged_err.max() <= 2 * eager_err.max()
+
+
+@pytest.mark.parametrize("name", ["mixtral", "cohere2"])
+def test_tensor_parallel_matches_one_process(name, tmp_path):
+    """Two gloo ranks on the CPU, the model loaded with transformers' ``tp_plan="auto"``
+    (Mixtral's experts and attention sharded; Cohere 2's sliding and global layers in two
+    pools): the patched model's tokens equal stock's under the same sharding and one
+    process's, and each rank's pool holds half the KV heads. (Planted: this rank's layout
+    left at every KV head: still passed, the pools take their width from the K written.)"""
+    from tp_family_worker import prompts
+
+    model = tiny_model(name, vocab_size=104, intermediate_size=128)
+    model.save_pretrained(tmp_path / "model")
+    ids, mask = prompts(104)
+    with torch.no_grad():
+        one = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **GREEDY)
+    worker = Path(__file__).with_name("tp_family_worker.py")
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+    ]
+    cmd = [*launcher, str(worker), str(tmp_path / "model"), str(tmp_path / "seen.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen["stock"] == one.tolist()
+    assert seen["paged"] == seen["stock"]
+    assert seen["pool_kv_heads"] == model.config.num_key_value_heads // 2
