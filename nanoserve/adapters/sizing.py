@@ -338,9 +338,11 @@ def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) ->
     """Blocks a generate call that continues ``paged`` (a returned cache passed back, which
     has seen ``columns`` columns) may need beyond those its rows hold, in each of its layer
     groups (``paged.groups``): each row grows by at most the columns not cached yet plus the
-    new tokens, and may copy its last block. A group that releases blocks past its window
-    (``sliding_window``) needs at most that window's blocks a row, as ``_blocks_held``
-    bounds a new pool's."""
+    new tokens, and may copy its last block. In a group that releases blocks past its window
+    (``sliding_window``) a row holds at most that window's blocks, as ``_blocks_held`` bounds
+    a new pool's; the blocks its rows release make room only once no row holds them (rows
+    share the blocks of a common prompt), so that bound is set against the blocks the rows
+    hold between them, each counted once."""
     shape = call_shape(model, args, kwargs)
     extend = max(shape.width - columns, 0)
     grow = extend + shape.new_tokens
@@ -348,16 +350,30 @@ def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) ->
     need = []
     for group in paged.groups:
         window = None if shape.multi_token_steps else group.sliding_window
-        more = 0
+        appended = 0  # blocks the rows add, none released
+        at_most = 0  # blocks the rows hold at once, those they share counted for each
         for t in group.tables:
-            held = t.num_blocks - t.dropped
-            peak = math.ceil((t.num_tokens + grow) / bs) - t.dropped
+            blocks = math.ceil((t.num_tokens + grow) / bs)
+            appended += max(blocks - t.num_blocks, 0) + 1 + shape.spare
             if window is not None:
                 # the window's blocks after each step, and the first forward's whole extension
                 # past the window's first position
                 decode = math.ceil((window + group.window_slack) / bs) + 1
                 first = math.ceil((window - 1 + group.window_slack + extend) / bs) + 1
-                peak = min(peak, max(decode, first))
-            more += max(peak - held, 0) + 1 + shape.spare
+                at_most += min(blocks - t.dropped, max(decode, first)) + 1 + shape.spare
+        more = appended
+        if window is not None:
+            more = min(more, max(at_most - _held_by_rows_alone(group), 0))
         need.append(shape.copies * more)
     return need
+
+
+def _held_by_rows_alone(group) -> int:
+    """Distinct blocks ``group``'s rows hold that nothing else holds (no other cache's row):
+    the blocks their releases can free."""
+    owners: dict[int, int] = {}
+    for table in group.tables:
+        for block in table.block_ids[table.dropped :]:
+            owners[block] = owners.get(block, 0) + 1
+    allocator = group.allocator
+    return sum(1 for block, n in owners.items() if allocator.refcount(block) == n)

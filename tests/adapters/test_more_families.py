@@ -5,6 +5,7 @@ real head dims through the Triton kernels and the decode graphs."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -485,3 +486,30 @@ def test_tensor_parallel_matches_one_process(name, tmp_path):
     assert seen["stock"] == one.tolist()
     assert seen["paged"] == seen["stock"]
     assert seen["pool_kv_heads"] == model.config.num_key_value_heads // 2
+
+
+def test_continuing_shared_rows_past_the_window_grows_the_pool_enough():
+    """Four copies of a 30-token prompt (blocks of 2, every layer sliding within 8): the rows
+    share the prompt's 15 blocks. Passed back with 5 more tokens each, the rows release the
+    shared blocks out of the window together and each then holds blocks of its own, so the
+    pool must grow by those, not by what it would need were the shared blocks each row's
+    alone. Planted: ``blocks_to_continue`` subtracting each row's held blocks (the shared
+    ones once per row): OutOfBlocks (a fuzz run found it, Mixtral with 12 such rows)."""
+    model = tiny_model("mixtral")
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    prompt = padded_batch([30], 30, seed=5)["input_ids"].repeat(4, 1)
+    more = torch.randint(3, 97, (4, 5), generator=torch.Generator().manual_seed(6))
+    opts = dict(return_dict_in_generate=True, **GREEDY)
+
+    def two_calls():
+        first = model.generate(input_ids=prompt, max_new_tokens=1, **opts)
+        ids = torch.cat([first.sequences, more], 1)
+        kept = {name: first.past_key_values}
+        return model.generate(input_ids=ids, max_new_tokens=8, **opts, **kept)
+
+    with torch.no_grad():
+        stock = two_calls()
+        with patched(model, block_size=2):
+            paged = two_calls()
+    assert paged.past_key_values.stats()["blocks_dropped_by_window"] > 0
+    assert torch.equal(paged.sequences, stock.sequences)
