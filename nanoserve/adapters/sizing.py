@@ -361,10 +361,10 @@ def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) ->
                 decode = math.ceil((window + group.window_slack) / bs) + 1
                 first = math.ceil((window - 1 + group.window_slack + extend) / bs) + 1
                 at_most += min(blocks - t.dropped, max(decode, first)) + 1 + shape.spare
-        more = appended
+        more = shape.copies * appended  # each copy of a row (beams, return sequences) grows
         if window is not None:
-            more = min(more, max(at_most - _held_by_rows_alone(group), 0))
-        need.append(shape.copies * more)
+            more = min(more, max(shape.copies * at_most - _held_by_rows_alone(group), 0))
+        need.append(more)
     return need
 
 
