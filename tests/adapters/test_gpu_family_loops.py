@@ -9,8 +9,9 @@ import warnings
 import pytest
 import torch
 from helpers import patched
-from test_gpu_more_families import NEEDS_GPU, forced_logits, gpu_batch, gpu_model
+from test_gpu_more_families import gpu_batch, gpu_model
 from test_more_families import GREEDY
+from test_new_families import NEEDS_GPU, forced_logits
 
 import nanoserve
 

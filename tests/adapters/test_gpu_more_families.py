@@ -9,10 +9,10 @@ import warnings
 
 import pytest
 import torch
-import transformers
-from helpers import ForceTokens, patched
+from helpers import patched
 from test_families import padded_batch
-from test_more_families import LOGITS, tiny_model
+from test_more_families import tiny_model
+from test_new_families import NEEDS_GPU, forced_logits
 
 import nanoserve
 
@@ -101,18 +101,6 @@ GPU_SHAPES = {
         ),
     ),
 }
-NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def forced_logits(model, inputs, target=None):
-    """Per-step logits [steps, B, vocab] (float32) and the sequences of 64 greedy steps,
-    forced onto ``target``'s tokens when given."""
-    opts = dict(max_new_tokens=64, **LOGITS)
-    if target is not None:
-        opts["logits_processor"] = transformers.LogitsProcessorList([ForceTokens(target)])
-    with torch.no_grad():
-        out = model.generate(**inputs, **opts)
-    return torch.stack(out.logits).float(), out.sequences
 
 
 def gpu_model(shape: str, dtype: torch.dtype = torch.float32, **overrides):

@@ -25,6 +25,7 @@ from helpers import (
     stock_and_paged,
 )
 from test_families import SMALL, padded_batch
+from test_new_families import assert_logits_equal
 
 import nanoserve
 from nanoserve.adapters import family_for, supported_model_types
@@ -158,13 +159,6 @@ def tiny_model(name: str, seed: int = 0, **overrides):
         config = getattr(transformers, config_name)(**{**SMALL, **extra, **overrides})
     torch.manual_seed(seed)
     return sharpen(getattr(transformers, model_name)(config).eval())
-
-
-def assert_logits_equal(stock, paged):
-    assert torch.equal(stock.sequences, paged.sequences)
-    assert len(stock.logits) == len(paged.logits)
-    for step, (a, b) in enumerate(zip(stock.logits, paged.logits, strict=True)):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"step {step}")
 
 
 def test_registry_names_every_family():
