@@ -32,15 +32,17 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from nanoserve.adapters.decode_graphs import bucket_for
 from nanoserve.adapters.device_sampling import (
+    INVALID_PROBABILITIES,
     StopRule,
     apply_steps,
     greedy_tokens,
     processor_steps,
+    sample_once,
     unsupported,
 )
 from nanoserve.adapters.hf_cache import PagedCache
 from nanoserve.adapters.prefix_salt import length_dependent_rope
-from nanoserve.adapters.read_back import READ_BACK_LAG, ReadBack
+from nanoserve.adapters.read_back import READ_BACK_LAG, InvalidDraw, ReadBack
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, find_cache, state_of
 
@@ -175,6 +177,7 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     compact = pad is not None and not keep and fresh_cache
     batch = ActiveRows(rows, device, pad, compact=compact)
     watch = ReadBack(device, rows, streamer, batch.pad_value, rule.eos is not None)
+    invalid = None  # sampling: whether the step's distribution held NaN (read back late)
     length, stop_at = prompt_len, None
     rng = _RandomStates(device) if config.do_sample else None
     while stop_at is None:
@@ -185,7 +188,7 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
             raw_logits.append(logits)
         if config.do_sample:
             rng.save(length)
-            tokens = batch.draw(torch.nn.functional.softmax(processed, dim=-1))
+            tokens, invalid = batch.draw(torch.nn.functional.softmax(processed, dim=-1))
         else:
             tokens = greedy_tokens(processed)
         if pad is not None:  # finished rows get the pad token, as in stock
@@ -198,8 +201,13 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
             step.observe(tokens)
         if rule.eos is not None:
             unfinished = unfinished & rule.not_eos(tokens)
-        watch.push(length, unfinished, tokens, batch.rows)
-        stop_at = watch.poll(drain=length >= rule.max_length)
+        watch.push(length, unfinished, tokens, batch.rows, invalid)
+        try:
+            stop_at = watch.poll(drain=length >= rule.max_length)
+        except InvalidDraw as error:
+            # stock's multinomial raises before drawing: the random state from before it
+            rng.restore(error.length - 1)
+            raise RuntimeError(INVALID_PROBABILITIES) from None
         if stop_at is None and length >= rule.max_length:
             stop_at = length
         if stop_at is None:
@@ -280,16 +288,18 @@ class ActiveRows:
         self.index: torch.Tensor | None = None  # device int64 [len(rows)]; None: all rows
         self.pad_value = int(pad) if pad is not None else 0  # one read, before the loop
 
-    def draw(self, probs: torch.Tensor) -> torch.Tensor:
-        """``torch.multinomial(probs, 1)`` for the batch rows, drawn as stock draws them over
-        every row of the call: the rows that left get a valid stand-in distribution, so each
-        batch row meets the same random numbers as in stock's full batch."""
+    def draw(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``torch.multinomial(probs, 1)`` for the batch rows (``sample_once``: the tokens,
+        and whether stock's call would raise), drawn as stock draws them over every row of
+        the call: the rows that left get a valid stand-in distribution, so each batch row
+        meets the same random numbers as in stock's full batch."""
         if self.index is None:
-            return torch.multinomial(probs, num_samples=1).squeeze(1)
+            return sample_once(probs)
         full = probs.new_zeros(self.total, probs.shape[1])
         full[:, 0] = 1
         full[self.index] = probs
-        return torch.multinomial(full, num_samples=1).squeeze(1)[self.index]
+        tokens, invalid = sample_once(full)
+        return tokens[self.index], invalid
 
     def write(self, sequences: torch.Tensor, column: int, tokens: torch.Tensor) -> None:
         if self.index is None:

@@ -195,6 +195,27 @@ def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
     return held.view(rows, chunk).argmax(dim=-1).add_(best, alpha=chunk)
 
 
+# stock's message when a distribution to sample holds NaN (``torch.multinomial``'s check)
+INVALID_PROBABILITIES = "probability tensor contains either `inf`, `nan` or element < 0"
+
+
+def sample_once(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.multinomial(probs, 1).squeeze(1)`` for ``probs`` [B, V] from a softmax, the
+    same tokens from the same random numbers, without its two reads back to the host (its
+    validity checks), which made every sampled step wait for the device. Returns (tokens
+    int64 [B], bool [] on the device: True where stock's call would raise, i.e. a row holds
+    NaN, the only invalid entry a softmax gives; the caller reads it back later and raises
+    ``INVALID_PROBABILITIES``).
+
+    For one sample ATen draws q ~ Exp(1) over the tensor and takes argmax(probs / q) a row
+    (here ``greedy_tokens``: the same entry, faster on CUDA). A NaN makes its row's ratio
+    NaN, which argmax picks: the flag is the chosen ratio's."""
+    ratio = torch.empty_like(probs).exponential_(1)
+    torch.div(probs, ratio, out=ratio)
+    tokens = greedy_tokens(ratio)
+    return tokens, ratio.gather(1, tokens[:, None]).isnan().any()
+
+
 class StopRule:
     """HF's ``MaxLengthCriteria`` (a host length) and ``EosTokenCriteria`` (on the device)."""
 

@@ -19,6 +19,15 @@ import torch
 READ_BACK_LAG = 3  # decode steps issued after a step before the host reads it
 
 
+class InvalidDraw(Exception):
+    """A sampled step's distribution held NaN (where stock's ``torch.multinomial`` raises);
+    ``length``: the sequence length that step made."""
+
+    def __init__(self, length: int):
+        super().__init__(length)
+        self.length = length
+
+
 class ReadBack:
     """Lagged read-back of one decode loop over ``rows`` rows (the call's full batch)."""
 
@@ -28,15 +37,18 @@ class ReadBack:
         slots = READ_BACK_LAG + 2
         self.unfinished = torch.zeros(slots, rows, dtype=torch.bool, pin_memory=self.cuda)
         self.tokens = torch.zeros(slots, rows, dtype=torch.long, pin_memory=self.cuda)
+        self.invalid = torch.zeros(slots, dtype=torch.bool, pin_memory=self.cuda)
         self.events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]
-        self.pending: deque[tuple[int, int, list[int]]] = deque()  # (length, slot, batch rows)
+        # (length, slot, batch rows, whether ``invalid`` holds the step's flag)
+        self.pending: deque[tuple[int, int, list[int], bool]] = deque()
         self.next_slot = 0
         self.finished: set[int] = set()  # original rows known to have finished
 
-    def push(self, length: int, unfinished, tokens, batch_rows: list[int]) -> None:
+    def push(self, length: int, unfinished, tokens, batch_rows: list[int], invalid=None) -> None:
         """The step that made the sequences ``length`` long: its ``unfinished`` [b] and
-        ``tokens`` [b] of the batch rows ``batch_rows`` (original row of each)."""
-        if not (self.has_eos or self.streamer is not None):
+        ``tokens`` [b] of the batch rows ``batch_rows`` (original row of each), and for a
+        sampled step ``invalid`` (bool []: its distribution held NaN)."""
+        if not (self.has_eos or self.streamer is not None or invalid is not None):
             return
         slot, self.next_slot = self.next_slot, (self.next_slot + 1) % len(self.events)
         width = len(batch_rows)
@@ -44,22 +56,28 @@ class ReadBack:
             self.unfinished[slot, :width].copy_(unfinished, non_blocking=True)
         if self.streamer is not None:
             self.tokens[slot, :width].copy_(tokens, non_blocking=True)
+        if invalid is not None:
+            self.invalid[slot].copy_(invalid, non_blocking=True)
         if self.cuda:
             self.events[slot].record()
-        self.pending.append((length, slot, batch_rows))
+        self.pending.append((length, slot, batch_rows, invalid is not None))
 
     def poll(self, drain: bool = False) -> int | None:
         """The sequence length at which every row had finished, once read back; else None.
         Feeds the streamer each step read (every row: the rows that left get the pad) and
-        adds the rows read as finished to ``finished``. ``drain`` reads every pending step."""
+        adds the rows read as finished to ``finished``. ``drain`` reads every pending step.
+        Raises ``InvalidDraw`` for a step read whose distribution held NaN."""
         while self.pending:
-            length, slot, batch_rows = self.pending[0]
+            length, slot, batch_rows, checked = self.pending[0]
             event = self.events[slot]
             if not drain and len(self.pending) <= READ_BACK_LAG:
                 return None
             if event is not None:
                 event.synchronize()
             self.pending.popleft()
+            if checked and bool(self.invalid[slot]):
+                self.pending.clear()
+                raise InvalidDraw(length)
             width = len(batch_rows)
             if self.streamer is not None:
                 tokens = torch.full((self.tokens.shape[1],), self.pad_value, dtype=torch.long)

@@ -27,7 +27,13 @@ from transformers.generation import logits_process as lp
 
 import nanoserve
 from nanoserve.adapters import decode_loop, read_back
-from nanoserve.adapters.device_sampling import apply_steps, processor_steps, unsupported
+from nanoserve.adapters.device_sampling import (
+    INVALID_PROBABILITIES,
+    apply_steps,
+    processor_steps,
+    sample_once,
+    unsupported,
+)
 from nanoserve.adapters.step import find_cache
 
 EOS = 2
@@ -474,6 +480,76 @@ def test_processed_scores_equal_hf_processors():
             for step in steps:
                 step.observe(tokens)
             ids = torch.cat([ids, tokens[:, None]], dim=1)
+
+
+def test_sample_once_draws_as_multinomial():
+    """``sample_once`` gives ``torch.multinomial(probs, 1)``'s tokens and leaves the same
+    random state, on softmax outputs with masked entries, one row or many, vocabularies of
+    any size (the chunked argmax of ``greedy_tokens`` at 8,192 and 128,256); its flag is False
+    there and True for a NaN row. Planted: drawing with ``torch.rand`` (q = -log u, the same
+    distribution) gave other tokens."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    for rows, vocab in ((1, 97), (6, 1000), (3, 4099), (64, 128), (1, 8192), (2, 128256)):
+        logits = torch.randn(rows, vocab, generator=gen) * 3
+        logits[torch.rand(rows, vocab, generator=gen) < 0.5] = float("-inf")
+        logits[:, 0] = 0.0  # every row keeps an entry
+        probs = torch.softmax(logits, dim=-1)
+        torch.manual_seed(seed)
+        expected = torch.multinomial(probs, num_samples=1).squeeze(1)
+        after_stock = torch.rand(3)
+        torch.manual_seed(seed)
+        tokens, invalid = sample_once(probs)
+        assert torch.equal(tokens, expected), (seed, rows, vocab)
+        assert torch.equal(torch.rand(3), after_stock)
+        assert not bool(invalid)
+        probs[rows // 2, vocab // 3] = float("nan")
+        with pytest.raises(RuntimeError, match="probability tensor"):
+            torch.multinomial(probs, num_samples=1)
+        assert bool(sample_once(probs)[1])
+
+
+def test_nan_while_sampling_raises_as_stock():
+    """A token whose embedding is NaN makes the next step's distribution NaN for the rows
+    that drew it. Stock's multinomial raises there; the loop, which reads the check back a
+    few steps later, raises the same error, leaves the random state where stock leaves it,
+    keeps a cache passed in to continue as it was, and the model generates as stock after.
+    Planted: ignoring the flag (no error), and raising without restoring the random state
+    (the draws after it differed), each failed."""
+    model = tiny_model("llama", seed=5)
+    nan_token = 60
+    with torch.no_grad():
+        model.model.embed_tokens.weight[nan_token] = float("nan")
+        model.lm_head.weight[nan_token] *= 30.0  # first drawn after some steps
+    inputs = padded_batch([7, 4, 6], 7, vocab=40)  # the prompts never hold it
+    opts = dict(do_sample=True, max_new_tokens=30, eos_token_id=None, pad_token_id=0)
+
+    def run():
+        torch.manual_seed(3)
+        with torch.no_grad(), pytest.raises(RuntimeError) as raised:
+            model.generate(**inputs, **opts)
+        return str(raised.value), torch.rand(4)
+
+    stock_message, stock_after = run()
+    assert INVALID_PROBABILITIES in stock_message
+    with patched(model):
+        message, after = run()
+        assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
+        assert message == INVALID_PROBABILITIES
+        assert torch.equal(after, stock_after)
+        with torch.no_grad():
+            first = model.generate(**inputs, max_new_tokens=3, do_sample=False,
+                                   return_dict_in_generate=True)  # fmt: skip
+            cache = find_cache(dict(first.items()))
+            held = cache.get_seq_length()
+            torch.manual_seed(3)
+            with pytest.raises(RuntimeError, match="probability tensor"):
+                model.generate(input_ids=first.sequences, past_key_values=cache,
+                               attention_mask=torch.ones_like(first.sequences), **opts)  # fmt: skip
+            assert cache.get_seq_length() == held
+            ours = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(ours, model.generate(**inputs, max_new_tokens=6, do_sample=False))
 
 
 def test_random_state_after_a_sampled_stop_is_stocks():
