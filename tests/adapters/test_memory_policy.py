@@ -175,7 +175,9 @@ def test_gpu_soak_of_random_calls(seed=0):
                 torch.cuda.synchronize()
                 after_call.append(torch.cuda.memory_allocated())
         assert len(set(after_call)) == 1, after_call  # nothing kept from call to call
-        assert after_call[0] <= stock_held + 64 * 2**20  # + the capture stream's workspace
+        # + the capture stream's library workspace (64 MiB) and a few small allocations kept
+        # with it (30.5 KiB on the H200 on 2026-12-02): a leaked pool would be far larger
+        assert after_call[0] <= stock_held + 65 * 2**20
     finally:
         nanoserve.unpatch_model(model)
 
