@@ -14,6 +14,9 @@ token on the device (``device_sampling.py``), and writes it into a preallocated
 (``read_back.py``): the host learns it a few steps late, so the steps issued past the stop
 are cut from the returned sequences, scores and logits and cropped from the cache, and the
 random numbers they drew are given back: the result, and the RNG state after it, are stock's.
+Sampling draws with ``sample_once`` (``torch.multinomial``'s own draw without its checks'
+reads back to the host); whether a step's distribution held NaN is read back with the rest
+and raises stock's error, the random state put back where stock's raise leaves it.
 
 Finished rows leave the batch (``ActiveRows``) when the rest fits a smaller graph bucket and
 nothing of theirs past EOS is returned (no scores, logits or returned cache, and not a cache
