@@ -516,6 +516,8 @@ def test_nan_while_sampling_raises_as_stock():
     keeps a cache passed in to continue as it was, and the model generates as stock after.
     Planted: ignoring the flag (no error), and raising without restoring the random state
     (the draws after it differed), each failed."""
+    from test_misuse import cache_name
+
     model = tiny_model("llama", seed=5)
     nan_token = 60
     with torch.no_grad():
@@ -542,10 +544,11 @@ def test_nan_while_sampling_raises_as_stock():
                                    return_dict_in_generate=True)  # fmt: skip
             cache = find_cache(dict(first.items()))
             held = cache.get_seq_length()
+            mask = torch.cat([inputs["attention_mask"], torch.ones(3, 3, dtype=torch.long)], 1)
             torch.manual_seed(3)
             with pytest.raises(RuntimeError, match="probability tensor"):
-                model.generate(input_ids=first.sequences, past_key_values=cache,
-                               attention_mask=torch.ones_like(first.sequences), **opts)  # fmt: skip
+                model.generate(input_ids=first.sequences, attention_mask=mask,
+                               **{cache_name(model): cache}, **opts)  # fmt: skip
             assert cache.get_seq_length() == held
             ours = model.generate(**inputs, max_new_tokens=6, do_sample=False)
     with torch.no_grad():
