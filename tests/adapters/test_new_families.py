@@ -60,10 +60,15 @@ def tiny_model(name: str, seed: int = 0, **overrides):
 
 
 def assert_logits_equal(stock, paged):
+    """Stock's tokens, and each step's float32 logits within 1e-5 of that step's largest
+    stock logit: the paged attention sums in another order than stock's, and the sharpened
+    weights carry the rounding to the logits (a Nemotron step differed by 2.0e-5 beside a
+    largest logit of 8.9 on an AMD EPYC CPU; a wrong key or window differs by far more)."""
     assert torch.equal(stock.sequences, paged.sequences)
     assert len(stock.logits) == len(paged.logits)
     for step, (a, b) in enumerate(zip(stock.logits, paged.logits, strict=True)):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+        bound = 1e-5 * max(a.abs().max().item(), 1.0)
+        torch.testing.assert_close(b, a, rtol=0.0, atol=bound, msg=f"step {step}")
 
 
 def test_registry_names_the_new_families():
