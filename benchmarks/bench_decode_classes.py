@@ -67,6 +67,11 @@ CLASSES = {
     "uniform-128x2048": (lengths("uniform", 128, 0, 2048), 32, 8, 128),
     "uniform-128x512": (lengths("uniform", 128, 0, 512), 32, 8, 128),
     "uniform-8x2048-d64": (lengths("uniform", 8, 0, 2048), 32, 8, 64),
+    # a 1B-shaped model's decode batches (32 / 8 heads, head dim 64) at ~1k tokens a row
+    "loop-16x1032-d64": (lengths("uniform", 16, 0, 1032), 32, 8, 64),
+    "loop-32x1032-d64": (lengths("uniform", 32, 0, 1032), 32, 8, 64),
+    "loop-64x1032-d64": (lengths("uniform", 64, 0, 1032), 32, 8, 64),
+    "loop-ragged32-d64": (lengths("ragged", 32, 128, 2304), 32, 8, 64),
 }
 SWEEP_ITEMS_PER_SM = (2, 4, 8, 16)
 
@@ -144,6 +149,8 @@ def candidates(s: dict, flashinfer, sweep: bool) -> dict:
         f"fixed_splits_{old_splits}": nanoserve_fn(s, num_splits=old_splits),
     }
     if sweep:
+        for splits in (1, 2, 4):
+            out.setdefault(f"fixed_splits_{splits}", nanoserve_fn(s, num_splits=splits))
         for per_sm in SWEEP_ITEMS_PER_SM:
             items = triton.cdiv(per_sm * sm_count(s["q"].device), hkv)
             out[f"balanced_{per_sm}_per_sm"] = nanoserve_fn(s, work_items=items)

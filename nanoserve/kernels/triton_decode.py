@@ -5,11 +5,11 @@ rows for tl.dot), so each K/V row is read once. It walks a run of one sequence B
 a time straight through the block table (several pages per step when pages are small), with an
 online softmax in float32. Two launches cut the work into runs:
 
-- balanced (the default with few (row, KV head) pairs per SM): every program reads all of
-  seq_lens and computes the same plan, so a row of any length gets about its share of the
-  total, in work items of whole tiles (FlashInfer builds such a plan on the host; here it needs
-  no host copy of the lengths, no sync and no buffer to refresh between CUDA-graph replays).
-  Ragged batches no longer wait on their longest row.
+- balanced (the default with few (row, KV head) pairs per SM and a table of more than 4k
+  tokens): every program reads all of seq_lens and computes the same plan, so a row of any
+  length gets about its share of the total, in work items of whole tiles (FlashInfer builds
+  such a plan on the host; here it needs no host copy of the lengths, no sync and no buffer to
+  refresh between CUDA-graph replays). Ragged batches no longer wait on their longest row.
 - fixed splits: each row in the same number of equal splits, from shapes only.
 
 A row in one run writes its output directly. Otherwise partial results and their log-sum-exp go
@@ -34,6 +34,9 @@ from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
 MAX_SPLITS = 64
 # Balanced launch below this many (row, KV head) programs per SM (see benchmarks/RESULTS.md).
 BALANCE_BELOW = 6
+# ... and only for block tables of more than this many tokens: rows that fit in such a table
+# differ by too little for the plan and its merge launch to pay (see benchmarks/RESULTS.md).
+BALANCE_ABOVE_TOKENS = 4096
 # Balanced launch: target programs per SM over all KV heads, for fewer than MANY_ROWS rows
 # and for at least that many (see benchmarks/RESULTS.md).
 WORK_ITEMS_PER_SM = 4
@@ -298,12 +301,18 @@ def choose_num_splits(
     return 1 << (max(splits, 1).bit_length() - 1)
 
 
-def balances(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
-    """Whether the balanced launch pays: rows that can differ in length (two or more), and
-    up to BALANCE_BELOW programs per SM without splits. With more, the SMs' own scheduling
-    already evens out rows of different lengths; a single row has nothing to even out; there
+def balances(num_seqs: int, num_kv_heads: int, capacity: int, device: torch.device) -> bool:
+    """Whether the balanced launch pays: rows that can differ in length (two or more) by a
+    lot (a table of more than BALANCE_ABOVE_TOKENS tokens), and up to BALANCE_BELOW programs
+    per SM without splits. With more programs, the SMs' own scheduling already evens out rows
+    of different lengths; a single row has nothing to even out; in a short table the longest
+    row is short too, and the plan and its merge launch cost more than they even out. There
     the fixed-split launch (no plan, usually no merge) is faster (see benchmarks/RESULTS.md)."""
-    return num_seqs > 1 and num_seqs * num_kv_heads < BALANCE_BELOW * sm_count(device)
+    return (
+        num_seqs > 1
+        and capacity > BALANCE_ABOVE_TOKENS
+        and num_seqs * num_kv_heads < BALANCE_BELOW * sm_count(device)
+    )
 
 
 def choose_work_items(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
@@ -351,7 +360,7 @@ def decode_plan(
     _, block_size, num_kv_heads, _ = key_cache.shape
     capacity = block_tables.shape[1] * block_size
     balanced = num_splits is None and (
-        work_items is not None or balances(num_seqs, num_kv_heads, query.device)
+        work_items is not None or balances(num_seqs, num_kv_heads, capacity, query.device)
     )
     many_long = (
         config is None

@@ -213,15 +213,20 @@ def test_decode_many_long_narrow_path(poison_outputs):
 
 def test_decode_plan_split_launch_takes_two_stages():
     """Head dim 128, 16-bit: three pipeline stages without splits, two once the launch splits
-    (a caller's config is kept as given)."""
-    from nanoserve.kernels.triton_decode import decode_plan
+    (a caller's config is kept as given). Rows in a table of more than BALANCE_ABOVE_TOKENS
+    tokens take the balanced launch; in a table of at most that many, fixed splits.
+    Planted, reverted: the table bound left out of ``balances``: failed."""
+    from nanoserve.kernels.triton_decode import BALANCE_ABOVE_TOKENS, decode_plan
 
-    key_cache, _, tables, _ = make_paged_kv([100, 3], 2, 128, 16, torch.float16, extra_columns=64)
+    wide = BALANCE_ABOVE_TOKENS // 16 + 1 - 7  # columns past the longest row's 7 blocks
+    key_cache, _, tables, _ = make_paged_kv([100, 3], 2, 128, 16, torch.float16, extra_columns=wide)
     query = torch.randn(2, 8, 128).to(torch.float16)
     assert decode_plan(query, key_cache, tables, num_splits=1) == (64, 4, 3, 1, 0, 0)
     assert decode_plan(query, key_cache, tables, num_splits=2) == (64, 4, 2, 2, 0, 0)
     plan = decode_plan(query, key_cache, tables)  # balanced: may split any row
     assert plan.work_items > 0 and plan[:4] == (64, 4, 2, 0)
+    short = decode_plan(query, key_cache, tables[:, : BALANCE_ABOVE_TOKENS // 16])
+    assert short.work_items == 0 and short.num_splits > 1 and short[:3] == (64, 4, 2)
     alone = decode_plan(query[:1], key_cache, tables[:1])  # one row: fixed splits
     assert alone.work_items == 0 and alone.num_splits > 1 and alone[:3] == (64, 4, 2)
     config = (64, 4, 3)
@@ -286,7 +291,9 @@ def test_split_decode_launches_its_merge_with_pdl_where_supported(monkeypatch):
     monkeypatch.setattr(triton_decode, "_decode_kernel", Recorder("split"))
     monkeypatch.setattr(triton_decode, "_reduce_kernel", Recorder("merge"))
     monkeypatch.setattr(triton_decode, "_merge_items_kernel", Recorder("merge items"))
-    key_cache, value_cache, tables, seq_lens = make_paged_kv([100, 7], 2, 64, 16, torch.float16)
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(
+        [100, 7], 2, 64, 16, torch.float16, extra_columns=triton_decode.BALANCE_ABOVE_TOKENS // 16
+    )  # a table long enough for the balanced launch
     query = torch.randn(2, 8, 64).to(torch.float16)
     for splits in (4, 1, None):
         triton_decode.paged_decode_attention_triton(
