@@ -55,10 +55,11 @@ def _launch_every_kernel() -> None:
     split = LinearConfig(block_n=16, block_k=32, split=2, num_warps=4, num_stages=2)
     small_batch_linear(x, weights, backend="triton", config=split)
     query = torch.randn(2, 8, 64).to(half)
-    for splits in (4, 1, None):  # fixed splits + merge, one run, balanced + merge
+    # fixed splits + merge, one run, balanced + merge
+    for launch in ({"num_splits": 4}, {"num_splits": 1}, {"work_items": 8}):
         triton_decode.paged_decode_attention_triton(
             query, key_cache, value_cache, tables, seq_lens, scale=0.125,
-            sliding_window=None, softcap=None, num_splits=splits,
+            sliding_window=None, softcap=None, **launch,
         )  # fmt: skip
 
 
