@@ -19,6 +19,9 @@ import torch
 from nanoserve.kernels.dispatch import pdl_launch, sm_count, use_triton
 
 MAX_ROWS = 64
+# Under PDL, load a program's first weight tiles before waiting for the kernel ahead (its
+# output is x): the A/B switch of that overlap.
+WEIGHTS_BEFORE_WAIT = True
 MAX_WEIGHTS = 3
 _MAX_OFFSET = 2**31  # a weight's element offsets are int32 in the kernel
 
@@ -113,7 +116,7 @@ def small_batch_linear(
         out, out.stride(0), partial, share,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=split, GATED=gated, HAS_BIAS=has_bias, EVEN_K=k % cfg.block_k == 0,
-        FP32=fp32, PDL=bool(launch),
+        FP32=fp32, PDL=bool(launch), WEIGHTS_FIRST=WEIGHTS_BEFORE_WAIT and bool(launch),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
     if split > 1:

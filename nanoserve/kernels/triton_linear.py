@@ -27,27 +27,39 @@ def _pick(index, a, b, c):
 
 
 @triton.jit
+def _w_tile(w, cols, n, k, k_hi, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """[BLOCK_K, BLOCK_N]: columns ``cols`` of W.T over k..k+BLOCK_K (zero past n, k_hi)."""
+    kk = k + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        return tl.load(w + cols[None, :] * K + kk[:, None], mask=cols[None, :] < n, other=0.0)
+    ok = (cols[None, :] < n) & (kk[:, None] < k_hi)
+    return tl.load(w + cols[None, :] * K + kk[:, None], mask=ok, other=0.0)
+
+
+@triton.jit
+def _x_tile(x, stride_x, rows, M, k, k_hi, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_K]: rows of x over k..k+BLOCK_K (zero past M, k_hi)."""
+    kk = k + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        return tl.load(x + rows[:, None] * stride_x + kk[None, :], mask=rows[:, None] < M,
+                       other=0.0)  # fmt: skip
+    ok = (rows[:, None] < M) & (kk[None, :] < k_hi)
+    return tl.load(x + rows[:, None] * stride_x + kk[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
 def _tile_product(
-    x, stride_x, rows, M, w, cols, n, k_lo, k_hi, K,
+    x, stride_x, rows, M, w, cols, n, k_lo, k_hi, K, w_first,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, FP32: tl.constexpr,
 ):  # fmt: skip
-    """float32 [BLOCK_M, BLOCK_N]: rows of x times columns ``cols`` of W.T over k_lo..k_hi."""
-    ks = tl.arange(0, BLOCK_K)
-    row_ok = rows[:, None] < M
-    col_ok = cols[None, :] < n
+    """float32 [BLOCK_M, BLOCK_N]: rows of x times columns ``cols`` of W.T over k_lo..k_hi;
+    ``w_first`` is W's first tile (``_w_tile`` at k_lo), loaded by the caller."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
-        kk = k + ks
-        if EVEN_K:
-            xt = tl.load(x + rows[:, None] * stride_x + kk[None, :], mask=row_ok, other=0.0)
-            wt = tl.load(w + cols[None, :] * K + kk[:, None], mask=col_ok, other=0.0)
-        else:
-            k_ok = kk < k_hi
-            x_ok = row_ok & k_ok[None, :]
-            xt = tl.load(x + rows[:, None] * stride_x + kk[None, :], mask=x_ok, other=0.0)
-            w_ok = col_ok & k_ok[:, None]
-            wt = tl.load(w + cols[None, :] * K + kk[:, None], mask=w_ok, other=0.0)
+    acc = mma_acc(_x_tile(x, stride_x, rows, M, k_lo, k_hi, BLOCK_K, EVEN_K), w_first, acc, FP32)
+    for k in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        xt = _x_tile(x, stride_x, rows, M, k, k_hi, BLOCK_K, EVEN_K)
+        wt = _w_tile(w, cols, n, k, k_hi, K, BLOCK_K, EVEN_K)
         acc = mma_acc(xt, wt, acc, FP32)
     return acc
 
@@ -75,9 +87,10 @@ def _linear_kernel(
     out, stride_out, partial, k_share,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(PDL)
+    # WEIGHTS_FIRST: the weights' first tiles are loaded before the wait for the kernel ahead
+    # (under PDL this program may start while that one runs): only x depends on it.
     out_dtype = out.dtype.element_ty
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -88,9 +101,15 @@ def _linear_kernel(
         # one tile of the gate's columns and the same tile of the up projection's
         tile = pid
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        g = _tile_product(x, stride_x, rows, M, w0, cols, n0, k_lo, k_hi, K,
+        if not WEIGHTS_FIRST:
+            pdl_enter(PDL)
+        g_first = _w_tile(w0, cols, n0, k_lo, k_hi, K, BLOCK_K, EVEN_K)
+        u_first = _w_tile(w1, cols, n0, k_lo, k_hi, K, BLOCK_K, EVEN_K)
+        if WEIGHTS_FIRST:
+            pdl_enter(PDL)
+        g = _tile_product(x, stride_x, rows, M, w0, cols, n0, k_lo, k_hi, K, g_first,
                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP32)  # fmt: skip
-        u = _tile_product(x, stride_x, rows, M, w1, cols, n0, k_lo, k_hi, K,
+        u = _tile_product(x, stride_x, rows, M, w1, cols, n0, k_lo, k_hi, K, u_first,
                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP32)  # fmt: skip
         ok = (rows[:, None] < M) & (cols[None, :] < n0)
         if SPLIT == 1:
@@ -109,7 +128,12 @@ def _linear_kernel(
         n = _pick(index, n0, n1, n2)
         first_col = _pick(index, 0, n0, n0 + n1)
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _tile_product(x, stride_x, rows, M, w, cols, n, k_lo, k_hi, K,
+        if not WEIGHTS_FIRST:
+            pdl_enter(PDL)
+        w_first = _w_tile(w, cols, n, k_lo, k_hi, K, BLOCK_K, EVEN_K)
+        if WEIGHTS_FIRST:
+            pdl_enter(PDL)
+        acc = _tile_product(x, stride_x, rows, M, w, cols, n, k_lo, k_hi, K, w_first,
                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP32)  # fmt: skip
         ok = (rows[:, None] < M) & (cols[None, :] < n)
         if SPLIT == 1:
