@@ -10,11 +10,13 @@ filled by one host-to-device copy; a slot mapping and block tables per layer gro
 before the replay, never inside it. Rows past the batch pad the bucket: slot -1 (nothing is
 stored), length 1, and their logits are dropped.
 
-Short extend steps (more than 16 and at most 256 new columns: later turns of a chat over a
-cached prompt, the rows' own tokens after a shared prefix, prefill chunks) run as graphs
-too, one per (rows bucket, columns bucket, table width), on the buffers of
-``extend_static.py``. A failed extend capture turns extend graphs off, not decode graphs.
-Longer prefills stay eager.
+Extend steps of more than 16 new columns and at most 4,096 tokens in all (a prompt's
+prefill over a pool an earlier call made, later turns of a chat over a cached prompt, the
+rows' own tokens after a shared prefix, prefill chunks) run as graphs too, one per (rows
+bucket, columns bucket, table width), on the buffers of ``extend_static.py``, captured
+the second time their bucket comes (the first runs on the same buffers without a graph).
+A failed extend capture turns extend graphs off, not decode graphs. Longer prefills stay
+eager.
 
 Graphs point at the pools' and the weights' memory. A new cache (a new ``generate`` call)
 keeps them when the step's ``signature`` (those addresses) is unchanged, as when it took over
@@ -163,6 +165,7 @@ class DecodeGraphs:
         self.captures = 0
         self.replays = 0
         self.extend_replays = 0  # of replays, those of extend steps
+        self.extends_seen: set[tuple] = set()  # extend buckets run once, not yet captured
 
     def reset(self) -> None:
         """Drop every graph (their memory returns to the allocator once nothing uses it).
@@ -171,6 +174,7 @@ class DecodeGraphs:
         gone while some of its memory is still referenced is an error in PyTorch.
         """
         self.graphs.clear()
+        self.extends_seen.clear()
         self.cache = _dead_ref
         self.cache_signature = None
         self.pool = None
@@ -198,7 +202,7 @@ class DecodeGraphs:
         self.cache_signature = signature
 
     def step(self, cache, host: StepMetadata, input_ids, position_ids, run_forward, signature=None):
-        """Run one decode step (one column) or short extend step (``column_bucket`` columns)
+        """Run one decode step (one column) or extend step (``column_bucket`` columns)
         whose host metadata ``host`` is already built; returns the model output with logits
         for the real rows only. ``signature`` as in ``follow``."""
         self.follow(cache, signature)
@@ -215,9 +219,14 @@ class DecodeGraphs:
             else:
                 static = StaticExtend.allocate(*key, input_ids.device)
             static.load(host, input_ids, position_ids)
-            if self.capture:
+            # An extend bucket is captured when it comes back: a capture costs about two
+            # eager forwards, which a shape seen once (one prompt's length) never repays.
+            again = columns == 1 or key in self.extends_seen
+            self.extends_seen.add(key)
+            if self.capture and again:
                 return self._capture(key, static, run_forward, cache, batch)
-            self._count_replay(columns)
+            if not self.capture:  # (counted as the replay it stands for)
+                self._count_replay(columns)
             return _eager_answer(run_forward(static), cache, batch)
         captured.static.load(host, input_ids, position_ids)
         captured.graph.replay()

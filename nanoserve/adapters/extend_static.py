@@ -1,4 +1,5 @@
-"""Fixed buffers of a short extend step (a few new tokens in each row) for a CUDA graph.
+"""Fixed buffers of an extend step (new tokens in each row, cached ones or none before) for
+a CUDA graph.
 
 A graph of [rows, columns] tokens serves every step of at most that many rows and columns:
 rows are left padded to the bucket's columns (a row's new tokens stay its last ones) and
@@ -18,11 +19,13 @@ import torch
 
 from nanoserve.cache import StepMetadata
 
-# Column buckets of the extend graphs; a step of more columns runs eagerly, and so does one
-# of at most MIN_COLUMNS, which the GQA-packed verify kernel serves eagerly.
-COLUMN_BUCKETS = (32, 64, 128, 256)
 MIN_COLUMNS = 16
 MAX_TOKENS = 4096  # rows x columns of one extend graph
+# Column buckets of the extend graphs: powers of two to 256, then steps of 128 (a prompt's
+# padding to its bucket stays under 128 columns, small beside the eager forward's host
+# time). A step of more columns runs eagerly, and so does one of at most MIN_COLUMNS, which
+# the GQA-packed verify kernel serves eagerly.
+COLUMN_BUCKETS = (32, 64, 128, 256, *range(384, MAX_TOKENS + 1, 128))
 
 
 def column_bucket(columns: int) -> int | None:

@@ -1,11 +1,12 @@
-"""Decode and short extend steps of a patched model through the CUDA-graph runner
+"""Decode and extend steps of a patched model through the CUDA-graph runner
 (``decode_graphs.py``).
 
 A forward that is a step the captured graphs reproduce exactly (only the arguments generate
-passes, pools on the tokens' device, and either one new token in every row, every row real,
-or a short extend over tokens already cached: ``column_bucket`` columns, left padded, the
-last column's logits only, one pool group of the model's dtype) opens its paged step on
-the host and runs through ``DecodeGraphs``; the caller runs every other forward eagerly.
+passes, pools already made on the tokens' device, and either one new token in every row,
+every row real, or an extend of ``column_bucket`` columns over the rows' cached tokens, none
+included: a prompt's prefill, a later chat turn; left padded, the last column's logits
+only, one pool group of the model's dtype) opens its paged step on the host and runs
+through ``DecodeGraphs``; the caller runs every other forward eagerly.
 """
 
 from __future__ import annotations
@@ -50,12 +51,11 @@ def graph_step_kind(state: PatchState, cache, kwargs: dict, new: torch.Tensor) -
         return None
     if not (ids.is_cuda or not graphs.capture):
         return None
-    paged = cache.paged
-    if paged.num_seqs != ids.shape[0] or any(
-        pool is None or pool.device != ids.device for pool in paged.key_pools
-    ):
-        return None  # the sequences start in this step, or layers live on several devices
-    rows, columns = ids.shape
+    paged, (rows, columns) = cache.paged, ids.shape
+    if any(pool is None or pool.device != ids.device for pool in paged.key_pools):
+        return None  # the pools are made by this step, or layers live on several devices
+    if paged.num_seqs != rows and (columns == 1 or paged.num_seqs):
+        return None  # (an extend step may start the sequences: a prompt's own prefill)
     if columns == 1:
         return "decode" if graphs.disabled_reason is None and bool(new.all()) else None
     bucket = column_bucket(columns)
@@ -66,7 +66,6 @@ def graph_step_kind(state: PatchState, cache, kwargs: dict, new: torch.Tensor) -
         or len(paged.groups) > 1
         or paged.kv_dtype is not None  # (FP8 scales are set by a call's first write)
         or bucket_for(rows) * bucket > MAX_TOKENS
-        or not any(paged.seq_lens())  # a prompt's own prefill stays eager, as without graphs
     ):
         return None
     return "extend"

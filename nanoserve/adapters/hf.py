@@ -269,7 +269,7 @@ def last_cache(model) -> PagedCache | None:
 
 def decode_graph_stats(model) -> dict:
     """The patched model's CUDA-graph figures: graphs held, captures, replays (of them,
-    ``extend_replays``: short extend steps), why decode graphs (``disabled``) or extend
+    ``extend_replays``: extend steps), why decode graphs (``disabled``) or extend
     graphs (``extend_disabled``) were turned off (None while they are on), and which loop
     the latest greedy / sampling call ran (``decode_loop``: "nanoserve", "stock: <why>", or
     None before any), ``eager_reason``: why the latest call's steps replayed no graph (a

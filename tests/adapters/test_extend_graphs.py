@@ -23,8 +23,9 @@ VOCAB = 97
 
 
 def test_column_buckets():
-    assert [column_bucket(n) for n in (1, 16, 17, 32, 33, 64, 65, 200, 256, 257)] == [
-        None, None, 32, 32, 64, 64, 128, 256, 256, None,
+    sizes = (1, 16, 17, 32, 33, 64, 65, 200, 256, 257, 384, 385, 1000, 4096, 4097)
+    assert [column_bucket(n) for n in sizes] == [
+        None, None, 32, 32, 64, 64, 128, 256, 256, 384, 384, 512, 1024, 4096, None,
     ]  # fmt: skip
 
 
@@ -98,15 +99,30 @@ def test_prefill_chunks_after_the_first_take_the_extend_buffers():
 
 
 def test_steps_outside_the_buckets_run_eagerly():
-    """A later turn of at most 16 tokens (the verify kernel's steps) and a prompt with
-    nothing cached stay eager, with stock's tokens."""
+    """A later turn of at most 16 tokens (the verify kernel's steps) stays eager, with
+    stock's tokens."""
     model = sharpen(tiny_model("llama"))
     gen = torch.Generator().manual_seed(2)
     system = torch.randint(3, VOCAB, (40,), generator=gen)
     calls = [chat_batch(system, [12, 5], gen), chat_batch(system, [9, 16], gen)]
-    calls.append(chat_batch(torch.randint(3, VOCAB, (8,), generator=gen), [30], gen))
     replays = check_calls(model, calls, {"block_size": 4}, DecodeGraphs(capture=False))
-    assert replays == [0, 0, 0]
+    assert replays == [0, 0]
+
+
+@pytest.mark.parametrize("prefix_sharing", [True, False])
+def test_a_prompts_own_prefill_takes_the_extend_buffers(prefix_sharing):
+    """Prompts with nothing cached (different random rows, left padded, 17..50 tokens) are
+    prefilled through the extend buffers once an earlier call has made the pool, with
+    stock's tokens; the first call, whose forward allocates the pools, stays eager. With
+    ``prefix_sharing=False`` the prefill starts the sequences itself. Planted: the fresh
+    prompt's prefill kept eager (as before): failed; its rows' lengths one long: failed."""
+    model = sharpen(tiny_model("llama"))
+    gen = torch.Generator().manual_seed(5)
+    calls = [chat_batch(torch.empty(0, dtype=torch.long), own, gen)
+             for own in ([45, 50, 38], [30, 41], [17], [33, 29, 20])]  # fmt: skip
+    patch = {"block_size": 4, "prefix_sharing": prefix_sharing}
+    replays = check_calls(model, calls, patch, DecodeGraphs(capture=False))
+    assert replays == [0, 1, 1, 1]
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -116,7 +132,9 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @pytest.mark.gpu
 def test_captured_extends_over_a_cached_prompt_match_stock():
     """Captured and replayed extend graphs (float32): later turns over a cached 64-token
-    system prompt give stock's tokens; the same shapes replay the captured graph."""
+    system prompt and prompts with nothing cached (300-odd tokens, the 384-column bucket)
+    give stock's tokens. A bucket is captured the second time it comes (the first runs on
+    its buffers without a graph) and replayed after. Planted: captured at once: failed."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
@@ -127,14 +145,18 @@ def test_captured_extends_over_a_cached_prompt_match_stock():
         model = sharpen(LlamaForCausalLM(config).eval())
     gen = torch.Generator().manual_seed(3)
     system = torch.randint(3, VOCAB, (64,), generator=gen)
-    own = ([20, 25, 30], [21, 29, 24], [18, 33], [40])
+    # buckets (rows, columns): (4, 32) twice, (2, 64) twice, (1, 64) once, then (1, 384) twice
+    own = ([20, 25, 30], [21, 29, 24], [18, 33], [19, 40], [40])
     calls = [chat_batch(system, n, gen, device="cuda") for n in own]
-    replays = check_calls(model, calls, {}, None, new_tokens=6, tolerance=1e-4)
-    assert replays == [1, 1, 1, 1]
+    nothing = torch.empty(0, dtype=torch.long)
+    calls += [chat_batch(nothing, [n], gen, device="cuda") for n in (300, 310)]
+    # one pool size for every call: each call takes over the last one's pool (and graphs)
+    replays = check_calls(model, calls, {"num_blocks": 256}, None, new_tokens=6, tolerance=1e-4)
+    assert replays == [0, 1, 0, 1, 0, 0, 1]
     nanoserve.patch_model(model)
     try:
         with torch.no_grad():
-            for call in calls[:2]:
+            for call in calls[:4]:
                 model.generate(**call, max_new_tokens=6, do_sample=False, eos_token_id=None)
         stats = nanoserve.decode_graph_stats(model)
     finally:
