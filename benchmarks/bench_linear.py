@@ -71,7 +71,8 @@ def sweep_configs():
 
 def kernel_fns(x, weight_sets, gated, config=None):
     return [
-        lambda ws=ws: small_batch_linear(x, ws, gated=gated, config=config) for ws in weight_sets
+        lambda ws=ws: small_batch_linear(x, ws, gated=gated, config=config, weights_ready=True)
+        for ws in weight_sets
     ]
 
 
@@ -80,7 +81,9 @@ def time_config(x, weight_sets, gated, cfg) -> float | None:
     from triton.runtime.errors import OutOfResources
 
     try:
-        small_batch_linear(x, weight_sets[0], gated=gated, config=cfg)  # compiles outside capture
+        small_batch_linear(
+            x, weight_sets[0], gated=gated, config=cfg, weights_ready=True
+        )  # compiles outside capture
     except OutOfResources:
         return None
     return time_graph(kernel_fns(x, weight_sets, gated, cfg)).median

@@ -75,7 +75,8 @@ class _Siblings:
                 return F.linear(x, linear.weight, linear.bias)
             weights = [m.weight for m in self.linears]
             biases = [m.bias for m in self.linears] if linear.bias is not None else None
-            out = small_batch_linear(flat, weights, biases)
+            # (weights_ready: no kernel of a decode step writes a parameter)
+            out = small_batch_linear(flat, weights, biases, weights_ready=True)
             sizes = [w.shape[0] for w in weights]
             outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in out.split(sizes, dim=-1)]
             self.pending = {i: (x, y) for i, y in enumerate(outs) if i != index}
@@ -96,14 +97,16 @@ def _gated_mlp_forward(
         if not fits(flat, (gate, up), backend, gated=True):
             return stock_forward(x)
         biases = [gate.bias, up.bias] if gate.bias is not None else None
-        hidden = small_batch_linear(flat, [gate.weight, up.weight], biases, gated=True)
+        hidden = small_batch_linear(
+            flat, [gate.weight, up.weight], biases, gated=True, weights_ready=True
+        )
         if hidden.shape[0] > DOWN_MAX_ROWS:
             out = F.linear(hidden, down.weight, down.bias)
         elif not fits(hidden, (down,), backend):
             return stock_forward(x)  # (a down projection the kernel does not take)
         else:
             down_bias = [down.bias] if down.bias is not None else None
-            out = small_batch_linear(hidden, [down.weight], down_bias)
+            out = small_batch_linear(hidden, [down.weight], down_bias, weights_ready=True)
         ran.add(("mlp", id(mlp)))
         out = out.view(*x.shape[:-1], out.shape[-1])
         if note is not None:

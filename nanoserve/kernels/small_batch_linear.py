@@ -19,9 +19,6 @@ import torch
 from nanoserve.kernels.dispatch import pdl_launch, sm_count, use_triton
 
 MAX_ROWS = 64
-# Under PDL, load a program's first weight tiles before waiting for the kernel ahead (its
-# output is x): the A/B switch of that overlap.
-WEIGHTS_BEFORE_WAIT = True
 MAX_WEIGHTS = 3
 _MAX_OFFSET = 2**31  # a weight's element offsets are int32 in the kernel
 
@@ -71,13 +68,17 @@ def small_batch_linear(
     gated: bool = False,
     backend: str = "auto",
     config: LinearConfig | None = None,
+    weights_ready: bool = False,
 ) -> torch.Tensor:
     """``small_batch_linear_ref``'s result by one Triton launch (two with K split in shares).
 
     x [M, K] with 1 <= M <= 64 and unit stride in K; weights 1 to 3 contiguous [N_i, K]
     (gated: gate and up, equal shapes); float16, bfloat16 or float32 (float32 exact, no
-    TF32). ``config`` overrides the tile choice (benchmarks). Returns a new [M, sum N_i]
-    tensor of x's dtype (gated [M, N]).
+    TF32). ``config`` overrides the tile choice (benchmarks). ``weights_ready=True`` promises
+    that the kernel just before this one on the stream writes neither the weights nor the
+    biases (a model's parameters in a decode step): launched with programmatic dependent
+    launch, each program then loads its first weight tiles before it waits for that kernel.
+    Returns a new [M, sum N_i] tensor of x's dtype (gated [M, N]).
     """
     weights = list(weights)
     biases = list(biases) if biases is not None else [None] * len(weights)
@@ -116,7 +117,7 @@ def small_batch_linear(
         out, out.stride(0), partial, share,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=split, GATED=gated, HAS_BIAS=has_bias, EVEN_K=k % cfg.block_k == 0,
-        FP32=fp32, PDL=bool(launch), WEIGHTS_FIRST=WEIGHTS_BEFORE_WAIT and bool(launch),
+        FP32=fp32, PDL=bool(launch), WEIGHTS_FIRST=weights_ready and bool(launch),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
     if split > 1:

@@ -87,3 +87,20 @@ def test_the_switch_turns_pdl_off(monkeypatch):
     assert dispatch.pdl_launch(cuda) == {"launch_pdl": True}
     monkeypatch.setenv("NANOSERVE_PDL", "0")
     assert dispatch.pdl_launch(cuda) == {}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("supported", [True, False])
+def test_weights_are_read_before_the_wait_only_when_the_caller_says_they_are_ready(
+    monkeypatch, supported
+):
+    """A linear program loads weight tiles before its PDL wait only with ``weights_ready``
+    (else the kernel ahead may still be writing them) and only under PDL. Planted: ready by
+    default: failed."""
+    launches = []
+    monkeypatch.setattr(triton_linear, "_linear_kernel", _Recorder("linear", launches))
+    monkeypatch.setattr(dispatch, "supports_pdl", lambda device: supported)
+    x, weights = torch.randn(3, 64).half(), [torch.randn(32, 64).half()]
+    small_batch_linear(x, weights, backend="triton")
+    small_batch_linear(x, weights, backend="triton", weights_ready=True)
+    assert [kwargs["WEIGHTS_FIRST"] for _, kwargs in launches] == [False, supported]
