@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from collections import Counter
 from contextlib import contextmanager
@@ -21,6 +22,11 @@ def patched(model, **options):
         yield model
     finally:
         nanoserve.unpatch_model(model)
+
+
+def cache_name(model) -> str:
+    """How this transformers version's forward takes the cache (5.24: ``cache``)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def sharpen(model):

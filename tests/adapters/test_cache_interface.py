@@ -9,20 +9,13 @@ write)."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
-from helpers import patched
+from helpers import cache_name, patched
 from test_families import padded_batch, tiny_model
 from transformers import DynamicCache
 
 import nanoserve
-
-
-def cache_name(model) -> str:
-    """How this transformers version's forward takes the cache (5.24: ``cache``)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def paged_cache(num_blocks: int = 32) -> nanoserve.PagedCache:

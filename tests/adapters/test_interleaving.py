@@ -7,10 +7,10 @@ or the call raised OutOfBlocks where the pool was fixed too small."""
 from __future__ import annotations
 
 import copy
-import inspect
 import os
 
 import torch
+from helpers import cache_name
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
@@ -35,8 +35,7 @@ class GenerateCalls(RuleBasedStateMachine):
         self.backend = "auto"
         nanoserve.patch_model(self.model, block_size=4)
         self.returned = None  # (inputs, paged output, stock output) of a kept call
-        params = inspect.signature(self.model.forward).parameters
-        self.cache_name = "cache" if "cache" in params else "past_key_values"
+        self.cache_name = cache_name(self.model)
 
     def both(self, seed: int, **kwargs):
         """(paged, stock) outputs of one generate call; paged is None where the paged call

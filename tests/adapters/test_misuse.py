@@ -5,7 +5,6 @@ right padding, dtype changes under a returned cache, options nanoserve cannot se
 from __future__ import annotations
 
 import copy
-import inspect
 import io
 import pickle
 import threading
@@ -13,18 +12,13 @@ import threading
 import pytest
 import torch
 import transformers
-from helpers import patched
+from helpers import cache_name, patched
 from test_families import padded_batch, tiny_model
 
 import nanoserve
 from nanoserve.adapters.step import state_of
 
 GREEDY = dict(do_sample=False, eos_token_id=None)
-
-
-def cache_name(model) -> str:
-    """How this transformers version's forward takes the cache (5.24: ``cache``)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def stock_generate(model, **kwargs):
