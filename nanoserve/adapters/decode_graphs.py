@@ -165,7 +165,7 @@ class DecodeGraphs:
         self.captures = 0
         self.replays = 0
         self.extend_replays = 0  # of replays, those of extend steps
-        self.extends_seen: set[tuple] = set()  # extend buckets run once, not yet captured
+        self.extends_seen: set[tuple] = set()  # keys met (an extend key is captured when met again)
 
     def reset(self) -> None:
         """Drop every graph (their memory returns to the allocator once nothing uses it).

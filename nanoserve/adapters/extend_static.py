@@ -28,6 +28,12 @@ MAX_TOKENS = 4096  # rows x columns of one extend graph
 COLUMN_BUCKETS = (32, 64, 128, 256, *range(384, MAX_TOKENS + 1, 128))
 
 
+def fits_tables(columns: int, block_size: int, width: int) -> bool:
+    """Whether a padding sequence of up to ``columns`` tokens reads only block-table entries
+    of its own row and the next (``width`` entries each), never past the buffer's end."""
+    return -(-columns // block_size) <= 2 * width
+
+
 def column_bucket(columns: int) -> int | None:
     """The graph columns that serve ``columns`` new columns, or None (eager)."""
     if columns <= MIN_COLUMNS:
@@ -99,8 +105,9 @@ class StaticExtend:
         sizes[1 : 2 * n : 2] = new.tolist()
         cu[0] = 0
         np.cumsum(sizes, out=cu[1:])
-        # A padding sequence sees only itself, through table row 0s: its reads (fewer than
-        # columns < 2 x the widest row's new tokens) stay inside its row and the next.
+        # A padding sequence sees only itself, through table row 0s: its table reads
+        # (ceil(columns / block_size) entries) stay inside its row and the next, which
+        # ``fits_tables`` asks of the step's columns before it takes this path.
         lens[0::2] = sizes[0::2]
         lens[1::2] = 0
         lens[1 : 2 * n : 2] = host.seq_lens.numpy()

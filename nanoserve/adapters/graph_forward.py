@@ -17,7 +17,7 @@ import torch
 
 from nanoserve.adapters.compiled_layers import CompiledLayers
 from nanoserve.adapters.decode_graphs import bucket_for
-from nanoserve.adapters.extend_static import MAX_TOKENS, column_bucket
+from nanoserve.adapters.extend_static import MAX_TOKENS, column_bucket, fits_tables
 from nanoserve.adapters.fused_decode import FusedDecode
 from nanoserve.adapters.fused_inputs import FUSED_DTYPES
 from nanoserve.adapters.registry import family_for
@@ -66,6 +66,9 @@ def graph_step_kind(state: PatchState, cache, kwargs: dict, new: torch.Tensor) -
         or len(paged.groups) > 1
         or paged.kv_dtype is not None  # (FP8 scales are set by a call's first write)
         or bucket_for(rows) * bucket > MAX_TOKENS
+        # (the step's tables are at least table_width wide; a pool capped below the
+        # columns, with rows padded far past their tokens, stays eager)
+        or not fits_tables(bucket, paged.block_size, paged.table_width)
     ):
         return None
     return "extend"

@@ -75,9 +75,10 @@ def small_batch_linear(
     x [M, K] with 1 <= M <= 64 and unit stride in K; weights 1 to 3 contiguous [N_i, K]
     (gated: gate and up, equal shapes); float16, bfloat16 or float32 (float32 exact, no
     TF32). ``config`` overrides the tile choice (benchmarks). ``weights_ready=True`` promises
-    that the kernel just before this one on the stream writes neither the weights nor the
-    biases (a model's parameters in a decode step): launched with programmatic dependent
-    launch, each program then loads its first weight tiles before it waits for that kernel.
+    that the kernel just before this one on the stream writes no weight (a model's
+    parameters in a decode step; nanoserve's kernels let the next one start only after their
+    own wait, so no earlier kernel still runs): launched with programmatic dependent launch,
+    each program then loads its first weight tiles before it waits for that kernel.
     Returns a new [M, sum N_i] tensor of x's dtype (gated [M, N]).
     """
     weights = list(weights)

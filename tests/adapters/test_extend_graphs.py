@@ -125,6 +125,42 @@ def test_a_prompts_own_prefill_takes_the_extend_buffers(prefix_sharing):
     assert replays == [0, 1, 1, 1]
 
 
+def test_padding_sequences_read_no_table_entry_past_the_buffer(monkeypatch):
+    """Prompts left padded far past their tokens (110 columns, 10-12 tokens) over a pool
+    capped at 8 blocks of 4 (tables 8 wide): every step through the extend buffers keeps
+    each sequence's block-table reads inside the buffer (a read past it is a fault or
+    another allocation's bytes on a GPU), and the tokens are stock's. Planted: the
+    ``fits_tables`` check dropped: failed (entry 28 of 16 read)."""
+    from nanoserve.adapters import extend_static
+
+    past_end = []
+    load = extend_static.StaticExtend.load
+
+    def checked_load(self, host, input_ids, position_ids):
+        load(self, host, input_ids, position_ids)
+        seqs = 2 * self.rows
+        lens = self.host_buffer.numpy()[self.rows * self.columns :][:seqs]
+        for seq, length in enumerate(lens.tolist()):
+            last = seq * self.width + -(-length // 4) - 1  # block size 4
+            if last >= seqs * self.width:
+                past_end.append((seq, last, seqs * self.width))
+
+    monkeypatch.setattr(extend_static.StaticExtend, "load", checked_load)
+    model = sharpen(tiny_model("llama"))
+    gen = torch.Generator().manual_seed(6)
+    calls = []
+    for own in ([10], [12], [9, 5], [11, 6]):
+        call = chat_batch(torch.empty(0, dtype=torch.long), own, gen)
+        width = 110
+        pad = width - call["input_ids"].shape[1]
+        call = {k: torch.nn.functional.pad(v, (pad, 0)) for k, v in call.items()}
+        calls.append(call)
+    for sharing in (False, True):
+        patch = {"block_size": 4, "num_blocks": 8, "prefix_sharing": sharing}
+        check_calls(model, calls, patch, DecodeGraphs(capture=False))
+    assert not past_end, past_end[:3]
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
