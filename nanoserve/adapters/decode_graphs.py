@@ -201,10 +201,15 @@ class DecodeGraphs:
         self.cache = weakref.ref(cache)
         self.cache_signature = signature
 
-    def step(self, cache, host: StepMetadata, input_ids, position_ids, run_forward, signature=None):
+    def step(
+        self, cache, host: StepMetadata, input_ids, position_ids, run_forward, signature=None,
+        borrow: bool = False,
+    ):  # fmt: skip
         """Run one decode step (one column) or extend step (``column_bucket`` columns)
         whose host metadata ``host`` is already built; returns the model output with logits
-        for the real rows only. ``signature`` as in ``follow``."""
+        for the real rows only. ``signature`` as in ``follow``. ``borrow=True`` returns only
+        the logits of the real rows, a view of the graph's output buffer that the next
+        replay of the bucket overwrites (no copy, no model output built)."""
         self.follow(cache, signature)
         batch, columns = input_ids.shape
         width = host.block_tables.shape[1]
@@ -224,20 +229,20 @@ class DecodeGraphs:
             again = columns == 1 or key in self.extends_seen
             self.extends_seen.add(key)
             if self.capture and again:
-                return self._capture(key, static, run_forward, cache, batch)
+                return self._capture(key, static, run_forward, cache, batch, borrow)
             if not self.capture:  # (counted as the replay it stands for)
                 self._count_replay(columns)
-            return _eager_answer(run_forward(static), cache, batch)
+            return _eager_answer(run_forward(static), cache, batch, borrow)
         captured.static.load(host, input_ids, position_ids)
         captured.graph.replay()
         self._count_replay(columns)
-        return _trim(captured, cache, batch)
+        return _trim(captured, cache, batch, borrow)
 
     def _count_replay(self, columns: int) -> None:
         self.replays += 1
         self.extend_replays += columns > 1
 
-    def _capture(self, key, static: StaticStep, run_forward, cache, batch: int):
+    def _capture(self, key, static: StaticStep, run_forward, cache, batch: int, borrow: bool):
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels): this run
         # computes the real step, so it is also the answer if capture fails. One stream for
         # every capture: cuBLAS keeps a workspace per stream it meets, for the process's life.
@@ -280,7 +285,7 @@ class DecodeGraphs:
                 stacklevel=3,
             )
             self.reset()
-            return _eager_answer(warm, cache, batch)
+            return _eager_answer(warm, cache, batch, borrow)
         self.captures += 1
         captured = _Captured(graph, static, *_template(output, cache))
         self.graphs[key] = captured
@@ -295,7 +300,7 @@ class DecodeGraphs:
         )
         graph.replay()
         self._count_replay(static.input_ids.shape[1])
-        return _trim(captured, cache, batch)
+        return _trim(captured, cache, batch, borrow)
 
 
 def _end_generator_capture(device: torch.device) -> None:
@@ -326,14 +331,17 @@ def _template(output, cache) -> tuple[type, dict, str | None]:
     return type(output), fields, cache_field
 
 
-def _eager_answer(output, cache, batch: int):
+def _eager_answer(output, cache, batch: int, borrow: bool = False):
     """``_trim`` for an output computed eagerly (no captured graph behind it)."""
-    return _trim(_Captured(None, None, *_template(output, cache)), cache, batch)
+    return _trim(_Captured(None, None, *_template(output, cache)), cache, batch, borrow)
 
 
-def _trim(captured: _Captured, cache, batch: int):
+def _trim(captured: _Captured, cache, batch: int, borrow: bool = False):
     """The step's model output: logits of the first ``batch`` rows (cloned, since the next
-    replay overwrites the static buffer) and ``cache`` in its field."""
+    replay overwrites the static buffer) and ``cache`` in its field; with ``borrow`` only
+    those logits, uncloned."""
+    if borrow:
+        return captured.fields["logits"][:batch]
     fields = dict(captured.fields)
     fields["logits"] = fields["logits"][:batch].clone()
     if captured.cache_field is not None:

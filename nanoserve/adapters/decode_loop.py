@@ -7,9 +7,12 @@ gives; if not, HF's ``_sample`` runs unchanged and the reason is kept
 (``decode_graph_stats(model)["decode_loop"]``).
 
 The loop prefills through HF's ``_prefill`` (so chunked prefill and prefix sharing are as
-before), then runs each decode step through the patched forward with only the arguments a
-paged decode step needs (on CUDA a replayed graph), processes the logits and picks the
-token on the device (``device_sampling.py``), and writes it into a preallocated
+before), then runs each decode step with only the arguments a paged decode step needs:
+where the patched forward would replay a captured graph, straight on the graph runner
+(``graph_forward.loop_decode_step``: no module call, no model output, the logits lent from
+the graph's buffer), else through the model. It processes the logits and picks the token on
+the device (``device_sampling.py``; greedy choices whose scores and logits are not returned
+replay a graph of their own, ``loop_choice.py``), and writes it into a preallocated
 ``sequences`` buffer. Which rows have finished is copied back without waiting
 (``read_back.py``): the host learns it a few steps late, so the steps issued past the stop
 are cut from the returned sequences, scores and logits and cropped from the cache, and the
@@ -43,7 +46,9 @@ from nanoserve.adapters.device_sampling import (
     sample_once,
     unsupported,
 )
+from nanoserve.adapters.graph_forward import loop_decode_step
 from nanoserve.adapters.hf_cache import PagedCache
+from nanoserve.adapters.loop_choice import TokenChoice
 from nanoserve.adapters.prefix_salt import length_dependent_rope
 from nanoserve.adapters.read_back import READ_BACK_LAG, InvalidDraw, ReadBack
 from nanoserve.adapters.registry import family_for
@@ -162,11 +167,12 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
     cache_name = next(k for k in CACHE_KWARGS if model_kwargs.get(k) is not None)
     cache = model_kwargs[cache_name]
-    positions = model_kwargs["position_ids"][:, -1:].expand(rows, 1).clone()
+    # the positions of the tokens whose logits are chosen from: the prompt's last
+    positions = model_kwargs["position_ids"][:, -1:].expand(rows, 1) - 1
     fixed = {cache_name: cache, "use_cache": True, "return_dict": True}
     if "logits_to_keep" in model_kwargs:
         fixed["logits_to_keep"] = 1
-    logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
+    logits = outputs.logits[:, -1].to(device)
     del outputs
 
     # int64 whatever the prompt's integer dtype, as stock's concatenation promotes it
@@ -183,27 +189,32 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     invalid = None  # sampling: whether the step's distribution held NaN (read back late)
     length, stop_at = prompt_len, None
     rng = _RandomStates(device) if config.do_sample else None
+    # greedy steps whose scores and logits are not returned choose on fixed buffers, replayed
+    # as a graph on CUDA; the others as below
+    choice = None
+    if not config.do_sample and scores is None and raw_logits is None:
+        choice = TokenChoice(steps, rule, pad, capture=_captures(model, device))
+    lent = False  # whether ``logits`` is a graph's output buffer
+    state = state_of(model)
+    state.loop_steps = {"direct": 0, "choice_replays": 0}
     while stop_at is None:
-        processed = apply_steps(steps, logits, length)
-        if scores is not None:  # HF's processors each return a new tensor, never the logits
-            scores.append(processed.clone() if steps and processed is logits else processed)
-        if raw_logits is not None:
-            raw_logits.append(logits)
-        if config.do_sample:
-            rng.save(length)
-            tokens, invalid = batch.draw(torch.nn.functional.softmax(processed, dim=-1))
+        if choice is not None:
+            _, tokens = choice(logits, unfinished, positions, length, lent)
         else:
-            tokens = greedy_tokens(processed)
-        if pad is not None:  # finished rows get the pad token, as in stock
-            tokens = torch.where(unfinished, tokens, pad)
+            logits = logits.to(copy=True, dtype=torch.float32)
+            tokens, invalid = _choose(logits, steps, config, rng, batch, length, scores,
+                                      raw_logits)  # fmt: skip
+            if pad is not None:  # finished rows get the pad token, as in stock
+                tokens = torch.where(unfinished, tokens, pad)
+            for step in steps:
+                step.observe(tokens)
+            if rule.eos is not None:
+                unfinished = unfinished & rule.not_eos(tokens)
+            positions = positions + 1
         if length == sequences.shape[1]:
             sequences = _wider(sequences, min(columns, 2 * length), batch.pad)
         batch.write(sequences, length, tokens)
         length += 1
-        for step in steps:
-            step.observe(tokens)
-        if rule.eos is not None:
-            unfinished = unfinished & rule.not_eos(tokens)
         watch.push(length, unfinished, tokens, batch.rows, invalid)
         try:
             stop_at = watch.poll(drain=length >= rule.max_length)
@@ -220,11 +231,19 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
                 tokens, positions, unfinished = tokens[index], positions[index], unfinished[index]
                 for step in steps:
                     step.select(index)
-            step_out = model(input_ids=tokens[:, None], position_ids=positions, **fixed)
-            positions = positions + 1
-            logits = step_out.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
-            del step_out
+                if choice is not None:
+                    choice.reset()
+            ids = tokens[:, None]
+            step_logits = loop_decode_step(model, cache, fixed, ids, positions)
+            lent = step_logits is not None
+            state.loop_steps["direct"] += lent
+            if not lent:
+                step_logits = model(input_ids=ids, position_ids=positions, **fixed).logits
+            logits = step_logits[:, -1].to(device)
+            del step_logits
 
+    if choice is not None:
+        state.loop_steps["choice_replays"] = choice.replays
     # steps issued past the stop: their tokens were never seen, their K/V is dropped, and
     # the random numbers they drew are given back (a later seeded call draws as after stock's)
     if length > stop_at:
@@ -245,6 +264,27 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
         hidden_states=None,
         **{_CACHE_FIELD: cache},
     )
+
+
+def _choose(logits, steps, config, rng, batch, length, scores, raw_logits):
+    """(tokens [B], the NaN flag of a sampled step or None) from float32 ``logits`` [B, V],
+    keeping the scores and logits asked for."""
+    processed = apply_steps(steps, logits, length)
+    if scores is not None:  # HF's processors each return a new tensor, never the logits
+        scores.append(processed.clone() if steps and processed is logits else processed)
+    if raw_logits is not None:
+        raw_logits.append(logits)
+    if not config.do_sample:
+        return greedy_tokens(processed), None
+    rng.save(length)
+    return batch.draw(torch.nn.functional.softmax(processed, dim=-1))
+
+
+def _captures(model, device: torch.device) -> bool:
+    """Whether the loop's token choice may replay graphs: on CUDA, where the model's decode
+    steps do."""
+    graphs = state_of(model).graphs
+    return device.type == "cuda" and graphs is not None and graphs.capture
 
 
 def _wider(sequences: torch.Tensor, columns: int, pad) -> torch.Tensor:

@@ -32,6 +32,11 @@ class _Step:
     def select(self, index: torch.Tensor) -> None:
         pass
 
+    def branch(self, length: int) -> object:
+        """What of the host's ``length`` this step's device ops depend on (None: nothing);
+        a captured graph of the step is replayed only at lengths of the same branch."""
+        return None
+
 
 class _Temperature(_Step):
     def __init__(self, p: lp.TemperatureLogitsWarper):
@@ -120,8 +125,11 @@ class _EosBlocked(_Step):
         self.eos = torch.as_tensor(eos_token_id).reshape(-1)
         self.mask: torch.Tensor | None = None
 
+    def branch(self, length):
+        return length - self.skip >= self.minimum
+
     def __call__(self, scores, length):
-        if length - self.skip >= self.minimum:
+        if self.branch(length):
             return scores
         if self.mask is None:
             vocab = torch.arange(scores.shape[-1], device=scores.device)

@@ -15,13 +15,14 @@ import contextlib
 
 import torch
 
+from nanoserve.adapters.attention import ATTN_NAME
 from nanoserve.adapters.compiled_layers import CompiledLayers
 from nanoserve.adapters.decode_graphs import bucket_for
 from nanoserve.adapters.extend_static import MAX_TOKENS, column_bucket, fits_tables
 from nanoserve.adapters.fused_decode import FusedDecode
 from nanoserve.adapters.fused_inputs import FUSED_DTYPES
 from nanoserve.adapters.registry import family_for
-from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step
+from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step, state_of
 from nanoserve.adapters.tensor_parallel import tp_size
 from nanoserve.adapters.user_hooks import HookScan
 
@@ -86,10 +87,11 @@ def replay_skips(model, hooks: HookScan) -> str | None:
     return hooks.replay
 
 
-def graph_step(model, state: PatchState, stock_forward, cache, kwargs, new):
+def graph_step(model, state: PatchState, stock_forward, cache, kwargs, new, borrow=False):
     """Run one decode or extend step (``graph_step_kind``) through ``state.graphs``: blocks
     are allocated on the host by ``begin_step``, then the captured graph (or its first
-    capture) runs on static buffers. The caller ends the step (``cache.end_step``)."""
+    capture) runs on static buffers. The caller ends the step (``cache.end_step``).
+    ``borrow``: return only the logits, as ``DecodeGraphs.step`` lends them."""
     cache_name = next(k for k in CACHE_KWARGS if kwargs.get(k) is not None)
     extra = {k: kwargs[k] for k in ("logits_to_keep",) if k in kwargs}
     # compile_decode compiles the layers for decode steps; an extend step's shapes would
@@ -115,6 +117,7 @@ def graph_step(model, state: PatchState, stock_forward, cache, kwargs, new):
             kwargs["position_ids"],
             run_forward,
             signature=lambda c: memory_signature(model, c),
+            borrow=borrow,
         )
     except BaseException:
         cache.abort_step()
@@ -157,3 +160,40 @@ def memory_signature(model, cache) -> tuple:
     tensors = (*cache.paged.key_pools, *cache.paged.value_pools)
     tensors += (*model.parameters(), *model.buffers())
     return tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in tensors if t is not None)
+
+
+def records_grad(model, kwargs: dict) -> bool:
+    """Whether autograd records this forward: grad mode on, and a parameter or a tensor
+    argument (``inputs_embeds``, say) that requires grad. generate runs without grad."""
+    if not torch.is_grad_enabled():
+        return False
+    tensors = (v for v in kwargs.values() if isinstance(v, torch.Tensor))
+    return any(t.requires_grad for t in tensors) or any(p.requires_grad for p in model.parameters())
+
+
+def loop_decode_step(model, cache, fixed: dict, input_ids, position_ids):
+    """One decode step of nanoserve's loop (``decode_loop.py``) on its ``PagedCache``;
+    ``fixed``: its forward arguments but the tokens [B, 1] and positions [B, 1]. When the
+    patched forward (``hf.py``) would run this step as a captured graph, it runs here
+    without the module call and the model output: returns the logits [B, 1, V], lent by
+    the graph runner (valid until the next step). Otherwise returns None before anything
+    changed, and the caller calls the model."""
+    state = state_of(model)
+    if state is None or model.config._attn_implementation != ATTN_NAME:
+        return None  # (the model call raises or runs stock, as for any forward)
+    kwargs = {"input_ids": input_ids, "position_ids": position_ids, **fixed}
+    new = torch.ones(input_ids.shape, dtype=torch.bool)  # (no mask: every column is new)
+    with state.lock:
+        if (
+            state_of(model) is not state
+            or not (cache.generating and cache.mask_checked)
+            or cache.unshared_blocks is not None
+            or "attention_mask" in kwargs
+            or records_grad(model, kwargs)
+            or graph_step_kind(state, cache, kwargs, new) != "decode"
+        ):
+            return None
+        stock = state.previous_forward or type(model).forward.__get__(model)
+        logits = graph_step(model, state, stock, cache, kwargs, new, borrow=True)
+        cache.end_step()
+        return logits

@@ -21,7 +21,7 @@ from transformers import GenerationMixin
 from nanoserve.adapters.attention import ATTN_NAME, register
 from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.fused_decode import FUSED_KINDS
-from nanoserve.adapters.graph_forward import graph_step, graph_step_kind, replay_skips
+from nanoserve.adapters.graph_forward import graph_step, graph_step_kind, records_grad, replay_skips
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.pool_memory import check_pool_fits
 from nanoserve.adapters.prefix_salt import drops_out, prefix_salt
@@ -274,15 +274,18 @@ def decode_graph_stats(model) -> dict:
     the latest greedy / sampling call ran (``decode_loop``: "nanoserve", "stock: <why>", or
     None before any), ``eager_reason``: why the latest call's steps replayed no graph (a
     forward hook on a submodule, which a replay would skip; a module dropping out), or None,
-    and ``fused_decode``: how many modules have run fused in graph steps
+    ``fused_decode``: how many modules have run fused in graph steps
     (``fuse_decode``: {"attention": q/k/v groups, "mlp": gated MLPs, "norm": RMSNorms,
-    "rotary": rotary calls in a step})."""
+    "rotary": rotary calls in a step}), and ``loop_steps``: of nanoserve's latest loop,
+    the decode steps run straight on the graph runner (``direct``) and the greedy token
+    choices replayed as a graph (``choice_replays``)."""
     state = _state(model)
     fused = state.fused_decode
     loop = {
         "decode_loop": state.last_loop,
         "eager_reason": state.eager_reason,
         "fused_decode": fused.counts() if fused else dict.fromkeys(FUSED_KINDS, 0),
+        "loop_steps": dict(state.loop_steps),
     }
     graphs = state.graphs
     if graphs is None:
@@ -367,7 +370,7 @@ def _run_step(model, state: PatchState, stock, cache: PagedCache, kwargs: dict, 
     graph's replay where ``graph_step_kind`` allows, else eagerly. The step is begun here
     (OutOfBlocks leaves everything as it was) and forgotten if the forward fails; the
     caller ends it."""
-    autograd = _records_grad(model, kwargs)
+    autograd = records_grad(model, kwargs)
     if not autograd and graph_step_kind(state, cache, kwargs, new) is not None:
         return graph_step(model, state, stock, cache, kwargs, new)
     tokens = kwargs.get("input_ids")
@@ -388,15 +391,6 @@ def _generate_again(model, args: tuple, kwargs: dict, user_salt):
     if user_salt is not None and state_of(model) is not None:
         kwargs = dict(kwargs, cache_salt=user_salt)
     return model.generate(*args, **kwargs)
-
-
-def _records_grad(model, kwargs: dict) -> bool:
-    """Whether autograd records this forward: grad mode on, and a parameter or a tensor
-    argument (``inputs_embeds``, say) that requires grad. generate runs without grad."""
-    if not torch.is_grad_enabled():
-        return False
-    tensors = (v for v in kwargs.values() if isinstance(v, torch.Tensor))
-    return any(t.requires_grad for t in tensors) or any(p.requires_grad for p in model.parameters())
 
 
 def _grow(paged, more: list[int]) -> None:

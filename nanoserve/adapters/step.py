@@ -89,6 +89,9 @@ class PatchState:
     decode_loop: bool = True  # greedy / sampling run nanoserve's loop (decode_loop.py)
     # which loop the latest _sample call ran: "nanoserve" or "stock: <why>" (None: none yet)
     last_loop: str | None = None
+    # the latest loop call's decode steps run straight on the graph runner (no module call)
+    # and token choices replayed as a graph (decode_loop.py)
+    loop_steps: dict = field(default_factory=dict)
     # why the latest call's steps replayed no graph (a submodule's hook, dropout), or None
     eager_reason: str | None = None
     graphs: DecodeGraphs | None = None  # when cuda_graphs

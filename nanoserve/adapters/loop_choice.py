@@ -1,0 +1,103 @@
+"""The greedy token choice of nanoserve's decode loop, replayed as a CUDA graph.
+
+After each decode step the loop turns the logits into the next tokens with about a dozen
+small device ops: the float32 copy, the processors, the argmax in two steps, the pad after
+EOS, the EOS test and the next positions. Each costs the host 10-30 µs to launch, so at small
+batches they cost about as much host time as the GPU spends on the step. When the logits
+are a replayed decode graph's output buffer (the same memory every step of its bucket),
+``TokenChoice`` captures those ops once per (buffer, rows, the processors' length branch),
+the second time that key comes, and replays them; the running state (which rows are
+unfinished, the positions, the repetition penalty's seen tokens) stays in fixed buffers the
+graph updates in place. Elsewhere (the prefill's logits, a step the model ran eagerly, the
+CPU) the same ops run eagerly on the same buffers, so both ways compute the same values.
+Sampled steps and steps whose scores or logits are returned keep the loop's eager ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.adapters.device_sampling import StopRule, apply_steps, greedy_tokens
+
+
+class TokenChoice:
+    """Greedy choice for one loop (one generate call). ``steps``: ``processor_steps``;
+    ``pad`` the pad token (device tensor) when EOS is checked, else None; ``capture``:
+    replay graphs (on CUDA) where the logits allow (a lent output buffer)."""
+
+    def __init__(self, steps: list, rule: StopRule, pad, capture: bool):
+        self.steps, self.rule, self.pad, self.capture = steps, rule, pad, capture
+        self.graphs: dict[tuple, tuple] = {}  # key -> (graph, outputs)
+        self.seen: set[tuple] = set()
+        self.failed: str | None = None  # a capture that failed: eager from then on
+        self.replays = 0
+
+    def reset(self) -> None:
+        """Forget the graphs (the batch was compacted: other rows, other state buffers)."""
+        self.graphs.clear()
+        self.seen.clear()
+
+    def __call__(
+        self, logits: torch.Tensor, unfinished: torch.Tensor, positions: torch.Tensor,
+        length: int, lent: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(processed float32 [B, V], tokens int64 [B]) for ``logits`` [B, V] of the step
+        whose positions [B, 1] were ``positions``: ``unfinished`` bool [B] and
+        ``positions`` are updated in place (the next step's positions). ``lent``: the
+        logits are a graph's output buffer, the same memory at each step of its bucket."""
+        key = None
+        if self.capture and lent and self.failed is None:
+            key = (logits.data_ptr(), logits.shape, logits.stride(), logits.dtype,
+                   unfinished.data_ptr(), positions.data_ptr(),
+                   *(s.branch(length) for s in self.steps))  # fmt: skip
+        held = self.graphs.get(key) if key is not None else None
+        if held is not None:
+            held[0].replay()
+            self.replays += 1
+            return held[1]
+        if key is not None and key in self.seen:
+            return self._capture(key, logits, unfinished, positions, length)
+        if key is not None:
+            self.seen.add(key)
+        return self._choose(logits, unfinished, positions, length)
+
+    def _choose(self, logits, unfinished, positions, length):
+        processed = apply_steps(self.steps, logits.to(copy=True, dtype=torch.float32), length)
+        tokens = greedy_tokens(processed)
+        if self.pad is not None:  # finished rows get the pad token, as in stock
+            tokens = torch.where(unfinished, tokens, self.pad)
+        for step in self.steps:
+            step.observe(tokens)
+        if self.rule.eos is not None:
+            unfinished &= self.rule.not_eos(tokens)
+        positions += 1
+        return processed, tokens
+
+    def _capture(self, key, logits, unfinished, positions, length):
+        try:
+            graph, outputs = _record(lambda: self._choose(logits, unfinished, positions, length))
+        except Exception as error:  # (nothing ran: a capture records, it does not compute)
+            self.failed = f"{type(error).__name__}: {error}"
+            return self._choose(logits, unfinished, positions, length)
+        self.graphs[key] = (graph, outputs)
+        graph.replay()
+        self.replays += 1
+        return outputs
+
+
+def _record(run):
+    """(a CUDA graph of ``run()``'s device ops, run's outputs: the graph's buffers).
+
+    Captured on a side stream without ``torch.cuda.graph``'s device synchronize and
+    ``empty_cache``: a loop captures its choice anew each call, and emptying the allocator's
+    cache would make the call's later allocations go back to the driver."""
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            outputs = run()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph, outputs
