@@ -267,7 +267,7 @@ class DecodeGraphs:
                     raise
         except Exception as error:  # a model whose forward cannot be captured stays eager
             failure = inner or error
-            _end_generator_capture(static.input_ids.device)
+            end_generator_capture(static.input_ids.device)
         else:
             failure = None
         if self.agree is not None and not self.agree(failure is None) and failure is None:
@@ -303,7 +303,7 @@ class DecodeGraphs:
         return _trim(captured, cache, batch, borrow)
 
 
-def _end_generator_capture(device: torch.device) -> None:
+def end_generator_capture(device: torch.device) -> None:
     """Take the device's CUDA generator out of capture mode after a failed capture: the
     failed ``capture_end`` raises before the epilogue that turns it off, and every random op
     of the process then failed ("Offset increment outside graph capture encountered

@@ -236,5 +236,7 @@ class StopRule:
         self.eos = torch.cat(ids).to(device) if ids else None
 
     def not_eos(self, tokens: torch.Tensor) -> torch.Tensor:
-        """bool [B]: rows whose new token ``tokens`` [B] is no EOS (EOS ids needed)."""
-        return torch.isin(tokens, self.eos, invert=True)
+        """bool [B]: rows whose new token ``tokens`` [B] is no EOS (EOS ids needed). A
+        comparison with every id, not ``torch.isin``: from 10 ids on, isin sorts and reads
+        back to the host, which a captured graph cannot hold."""
+        return (tokens[:, None] != self.eos[None, :]).all(dim=1)

@@ -24,7 +24,7 @@ from nanoserve.adapters.fused_inputs import FUSED_DTYPES
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step, state_of
 from nanoserve.adapters.tensor_parallel import tp_size
-from nanoserve.adapters.user_hooks import HookScan
+from nanoserve.adapters.user_hooks import HookScan, plain_call
 
 # config flags under which transformers' output capturing is active in every forward
 _CAPTURE_FLAGS = ("output_hidden_states", "output_attentions", "output_router_logits")
@@ -179,15 +179,22 @@ def loop_decode_step(model, cache, fixed: dict, input_ids, position_ids):
     the graph runner (valid until the next step). Otherwise returns None before anything
     changed, and the caller calls the model."""
     state = state_of(model)
-    if state is None or model.config._attn_implementation != ATTN_NAME:
-        return None  # (the model call raises or runs stock, as for any forward)
+    if (
+        state is None
+        or model.config._attn_implementation != ATTN_NAME
+        # the model call would run something besides the patched forward: a hook on the
+        # model, a forward wrapped after patching, a compiled call
+        or not plain_call(model)
+        or getattr(model.__dict__.get("forward"), "__func__", None) is not state.patched_forward
+    ):
+        return None  # (the model call raises or runs it, as for any forward)
     kwargs = {"input_ids": input_ids, "position_ids": position_ids, **fixed}
     new = torch.ones(input_ids.shape, dtype=torch.bool)  # (no mask: every column is new)
     with state.lock:
         if (
             state_of(model) is not state
             or not (cache.generating and cache.mask_checked)
-            or cache.unshared_blocks is not None
+            or (cache.unshared_blocks is not None and not cache.paged.num_seqs)
             or "attention_mask" in kwargs
             or records_grad(model, kwargs)
             or graph_step_kind(state, cache, kwargs, new) != "decode"

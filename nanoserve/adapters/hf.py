@@ -180,6 +180,7 @@ def patch_model(
         model.set_attn_implementation(ATTN_NAME)
         model.generate = _method(model, "generate", _paged_generate)
         model.forward = _method(model, "forward", _paged_forward)
+        state.patched_forward = model.forward.__func__
     except BaseException:
         unpatch_model(model)
         raise

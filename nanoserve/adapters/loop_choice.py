@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoserve.adapters.decode_graphs import end_generator_capture
 from nanoserve.adapters.device_sampling import StopRule, apply_steps, greedy_tokens
 
 
@@ -29,11 +30,13 @@ class TokenChoice:
         self.steps, self.rule, self.pad, self.capture = steps, rule, pad, capture
         self.graphs: dict[tuple, tuple] = {}  # key -> (graph, outputs)
         self.seen: set[tuple] = set()
+        self.capturing: dict = {}  # the captures' memory pool and side stream
         self.failed: str | None = None  # a capture that failed: eager from then on
         self.replays = 0
 
     def reset(self) -> None:
-        """Forget the graphs (the batch was compacted: other rows, other state buffers)."""
+        """Drop the graphs and their memory (the batch was compacted: its rows' buffers
+        are new, so no key of theirs comes back)."""
         self.graphs.clear()
         self.seen.clear()
 
@@ -75,9 +78,12 @@ class TokenChoice:
 
     def _capture(self, key, logits, unfinished, positions, length):
         try:
-            graph, outputs = _record(lambda: self._choose(logits, unfinished, positions, length))
+            args = (logits, unfinished, positions, length)
+            graph, outputs = _record(self._choose, args, self.capturing)
         except Exception as error:  # (nothing ran: a capture records, it does not compute)
             self.failed = f"{type(error).__name__}: {error}"
+            if logits.is_cuda:  # a failed capture_end leaves the generator capturing
+                end_generator_capture(logits.device)
             return self._choose(logits, unfinished, positions, length)
         self.graphs[key] = (graph, outputs)
         graph.replay()
@@ -85,18 +91,22 @@ class TokenChoice:
         return outputs
 
 
-def _record(run):
-    """(a CUDA graph of ``run()``'s device ops, run's outputs: the graph's buffers).
+def _record(run, args: tuple, kept: dict):
+    """(a CUDA graph of ``run(*args)``'s device ops, run's outputs: the graph's buffers),
+    captured into a memory pool on a side stream that ``kept`` holds (made at the first).
 
-    Captured on a side stream without ``torch.cuda.graph``'s device synchronize and
-    ``empty_cache``: a loop captures its choice anew each call, and emptying the allocator's
-    cache would make the call's later allocations go back to the driver."""
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    Not ``torch.cuda.graph``, which synchronizes the device and empties the allocator's
+    cache at each capture: a loop captures its choice anew each call, and an emptied cache
+    sends the call's later allocations back to the driver."""
+    if not kept:
+        kept.update(pool=torch.cuda.graph_pool_handle(), side=torch.cuda.Stream())
+    pool, side = kept["pool"], kept["side"]
+    graph = torch.cuda.CUDAGraph()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        graph.capture_begin(capture_error_mode="thread_local")
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
-            outputs = run()
+            outputs = run(*args)
         finally:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)

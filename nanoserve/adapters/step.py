@@ -86,6 +86,9 @@ class PatchState:
     original_attn: str
     previous_generate: Callable | None = None  # an instance attribute patching replaced
     previous_forward: Callable | None = None
+    # the function of the forward patch_model installed (the decode loop calls the graph
+    # runner straight only while the model's forward is still it)
+    patched_forward: Callable | None = None
     decode_loop: bool = True  # greedy / sampling run nanoserve's loop (decode_loop.py)
     # which loop the latest _sample call ran: "nanoserve" or "stock: <why>" (None: none yet)
     last_loop: str | None = None
@@ -130,6 +133,7 @@ class PatchState:
             original_attn=self.original_attn,
             previous_generate=copy.deepcopy(self.previous_generate, memo),
             previous_forward=copy.deepcopy(self.previous_forward, memo),
+            patched_forward=self.patched_forward,  # (a copied bound method keeps its function)
             decode_loop=self.decode_loop,
         )
         if self.graphs is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+import torch
 from torch.nn.modules import module as _torch_module
 
 # Hooks and forward wrappers a replay may skip, by "module.qualname" prefix: tensor
@@ -112,4 +113,22 @@ def _neutral(hook, module) -> bool:
         type(h).__module__.startswith("accelerate.")
         and type(h).__name__ in _VALUE_NEUTRAL_ACCELERATE_HOOKS
         for h in parts
+    )
+
+
+def plain_call(model) -> bool:
+    """Whether ``model(...)`` runs ``model.forward(...)`` and nothing around it: no hook of
+    any kind on the model, no global module hook, no compiled call (``model.compile()``),
+    and the class keeps ``nn.Module.__call__`` (PyTorch's fast path of the call)."""
+    return not (
+        model._forward_hooks
+        or model._forward_pre_hooks
+        or model._backward_hooks
+        or model._backward_pre_hooks
+        or _torch_module._global_forward_hooks
+        or _torch_module._global_forward_pre_hooks
+        or _torch_module._global_backward_hooks
+        or _torch_module._global_backward_pre_hooks
+        or getattr(model, "_compiled_call_impl", None) is not None
+        or type(model).__call__ is not torch.nn.Module.__call__
     )

@@ -10,6 +10,7 @@ captures and replays both.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -22,7 +23,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation import stopping_criteria as sc
 
 import nanoserve
-from nanoserve.adapters import loop_choice
+from nanoserve.adapters import decode_graphs, decode_loop, loop_choice
 from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.device_sampling import (
     StopRule,
@@ -69,36 +70,161 @@ def test_model_call_where_no_graph_runs():
     model = eos_early(tiny_model("llama", seed=10), 3.0)
     stock, ours, stats = stock_and_ours(model, padded_batch([13, 6, 2], 13), None, **OPTS)
     assert torch.equal(stock, ours)
-    assert stats["loop_steps"] == {"direct": 0, "choice_replays": 0}, stats
+    assert stats["loop_steps"]["direct"] == 0, stats
 
 
 class _Recorded:
-    """A CPU stand-in for a captured graph: replay runs the recorded function again, with
-    the host values (length, processors' branch) it was recorded with, and writes its
-    output buffers in place."""
+    """A CPU stand-in for a captured graph: replay runs the recorded function again with the
+    arguments and host values (length, processors' branch) it was recorded with, and writes
+    its output buffers in place. A graph reads and writes fixed addresses: the buffers it
+    updates must still be the recorded ones at each replay."""
 
-    def __init__(self, run, outputs):
-        self.run, self.outputs = run, outputs
+    def __init__(self, run, args, outputs, buffers):
+        self.run, self.args, self.outputs, self.buffers = run, args, outputs, buffers
+        self.addresses = [t.data_ptr() for t in buffers()]
 
     def replay(self):
-        for kept, new in zip(self.outputs, self.run(), strict=True):
+        assert [t.data_ptr() for t in self.buffers()] == self.addresses, "a buffer moved"
+        for kept, new in zip(self.outputs, self.run(*self.args), strict=True):
             kept.copy_(new)
 
 
-def recorder(state_tensors, calls: list):
+def recorder(calls: list):
     """``loop_choice._record``'s stand-in. A capture records without computing, so this one
-    computes once for the output buffers and puts back the state it changed
-    (``state_tensors()``: the buffers the choice updates in place)."""
+    computes once for the output buffers and puts back the buffers the choice updates in
+    place (the unfinished rows, the positions, the processors' state)."""
 
-    def record(run):
-        calls.append(run)
-        saved = [t.clone() for t in state_tensors()]
-        outputs = tuple(t.clone() for t in run())
-        for t, before in zip(state_tensors(), saved, strict=True):
+    def record(run, args, kept):
+        choice, (_, unfinished, positions, _) = run.__self__, args
+
+        def buffers():
+            seen = [s.seen for s in choice.steps if getattr(s, "seen", None) is not None]
+            return [unfinished, positions, *seen]
+
+        calls.append(args)
+        saved = [t.clone() for t in buffers()]
+        outputs = tuple(t.clone() for t in run(*args))
+        for t, before in zip(buffers(), saved, strict=True):
             t.copy_(before)
-        return _Recorded(run, outputs), outputs
+        return _Recorded(run, args, outputs, buffers), outputs
 
     return record
+
+
+@pytest.fixture
+def lent_on_cpu(monkeypatch):
+    """The loop on CPU as on CUDA: the graph runner lends each step's logits from a fixed
+    buffer per shape (a captured graph's output), and the choice captures (stand-in
+    recorder). Yields the recorder's calls."""
+    buffers = {}
+    eager_answer = decode_graphs._eager_answer
+
+    def lend(output, cache, batch, borrow=False):
+        if not borrow:
+            return eager_answer(output, cache, batch)
+        logits = output.logits
+        if logits.shape not in buffers:
+            buffers[logits.shape] = torch.empty_like(logits)
+        return buffers[logits.shape].copy_(logits)[:batch]
+
+    calls = []
+    monkeypatch.setattr(decode_graphs, "_eager_answer", lend)
+    monkeypatch.setattr(decode_loop, "_captures", lambda model, device: True)
+    monkeypatch.setattr(loop_choice, "_record", recorder(calls))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "lengths, opts",
+    [
+        ([13], OPTS),
+        ([13, 6, 2], OPTS),  # compacted twice
+        ([13, 6, 2, 9, 4], dict(max_new_tokens=30, repetition_penalty=1.3, min_length=20)),
+        ([13, 6, 2, 9, 4, 11, 3, 7, 12], dict(max_new_tokens=40)),
+        # 12 EOS ids: torch.isin would sort and read back to the host in a capture
+        ([13, 6, 2, 9, 4], dict(max_new_tokens=25, eos_token_id=[2, *range(40, 51)])),
+    ],
+)
+def test_replayed_choice_in_the_loop_gives_stocks_tokens(lengths, opts, lent_on_cpu):
+    """The whole loop with lent logits buffers and the choice replayed: stock's tokens
+    through compaction, processors' branches and several EOS ids. Planted: no pad after
+    EOS in the choice failed."""
+    model = eos_early(sharpen(tiny_model("llama", seed=10)), 3.0)
+    inputs = padded_batch(lengths, 13)
+    stock, ours, stats = stock_and_ours(model, inputs, DecodeGraphs(capture=False), **opts)
+    assert torch.equal(stock, ours), (stock, ours)
+    assert stats["loop_steps"]["choice_replays"] > 0 and lent_on_cpu, stats
+
+
+def test_failed_choice_capture_runs_eagerly(lent_on_cpu, monkeypatch):
+    """A capture that fails leaves the choice eager for the rest of the call: stock's
+    tokens, no replay."""
+
+    def failing(run, args, kept):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(loop_choice, "_record", failing)
+    model = eos_early(sharpen(tiny_model("llama", seed=10)), 3.0)
+    inputs = padded_batch([13, 6, 2], 13)
+    stock, ours, stats = stock_and_ours(model, inputs, DecodeGraphs(capture=False), **OPTS)
+    assert torch.equal(stock, ours)
+    assert stats["loop_steps"]["choice_replays"] == 0 and stats["loop_steps"]["direct"] > 0
+
+
+def hooked_on_the_model(model, calls: list):
+    """A forward hook on the model that the loop lets through (named as transformers'
+    output capturing, which a replay may skip); returns its handle."""
+
+    def hook(module, args, kwargs, output):
+        calls.append(1)
+
+    hook.__module__ = "transformers.utils.output_capturing"
+    return model.register_forward_hook(hook, with_kwargs=True)
+
+
+def wrapped_after_patching(model, calls: list):
+    """The patched forward wrapped by the caller (an autocast wrapper, say); returns a
+    handle whose ``remove`` puts the patched forward back."""
+    inner = model.forward
+
+    @functools.wraps(inner)  # (generate reads forward's parameters)
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    model.forward = wrapped
+
+    class Handle:
+        def remove(self):
+            model.forward = inner
+
+    return Handle()
+
+
+@pytest.mark.parametrize("install", [hooked_on_the_model, wrapped_after_patching])
+def test_a_hook_or_wrapper_on_the_model_runs_at_every_step(install):
+    """What the model call runs around the patched forward, a hook or a wrapper, runs at
+    every decode step: the loop then calls the model, never the graph runner straight.
+    Planted: ``plain_call`` always True failed the hook's count."""
+    model = eos_early(sharpen(tiny_model("llama", seed=10)), 3.0)
+    inputs = padded_batch([13, 6, 2], 13)
+    with torch.no_grad():
+        stock = model.generate(**inputs, **OPTS)
+    calls = []
+    with patched(model):
+        state_of(model).graphs = DecodeGraphs(capture=False)
+        handle = install(model, calls)
+        try:
+            with torch.no_grad():
+                ours = model.generate(**inputs, **OPTS)
+        finally:
+            handle.remove()
+        stats = nanoserve.decode_graph_stats(model)
+    assert torch.equal(stock, ours)
+    decode_steps = stats["replays"] - stats["extend_replays"]
+    assert stats["decode_loop"] == "nanoserve", stats
+    assert stats["loop_steps"]["direct"] == 0 and decode_steps > 5, stats
+    assert len(calls) == 1 + decode_steps, (len(calls), stats)
 
 
 def reference_choice(steps, rule, pad, logits, unfinished, length):
@@ -115,7 +241,8 @@ def test_replayed_choice_equals_eager_steps(monkeypatch):
     replayed choice gives the eager ops' tokens, unfinished rows and positions, across the
     min_new_tokens boundary (EOS blocked, then winning) and with random processors.
     Planted: the processors' length branch left out of the graph key (EOS stayed blocked)
-    failed."""
+    failed; the repetition penalty's state rebound out of place at each step failed (a
+    graph would keep writing the old buffer)."""
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     rows, vocab, prompt_len = 3, 97, 5
@@ -127,17 +254,12 @@ def test_replayed_choice_equals_eager_steps(monkeypatch):
         criteria = [sc.MaxLengthCriteria(40), sc.EosTokenCriteria(EOS)]
         rule, pad = StopRule(criteria, torch.device("cpu")), torch.tensor(0)
         ours, ref = processor_steps(processors, ids), processor_steps(processors, ids)
-        unfinished = torch.ones(rows, dtype=torch.bool)
-        positions = torch.full((rows, 1), prompt_len - 1)
         calls = []
-
-        def state(ours=ours, unfinished=unfinished, positions=positions):
-            seen = [s.seen for s in ours if getattr(s, "seen", None) is not None]
-            return [unfinished, positions, *seen]
-
-        monkeypatch.setattr(loop_choice, "_record", recorder(state, calls))
+        monkeypatch.setattr(loop_choice, "_record", recorder(calls))
         choice = loop_choice.TokenChoice(ours, rule, pad, capture=True)
         lent = torch.empty(rows, vocab)
+        unfinished = torch.ones(rows, dtype=torch.bool)
+        positions = torch.full((rows, 1), prompt_len - 1)
         ref_unfinished = unfinished.clone()
         for step in range(10):
             length = prompt_len + step
