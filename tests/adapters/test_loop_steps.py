@@ -64,6 +64,35 @@ def test_direct_steps_give_stocks_tokens(lengths):
     assert decode_steps > 5 and stats["loop_steps"]["direct"] == decode_steps, stats
 
 
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {},  # three rows of one prompt: the first forward shares its blocks
+        dict(return_dict_in_generate=True, output_scores=True, output_logits=True),
+    ],
+)
+def test_direct_steps_with_shared_prompts_and_returned_scores(opts):
+    """Copies of a prompt (their first forward shares blocks, the pool was sized for the
+    copies) and a call returning its scores and logits (the choice stays eager, the rows stay
+    in the batch) also run their decode steps straight on the graph runner, with stock's
+    tokens, scores and logits. Planted: the direct step refused while the pool's unshared
+    sizing was set (as it is for the whole call after a shared first forward) failed the
+    count."""
+    model = eos_early(sharpen(tiny_model("llama", seed=10)), 3.0)
+    inputs = {k: v[[0, 0, 0, 1]] for k, v in padded_batch([60, 40], 60).items()}
+    opts = dict(OPTS, **opts)
+    stock, ours, stats = stock_and_ours(model, inputs, DecodeGraphs(capture=False), **opts)
+    if isinstance(stock, torch.Tensor):
+        assert torch.equal(stock, ours), (stock, ours)
+    else:
+        assert torch.equal(stock.sequences, ours.sequences)
+        for field in ("scores", "logits"):
+            for a, b in zip(getattr(stock, field), getattr(ours, field), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    decode_steps = stats["replays"] - stats["extend_replays"]
+    assert decode_steps > 5 and stats["loop_steps"]["direct"] == decode_steps, stats
+
+
 def test_model_call_where_no_graph_runs():
     """Without a graph runner (CPU, default options) every step calls the model as before:
     no direct step, stock's tokens."""
