@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 from helpers import patched, sharpen
+from test_decode_graphs import generate_patched
 from test_decode_loop import EOS, eos_early, on_cuda, random_processors
 from test_families import padded_batch, tiny_model
 from transformers import LogitsProcessorList
@@ -39,15 +40,11 @@ OPTS = dict(max_new_tokens=30, repetition_penalty=1.3, min_new_tokens=5)
 
 
 def stock_and_ours(model, inputs, graphs, **opts):
-    """(stock's sequences, the patched loop's sequences, decode_graph_stats)."""
+    """(stock's output, the patched loop's output, decode_graph_stats); ``graphs`` replaces
+    the graph runner (None: the patched model's own)."""
     with torch.no_grad():
         stock = model.generate(**inputs, **opts)
-    with patched(model):
-        if graphs is not None:
-            state_of(model).graphs = graphs
-        with torch.no_grad():
-            ours = model.generate(**inputs, **opts)
-        return stock, ours, nanoserve.decode_graph_stats(model)
+    return (stock, *generate_patched(model, inputs, {}, graphs, **opts))
 
 
 @pytest.mark.parametrize("lengths", [[13], [13, 6, 2]])
