@@ -1,16 +1,18 @@
 """A/B of nanoserve's decode loop with and without its host-light steps, in one process.
 
-Configurations: "before" (every decode step calls the model, the greedy choice runs eagerly,
+Configurations: "before" (every decode step calls the model, the token choice runs eagerly,
 as until 3290bd1), "direct" (decode steps straight on the graph runner,
-``graph_forward.loop_decode_step``) and "direct+choice" (the default: the greedy choice
+``graph_forward.loop_decode_step``) and "direct+choice" (the default: the token choice
 replayed as a graph too, ``loop_choice.TokenChoice``). Random-weight Llama-3.2-1B shape
 (``bench_generate.build_model``), bf16, greedy. Per configuration and round (two rounds,
 interleaved): a batch-1 step's time, (257-token call - 1-token call) / 256 with prompt 512,
 and tokens/s on the ragged 32 (prompts 128..2048, 256 new tokens), each the median of three
-salted calls; every configuration must give the first one's tokens. ``--busy-thread`` runs
-another Python thread of the process spinning (switch interval 0.5 ms), as a data loader or
-tokenizer thread would hold the interpreter lock: an exaggerated busy host.
-Usage: cd benchmarks && python3 ab_loop_steps.py [--busy-thread] [--tiny]
+salted calls; every configuration must give the first one's tokens. ``--sample`` samples
+(top_k 50, each call seeded alike) with "direct" and "direct+choice" only, and times 64 rows
+of one 512-token prompt in place of the ragged 32. ``--busy-thread`` runs another Python
+thread of the process spinning (switch interval 0.5 ms), as a data loader or tokenizer
+thread would hold the interpreter lock: an exaggerated busy host.
+Usage: cd benchmarks && python3 ab_loop_steps.py [--sample] [--busy-thread] [--tiny]
 """
 
 from __future__ import annotations
@@ -44,13 +46,19 @@ def use(name: str) -> None:
     decode_loop.loop_decode_step, decode_loop._captures = CONFIGS[name]
 
 
-def call(model, batch, new: int, device: str):
-    """(seconds, sequences) of one greedy call of ``new`` tokens that prefills its prompts."""
+SAMPLE = dict(do_sample=True, top_k=50)
+
+
+def call(model, batch, new: int, device: str, sample: bool = False):
+    """(seconds, sequences) of one call of ``new`` tokens that prefills its prompts: greedy,
+    or sampled from seed 0."""
     ids, mask = batch
+    options = SAMPLE if sample else dict(do_sample=False)
+    torch.manual_seed(0)
     sync(device)
     start = time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                         min_new_tokens=new, do_sample=False, cache_salt=fresh_salt())  # fmt: skip
+                         min_new_tokens=new, cache_salt=fresh_salt(), **options)  # fmt: skip
     sync(device)
     return time.perf_counter() - start, out
 
@@ -65,6 +73,7 @@ def spin() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--busy-thread", action="store_true")
+    parser.add_argument("--sample", action="store_true", help="top_k 50, 64 rows of one prompt")
     parser.add_argument("--tiny", action="store_true", help="tiny model (any device)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,35 +88,42 @@ def main() -> None:
         left_padded([prompt], vocab, gen, device),
         left_padded(rows, vocab, gen, device),
     )
+    configs = list(CONFIGS)
+    if args.sample:
+        configs = ["direct", "direct+choice"]
+        ragged = tuple(t.repeat(64, 1) for t in single)
     nanoserve.patch_model(model)
     if args.busy_thread:
         threading.Thread(target=spin, daemon=True).start()
         sys.setswitchinterval(0.0005)
-    for name in CONFIGS:  # warm every path: compiles and captures
+    sample = args.sample
+    for name in configs:  # warm every path: compiles and captures
         use(name)
         for _ in range(2):
-            call(model, single, 64, device)
-            call(model, ragged, 16, device)
+            call(model, single, 64, device, sample)
+            call(model, ragged, 16, device, sample)
     first, table = {}, []
     for round_ in range(2):
-        for name in CONFIGS:
+        for name in configs:
             use(name)
-            one = statistics.median(call(model, single, 1, device)[0] for _ in range(3))
-            long = [call(model, single, 257, device) for _ in range(3)]
+            one = statistics.median(call(model, single, 1, device, sample)[0] for _ in range(3))
+            long = [call(model, single, 257, device, sample) for _ in range(3)]
             full = statistics.median(secs for secs, _ in long)
-            many = [call(model, ragged, 256, device) for _ in range(3)]
+            many = [call(model, ragged, 256, device, sample) for _ in range(3)]
             tokens = (long[0][1], many[0][1])
             first.setdefault("tokens", tokens)
             same = all(torch.equal(a, b) for a, b in zip(tokens, first["tokens"], strict=True))
             steps = nanoserve.decode_graph_stats(model)["loop_steps"]
             table.append(
                 (round_, name, (full - one) / 256 * 1e6, 257 / full,
-                 32 * 256 / statistics.median(secs for secs, _ in many), same, steps)
+                 ragged[0].shape[0] * 256 / statistics.median(secs for secs, _ in many), same,
+                 steps)
             )  # fmt: skip
             print(table[-1], flush=True)
     use("direct+choice")
+    batch = "64 rows" if sample else "ragged 32"
     print(
-        "| round | config | batch-1 step µs | batch-1 tok/s (257) | ragged 32 tok/s | same tokens |"
+        f"| round | config | batch-1 step µs | batch-1 tok/s (257) | {batch} tok/s | same tokens |"
     )
     print("|---|---|---|---|---|---|")
     for round_, name, step, single_rate, ragged_rate, same, _ in table:

@@ -11,8 +11,8 @@ before), then runs each decode step with only the arguments a paged decode step 
 where the patched forward would replay a captured graph, straight on the graph runner
 (``graph_forward.loop_decode_step``: no module call, no model output, the logits lent from
 the graph's buffer), else through the model. It processes the logits and picks the token on
-the device (``device_sampling.py``; greedy choices whose scores and logits are not returned
-replay a graph of their own, ``loop_choice.py``), and writes it into a preallocated
+the device (``device_sampling.py``, ``loop_choice.py``: choices whose scores and logits are
+not returned replay a graph of their own, sampled ones too), and writes it into a preallocated
 ``sequences`` buffer. Which rows have finished is copied back without waiting
 (``read_back.py``): the host learns it a few steps late, so the steps issued past the stop
 are cut from the returned sequences, scores and logits and cropped from the cache, and the
@@ -40,8 +40,6 @@ from nanoserve.adapters.decode_graphs import bucket_for
 from nanoserve.adapters.device_sampling import (
     INVALID_PROBABILITIES,
     StopRule,
-    apply_steps,
-    greedy_tokens,
     processor_steps,
     sample_once,
     unsupported,
@@ -186,31 +184,26 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     compact = pad is not None and not keep and fresh_cache
     batch = ActiveRows(rows, device, pad, compact=compact)
     watch = ReadBack(device, rows, streamer, batch.pad_value, rule.eos is not None)
-    invalid = None  # sampling: whether the step's distribution held NaN (read back late)
     length, stop_at = prompt_len, None
     rng = _RandomStates(device) if config.do_sample else None
-    # greedy steps whose scores and logits are not returned choose on fixed buffers, replayed
-    # as a graph on CUDA; the others as below
-    choice = None
-    if not config.do_sample and scores is None and raw_logits is None:
-        choice = TokenChoice(steps, rule, pad, capture=_captures(model, device))
+    # steps whose scores and logits are not returned choose on fixed buffers, replayed as a
+    # graph on CUDA; the others run the same ops eagerly
+    captures = _captures(model, device) and scores is None and raw_logits is None
+    draw = batch.draw if config.do_sample else None
+    choice = TokenChoice(steps, rule, pad, capture=captures, draw=draw)
     lent = False  # whether ``logits`` is a graph's output buffer
     state = state_of(model)
     state.loop_steps = {"direct": 0, "choice_replays": 0}
     while stop_at is None:
-        if choice is not None:
-            _, tokens = choice(logits, unfinished, positions, length, lent)
-        else:
-            logits = logits.to(copy=True, dtype=torch.float32)
-            tokens, invalid = _choose(logits, steps, config, rng, batch, length, scores,
-                                      raw_logits)  # fmt: skip
-            if pad is not None:  # finished rows get the pad token, as in stock
-                tokens = torch.where(unfinished, tokens, pad)
-            for step in steps:
-                step.observe(tokens)
-            if rule.eos is not None:
-                unfinished = unfinished & rule.not_eos(tokens)
-            positions = positions + 1
+        if rng is not None:
+            rng.save(length)
+        chosen = choice(logits, unfinished, positions, length, lent)
+        tokens, invalid = chosen.tokens, chosen.invalid
+        if scores is not None:  # HF's processors each return a new tensor, never the logits
+            processed = chosen.processed
+            scores.append(processed.clone() if steps and processed is chosen.logits else processed)
+        if raw_logits is not None:
+            raw_logits.append(chosen.logits)
         if length == sequences.shape[1]:
             sequences = _wider(sequences, min(columns, 2 * length), batch.pad)
         batch.write(sequences, length, tokens)
@@ -231,8 +224,7 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
                 tokens, positions, unfinished = tokens[index], positions[index], unfinished[index]
                 for step in steps:
                     step.select(index)
-                if choice is not None:
-                    choice.reset()
+                choice.reset()
             ids = tokens[:, None]
             step_logits = loop_decode_step(model, cache, fixed, ids, positions)
             lent = step_logits is not None
@@ -242,8 +234,7 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
             logits = step_logits[:, -1].to(device)
             del step_logits
 
-    if choice is not None:
-        state.loop_steps["choice_replays"] = choice.replays
+    state.loop_steps["choice_replays"] = choice.replays
     # steps issued past the stop: their tokens were never seen, their K/V is dropped, and
     # the random numbers they drew are given back (a later seeded call draws as after stock's)
     if length > stop_at:
@@ -264,20 +255,6 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
         hidden_states=None,
         **{_CACHE_FIELD: cache},
     )
-
-
-def _choose(logits, steps, config, rng, batch, length, scores, raw_logits):
-    """(tokens [B], the NaN flag of a sampled step or None) from float32 ``logits`` [B, V],
-    keeping the scores and logits asked for."""
-    processed = apply_steps(steps, logits, length)
-    if scores is not None:  # HF's processors each return a new tensor, never the logits
-        scores.append(processed.clone() if steps and processed is logits else processed)
-    if raw_logits is not None:
-        raw_logits.append(logits)
-    if not config.do_sample:
-        return greedy_tokens(processed), None
-    rng.save(length)
-    return batch.draw(torch.nn.functional.softmax(processed, dim=-1))
 
 
 def _captures(model, device: torch.device) -> bool:

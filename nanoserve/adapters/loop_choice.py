@@ -1,19 +1,25 @@
-"""The greedy token choice of nanoserve's decode loop, replayed as a CUDA graph.
+"""The token choice of nanoserve's decode loop, replayed as a CUDA graph.
 
 After each decode step the loop turns the logits into the next tokens with about a dozen
-small device ops: the float32 copy, the processors, the argmax in two steps, the pad after
-EOS, the EOS test and the next positions. Each costs the host 10-30 µs to launch, so at small
-batches they cost about as much host time as the GPU spends on the step. When the logits
-are a replayed decode graph's output buffer (the same memory every step of its bucket),
-``TokenChoice`` captures those ops once per (buffer, rows, the processors' length branch),
-the second time that key comes, and replays them; the running state (which rows are
-unfinished, the positions, the repetition penalty's seen tokens) stays in fixed buffers the
-graph updates in place. Elsewhere (the prefill's logits, a step the model ran eagerly, the
-CPU) the same ops run eagerly on the same buffers, so both ways compute the same values.
-Sampled steps and steps whose scores or logits are returned keep the loop's eager ops.
+small device ops: the float32 copy, the processors, the argmax in two steps (or, sampling,
+the softmax and ``torch.multinomial``'s draw), the pad after EOS, the EOS test and the next
+positions. Each costs the host 10-30 µs to launch, so at small batches they cost about as
+much host time as the GPU spends on the step. When the logits are a replayed decode graph's
+output buffer (the same memory every step of its bucket) and the call returns no scores or
+logits, ``TokenChoice`` captures those ops once per (buffer, rows, the processors' length
+branch), the second time that key comes, and replays them; the running state (which rows
+are unfinished, the positions, the repetition penalty's seen tokens) stays in fixed buffers
+the graph updates in place. A sampled graph draws its random numbers as the eager ops do:
+PyTorch's CUDA generator hands each replay the offset it holds then and moves it on by the
+graph's draws, so a seed gives the same tokens either way. Elsewhere (the prefill's logits,
+a step the model ran eagerly, returned scores or logits, the CPU) the same ops run eagerly
+on the same buffers.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -21,13 +27,30 @@ from nanoserve.adapters.decode_graphs import end_generator_capture
 from nanoserve.adapters.device_sampling import StopRule, apply_steps, greedy_tokens
 
 
-class TokenChoice:
-    """Greedy choice for one loop (one generate call). ``steps``: ``processor_steps``;
-    ``pad`` the pad token (device tensor) when EOS is checked, else None; ``capture``:
-    replay graphs (on CUDA) where the logits allow (a lent output buffer)."""
+class Choice(NamedTuple):
+    """One step's choice: ``logits`` float32 [B, V] (the step's logits copied),
+    ``processed`` float32 [B, V] (after the processors: the scores), ``tokens`` int64 [B],
+    ``invalid`` bool [] on the device (sampling: the distribution held NaN) or None."""
 
-    def __init__(self, steps: list, rule: StopRule, pad, capture: bool):
+    logits: torch.Tensor
+    processed: torch.Tensor
+    tokens: torch.Tensor
+    invalid: torch.Tensor | None
+
+
+class TokenChoice:
+    """Token choice for one loop (one generate call). ``steps``: ``processor_steps``;
+    ``pad`` the pad token (device tensor) when EOS is checked, else None; ``capture``:
+    replay graphs (on CUDA) where the logits allow (a lent output buffer); ``draw``: None
+    for greedy, else the sampler (``ActiveRows.draw``: softmax probabilities [B, V] ->
+    (tokens [B], NaN flag)), which must keep drawing from the same buffers until ``reset``."""
+
+    def __init__(
+        self, steps: list, rule: StopRule, pad, capture: bool,
+        draw: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ):  # fmt: skip
         self.steps, self.rule, self.pad, self.capture = steps, rule, pad, capture
+        self.draw = draw
         self.graphs: dict[tuple, tuple] = {}  # key -> (graph, outputs)
         self.seen: set[tuple] = set()
         self.capturing: dict = {}  # the captures' memory pool and side stream
@@ -35,19 +58,21 @@ class TokenChoice:
         self.replays = 0
 
     def reset(self) -> None:
-        """Drop the graphs and their memory (the batch was compacted: its rows' buffers
-        are new, so no key of theirs comes back)."""
+        """Drop the graphs and their memory (the batch was compacted: its rows' buffers,
+        and the sampler's, are new, so no key of theirs comes back)."""
         self.graphs.clear()
         self.seen.clear()
 
     def __call__(
         self, logits: torch.Tensor, unfinished: torch.Tensor, positions: torch.Tensor,
         length: int, lent: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(processed float32 [B, V], tokens int64 [B]) for ``logits`` [B, V] of the step
-        whose positions [B, 1] were ``positions``: ``unfinished`` bool [B] and
-        ``positions`` are updated in place (the next step's positions). ``lent``: the
-        logits are a graph's output buffer, the same memory at each step of its bucket."""
+    ) -> Choice:  # fmt: skip
+        """The ``Choice`` for ``logits`` [B, V] of the step whose positions [B, 1] were
+        ``positions``: ``unfinished`` bool [B] and ``positions`` are updated in place (the
+        next step's positions). ``lent``: the logits are a graph's output buffer, the same
+        memory at each step of its bucket. A replayed choice returns its graph's buffers,
+        which the next replay overwrites. Sampling: the caller keeps the random state from
+        before this call, as the eager draw would meet it."""
         key = None
         if self.capture and lent and self.failed is None:
             key = (logits.data_ptr(), logits.shape, logits.stride(), logits.dtype,
@@ -64,9 +89,14 @@ class TokenChoice:
             self.seen.add(key)
         return self._choose(logits, unfinished, positions, length)
 
-    def _choose(self, logits, unfinished, positions, length):
-        processed = apply_steps(self.steps, logits.to(copy=True, dtype=torch.float32), length)
-        tokens = greedy_tokens(processed)
+    def _choose(self, logits, unfinished, positions, length) -> Choice:
+        logits = logits.to(copy=True, dtype=torch.float32)
+        processed = apply_steps(self.steps, logits, length)
+        invalid = None
+        if self.draw is None:
+            tokens = greedy_tokens(processed)
+        else:
+            tokens, invalid = self.draw(torch.nn.functional.softmax(processed, dim=-1))
         if self.pad is not None:  # finished rows get the pad token, as in stock
             tokens = torch.where(unfinished, tokens, self.pad)
         for step in self.steps:
@@ -74,7 +104,7 @@ class TokenChoice:
         if self.rule.eos is not None:
             unfinished &= self.rule.not_eos(tokens)
         positions += 1
-        return processed, tokens
+        return Choice(logits, processed, tokens, invalid)
 
     def _capture(self, key, logits, unfinished, positions, length):
         try:

@@ -112,13 +112,15 @@ class _Recorded:
     def replay(self):
         assert [t.data_ptr() for t in self.buffers()] == self.addresses, "a buffer moved"
         for kept, new in zip(self.outputs, self.run(*self.args), strict=True):
-            kept.copy_(new)
+            if kept is not None:
+                kept.copy_(new)
 
 
 def recorder(calls: list):
     """``loop_choice._record``'s stand-in. A capture records without computing, so this one
     computes once for the output buffers and puts back the buffers the choice updates in
-    place (the unfinished rows, the positions, the processors' state)."""
+    place (the unfinished rows, the positions, the processors' state) and the random state
+    (a captured draw moves the generator only when replayed)."""
 
     def record(run, args, kept):
         choice, (_, unfinished, positions, _) = run.__self__, args
@@ -129,7 +131,10 @@ def recorder(calls: list):
 
         calls.append(args)
         saved = [t.clone() for t in buffers()]
-        outputs = tuple(t.clone() for t in run(*args))
+        random_state = torch.get_rng_state()
+        result = run(*args)
+        outputs = type(result)._make(t.clone() if t is not None else None for t in result)
+        torch.set_rng_state(random_state)
         for t, before in zip(buffers(), saved, strict=True):
             t.copy_(before)
         return _Recorded(run, args, outputs, buffers), outputs
@@ -179,6 +184,54 @@ def test_replayed_choice_in_the_loop_gives_stocks_tokens(lengths, opts, lent_on_
     inputs = padded_batch(lengths, 13)
     stock, ours, stats = stock_and_ours(model, inputs, DecodeGraphs(capture=False), **opts)
     assert torch.equal(stock, ours), (stock, ours)
+    assert stats["loop_steps"]["choice_replays"] > 0 and lent_on_cpu, stats
+
+
+SAMPLED = [
+    # rows that end at spread steps leave the batch (on most seeds)
+    ([13, 6, 2], dict(OPTS, do_sample=True, top_k=20, temperature=0.8)),
+    # 12 EOS ids, top-p and min-p: every row ends before max_new_tokens, so the loop issues
+    # steps past the stop and gives their draws back
+    (
+        [13, 6, 2, 9, 4],
+        dict(
+            do_sample=True,
+            top_p=0.9,
+            min_p=0.05,
+            max_new_tokens=40,
+            eos_token_id=[2, *range(40, 51)],
+        ),
+    ),  # fmt: skip
+]
+
+
+def seeded_stock_and_ours(model, inputs, graphs, seed: int, **opts):
+    """``stock_and_ours`` with the global seed set before each call: (stock's output, its
+    random state after the call, ours, our random state after it, our stats)."""
+    cuda = next(model.parameters()).is_cuda
+    state = torch.cuda.get_rng_state if cuda else torch.get_rng_state
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+    stock_state = state()
+    torch.manual_seed(seed)
+    ours, stats = generate_patched(model, inputs, {}, graphs, **opts)
+    return stock, stock_state, ours, state(), stats
+
+
+@pytest.mark.parametrize("lengths, opts", SAMPLED)
+def test_replayed_sampled_choice_gives_stocks_tokens(lengths, opts, lent_on_cpu):
+    """Seeded sampling through the replayed choice (softmax and draw in the graph), the
+    batch compacted as rows end: stock's tokens, and the random state after the call is
+    stock's (the draws of the steps issued past the stop given back). Planted: the random
+    state kept after the choice instead of before it failed the state."""
+    model = eos_early(tiny_model("llama", seed=10), 5.0)
+    seed = int.from_bytes(os.urandom(4), "little")
+    stock, stock_state, ours, our_state, stats = seeded_stock_and_ours(
+        model, padded_batch(lengths, 13), DecodeGraphs(capture=False), seed, **opts
+    )
+    assert torch.equal(stock, ours), (seed, stock, ours)
+    assert torch.equal(stock_state, our_state), seed
     assert stats["loop_steps"]["choice_replays"] > 0 and lent_on_cpu, stats
 
 
@@ -294,7 +347,7 @@ def test_replayed_choice_equals_eager_steps(monkeypatch):
             expected, ref_unfinished = reference_choice(
                 ref, rule, pad, lent, ref_unfinished, length
             )
-            _, tokens = choice(lent, unfinished, positions, length, lent=True)
+            tokens = choice(lent, unfinished, positions, length, lent=True).tokens
             assert torch.equal(tokens, expected), (seed, trial, step)
             assert torch.equal(unfinished, ref_unfinished), (seed, trial, step)
             assert torch.equal(positions[:, 0], torch.full((rows,), length)), (seed, step)
@@ -311,6 +364,26 @@ def test_gpu_replayed_steps_give_stocks_tokens(lengths):
     model = eos_early(sharpen(tiny_model("llama", seed=10)), 3.0).cuda()
     stock, ours, stats = stock_and_ours(model, on_cuda(padded_batch(lengths, 13)), None, **OPTS)
     assert torch.equal(stock, ours), (stock, ours)
+    decode_steps = stats["replays"] - stats["extend_replays"]
+    loop = stats["loop_steps"]
+    assert decode_steps > 5 and loop["direct"] == decode_steps, stats
+    assert loop["choice_replays"] > 0, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("lengths, opts", SAMPLED)
+def test_gpu_replayed_sampled_choice_gives_stocks_tokens(lengths, opts):
+    """On CUDA, float32: seeded sampling with the choice captured and replayed (its draws
+    take the CUDA generator's offsets as the eager ops do), the batch compacted as rows end:
+    stock's tokens and stock's random state after the call."""
+    model = eos_early(tiny_model("llama", seed=10), 5.0).cuda()
+    seed = int.from_bytes(os.urandom(4), "little")
+    stock, stock_state, ours, our_state, stats = seeded_stock_and_ours(
+        model, on_cuda(padded_batch(lengths, 13)), None, seed, **opts
+    )
+    assert torch.equal(stock, ours), (seed, stock, ours)
+    assert torch.equal(stock_state, our_state), seed
     decode_steps = stats["replays"] - stats["extend_replays"]
     loop = stats["loop_steps"]
     assert decode_steps > 5 and loop["direct"] == decode_steps, stats
