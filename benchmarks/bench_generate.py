@@ -541,9 +541,11 @@ def eos_lengths(out: torch.Tensor, eos: int) -> list[int]:
     return torch.where(has, ends + 1, out.shape[1]).tolist()
 
 
-def eos_spread(model, device: str, tiny: bool, seeds: int = 4) -> list[dict]:
+def eos_spread(model, device: str, tiny: bool, seeds: int = 4, only=()) -> list[dict]:
     """Rows: one per provider over 64 sampled rows whose EOS arrives spread over 32..512,
-    each provider timed once on each of ``seeds`` seeds. In bf16 a compacted batch draws other
+    each provider timed once on each of ``seeds`` seeds (``only``: the providers of these
+    ``--only`` names: nanoserve_graphs, nanoserve_graphs_unfused, nanoserve_graphs_hf_loop,
+    stock_static_compile; all when empty). In bf16 a compacted batch draws other
     tokens than HF's full one after its first compaction, so the rows' lengths differ between
     providers on one seed; summed over several seeds the work evens out (the table gives each
     provider's mean steps and mean longest row, to see how far)."""
@@ -584,15 +586,18 @@ def eos_spread(model, device: str, tiny: bool, seeds: int = 4) -> list[dict]:
     print(f"EOS row scaled by {scale:.3g}: new tokens per row min {min(lengths)}, median "
           f"{statistics.median(lengths)}, max {max(lengths)}", flush=True)  # fmt: skip
     providers = {
-        "nanoserve, own decode loop": dict(decode_loop=True),
-        "nanoserve, own decode loop, unfused projections": dict(
-            decode_loop=True, fuse_decode=False
+        "nanoserve, own decode loop": ("nanoserve_graphs", dict(decode_loop=True)),
+        "nanoserve, own decode loop, unfused projections": (
+            "nanoserve_graphs_unfused",
+            dict(decode_loop=True, fuse_decode=False),
         ),
-        "nanoserve, HF's loop": dict(decode_loop=False),
-        "stock static + compile": None,
+        "nanoserve, HF's loop": ("nanoserve_graphs_hf_loop", dict(decode_loop=False)),
+        "stock static + compile": ("stock_static_compile", None),
     }
     results = []
-    for name, patch in providers.items():
+    for name, (short, patch) in providers.items():
+        if only and short not in only:
+            continue
         extra = dict(cache_implementation="static") if patch is None else {}
         if patch is not None:
             nanoserve.patch_model(model, **patch)
@@ -717,7 +722,8 @@ def main() -> None:
     if args.eos_spread:
         columns = ["provider", "useful_tok/s", "seconds", "seeds", "steps_mean",
                    "longest_mean", "len_min", "len_median", "eos_scale"]  # fmt: skip
-        rows = eos_spread(model, device, args.tiny, args.eos_seeds)
+        only = [name for name in args.only.split(",") if name]
+        rows = eos_spread(model, device, args.tiny, args.eos_seeds, only)
         report(rows, columns, "generate_eos_spread")
         return
     if args.stream:

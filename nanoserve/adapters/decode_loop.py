@@ -199,6 +199,7 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
             rng.save(length)
         chosen = choice(logits, unfinished, positions, length, lent)
         tokens, invalid = chosen.tokens, chosen.invalid
+        state.loop_steps["choice_replays"] = choice.replays  # (kept if a later step raises)
         if scores is not None:  # HF's processors each return a new tensor, never the logits
             processed = chosen.processed
             scores.append(processed.clone() if steps and processed is chosen.logits else processed)
@@ -234,7 +235,6 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
             logits = step_logits[:, -1].to(device)
             del step_logits
 
-    state.loop_steps["choice_replays"] = choice.replays
     # steps issued past the stop: their tokens were never seen, their K/V is dropped, and
     # the random numbers they drew are given back (a later seeded call draws as after stock's)
     if length > stop_at:

@@ -27,6 +27,7 @@ import nanoserve
 from nanoserve.adapters import decode_graphs, decode_loop, loop_choice
 from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.device_sampling import (
+    INVALID_PROBABILITIES,
     StopRule,
     apply_steps,
     greedy_tokens,
@@ -232,6 +233,35 @@ def test_replayed_sampled_choice_gives_stocks_tokens(lengths, opts, lent_on_cpu)
     )
     assert torch.equal(stock, ours), (seed, stock, ours)
     assert torch.equal(stock_state, our_state), seed
+    assert stats["loop_steps"]["choice_replays"] > 0 and lent_on_cpu, stats
+
+
+def test_nan_through_the_replayed_choice_raises_as_stock(lent_on_cpu):
+    """A NaN distribution met by a replayed sampled choice (its flag a graph's buffer,
+    read back a few steps later): stock's error, and the random state where stock's raise
+    leaves it. Planted: the replayed choice returning no flag (None) failed."""
+    model = tiny_model("llama", seed=5)
+    nan_token = 60
+    with torch.no_grad():
+        model.model.embed_tokens.weight[nan_token] = float("nan")
+        model.lm_head.weight[nan_token] *= 30.0  # first drawn after some steps
+    inputs = padded_batch([7, 4, 6], 7, vocab=40)  # the prompts never hold it
+    opts = dict(do_sample=True, max_new_tokens=30, eos_token_id=None, pad_token_id=0)
+
+    def run():
+        torch.manual_seed(3)
+        with torch.no_grad(), pytest.raises(RuntimeError) as raised:
+            model.generate(**inputs, **opts)
+        return str(raised.value), torch.rand(4)
+
+    stock_message, stock_after = run()
+    assert INVALID_PROBABILITIES in stock_message
+    with patched(model):
+        state_of(model).graphs = DecodeGraphs(capture=False)
+        message, after = run()
+        stats = nanoserve.decode_graph_stats(model)
+    assert message == INVALID_PROBABILITIES
+    assert torch.equal(after, stock_after)
     assert stats["loop_steps"]["choice_replays"] > 0 and lent_on_cpu, stats
 
 
