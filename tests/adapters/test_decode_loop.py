@@ -509,15 +509,10 @@ def test_sample_once_draws_as_multinomial():
         assert bool(sample_once(probs)[1])
 
 
-def test_nan_while_sampling_raises_as_stock():
-    """A token whose embedding is NaN makes the next step's distribution NaN for the rows
-    that drew it. Stock's multinomial raises there; the loop, which reads the check back a
-    few steps later, raises the same error, leaves the random state where stock leaves it,
-    keeps a cache passed in to continue as it was, and the model generates as stock after.
-    Planted: ignoring the flag (no error), and raising without restoring the random state
-    (the draws after it differed), each failed."""
-    from test_misuse import cache_name
-
+def nan_sampling():
+    """(model, inputs, opts, run): a tiny Llama with a NaN embedding for a token the prompts
+    never hold but sampling draws after some steps, and ``run()`` -> (the error message of
+    a seeded sampled call, which must raise; ``torch.rand(4)`` drawn after it)."""
     model = tiny_model("llama", seed=5)
     nan_token = 60
     with torch.no_grad():
@@ -532,6 +527,19 @@ def test_nan_while_sampling_raises_as_stock():
             model.generate(**inputs, **opts)
         return str(raised.value), torch.rand(4)
 
+    return model, inputs, opts, run
+
+
+def test_nan_while_sampling_raises_as_stock():
+    """A token whose embedding is NaN makes the next step's distribution NaN for the rows
+    that drew it. Stock's multinomial raises there; the loop, which reads the check back a
+    few steps later, raises the same error, leaves the random state where stock leaves it,
+    keeps a cache passed in to continue as it was, and the model generates as stock after.
+    Planted: ignoring the flag (no error), and raising without restoring the random state
+    (the draws after it differed), each failed."""
+    from test_misuse import cache_name
+
+    model, inputs, opts, run = nan_sampling()
     stock_message, stock_after = run()
     assert INVALID_PROBABILITIES in stock_message
     with patched(model):

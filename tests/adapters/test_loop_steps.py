@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import patched, sharpen
 from test_decode_graphs import generate_patched
-from test_decode_loop import EOS, eos_early, on_cuda, random_processors
+from test_decode_loop import EOS, eos_early, nan_sampling, on_cuda, random_processors
 from test_families import padded_batch, tiny_model
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
@@ -202,7 +202,7 @@ SAMPLED = [
             max_new_tokens=40,
             eos_token_id=[2, *range(40, 51)],
         ),
-    ),  # fmt: skip
+    ),
 ]
 
 
@@ -240,20 +240,7 @@ def test_nan_through_the_replayed_choice_raises_as_stock(lent_on_cpu):
     """A NaN distribution met by a replayed sampled choice (its flag a graph's buffer,
     read back a few steps later): stock's error, and the random state where stock's raise
     leaves it. Planted: the replayed choice returning no flag (None) failed."""
-    model = tiny_model("llama", seed=5)
-    nan_token = 60
-    with torch.no_grad():
-        model.model.embed_tokens.weight[nan_token] = float("nan")
-        model.lm_head.weight[nan_token] *= 30.0  # first drawn after some steps
-    inputs = padded_batch([7, 4, 6], 7, vocab=40)  # the prompts never hold it
-    opts = dict(do_sample=True, max_new_tokens=30, eos_token_id=None, pad_token_id=0)
-
-    def run():
-        torch.manual_seed(3)
-        with torch.no_grad(), pytest.raises(RuntimeError) as raised:
-            model.generate(**inputs, **opts)
-        return str(raised.value), torch.rand(4)
-
+    model, _, _, run = nan_sampling()
     stock_message, stock_after = run()
     assert INVALID_PROBABILITIES in stock_message
     with patched(model):
