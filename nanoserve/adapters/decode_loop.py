@@ -24,9 +24,9 @@ and raises stock's error, the random state put back where stock's raise leaves i
 Finished rows leave the batch (``ActiveRows``) when the rest fits a smaller graph bucket and
 nothing of theirs past EOS is returned (no scores, logits or returned cache, and not a cache
 the caller passed in to continue): their blocks are freed and their sequences padded, as
-stock pads them. Sampling still draws over every row of the call (the rows that left get a
-stand-in distribution), so each row meets the random numbers it meets in stock's loop and
-seeded tokens stay stock's. (On a GPU the smaller batch runs matrix products of another
+stock pads them. Sampling still draws the random numbers of every row of the call (those of
+the rows that left go unused), so each row meets the random numbers it meets in stock's loop
+and seeded tokens stay stock's. (On a GPU the smaller batch runs matrix products of another
 shape, whose last bits may differ: in bf16, tokens can then differ where logits nearly tie.)
 """
 
@@ -311,15 +311,11 @@ class ActiveRows:
     def draw(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``torch.multinomial(probs, 1)`` for the batch rows (``sample_once``: the tokens,
         and whether stock's call would raise), drawn as stock draws them over every row of
-        the call: the rows that left get a valid stand-in distribution, so each batch row
-        meets the same random numbers as in stock's full batch."""
+        the call (the random numbers of the rows that left are drawn and not used), so each
+        batch row meets the same random numbers as in stock's full batch."""
         if self.index is None:
             return sample_once(probs)
-        full = probs.new_zeros(self.total, probs.shape[1])
-        full[:, 0] = 1
-        full[self.index] = probs
-        tokens, invalid = sample_once(full)
-        return tokens[self.index], invalid
+        return sample_once(probs, rows=self.index, total=self.total)
 
     def write(self, sequences: torch.Tensor, column: int, tokens: torch.Tensor) -> None:
         if self.index is None:

@@ -207,7 +207,9 @@ def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
 INVALID_PROBABILITIES = "probability tensor contains either `inf`, `nan` or element < 0"
 
 
-def sample_once(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_once(
+    probs: torch.Tensor, rows: torch.Tensor | None = None, total: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.multinomial(probs, 1).squeeze(1)`` for ``probs`` [B, V] from a softmax, the
     same tokens from the same random numbers, without its two reads back to the host (its
     validity checks), which made every sampled step wait for the device. Returns (tokens
@@ -215,10 +217,19 @@ def sample_once(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     NaN, the only invalid entry a softmax gives; the caller reads it back later and raises
     ``INVALID_PROBABILITIES``).
 
+    With ``rows`` (int64 [B] on the device) and ``total``: the tokens ``torch.multinomial``
+    draws for rows ``rows`` of a [total, V] tensor whose other rows are valid distributions
+    (a batch some rows have left): the random numbers are drawn for all ``total`` rows, as
+    that call draws them, and only the given rows' are used.
+
     For one sample ATen draws q ~ Exp(1) over the tensor and takes argmax(probs / q) a row
     (here ``greedy_tokens``: the same entry, faster on CUDA). A NaN makes its row's ratio
     NaN, which argmax picks: the flag is the chosen ratio's."""
-    ratio = torch.empty_like(probs).exponential_(1)
+    if rows is None:
+        ratio = torch.empty_like(probs).exponential_(1)
+    else:
+        noise = probs.new_empty(total, probs.shape[1]).exponential_(1)
+        ratio = noise.index_select(0, rows)
     torch.div(probs, ratio, out=ratio)
     tokens = greedy_tokens(ratio)
     return tokens, ratio.gather(1, tokens[:, None]).isnan().any()
