@@ -431,13 +431,15 @@ PER_ROW_IGNORE = "Tensor" in str(
 )
 
 
-def random_processors(gen: torch.Generator, prompt_len: int) -> list:
+def random_processors(
+    gen: torch.Generator, prompt_len: int, rows: int = 3, device: str = "cpu"
+) -> list:
     """A random subset of the supported processors, in a random order, random parameters."""
 
     def u(low, high):
         return low + (high - low) * torch.rand((), generator=gen).item()
 
-    per_row = torch.randint(0, prompt_len, (3,), generator=gen)  # 5.24: each row's padding
+    per_row = torch.randint(0, prompt_len, (rows,), generator=gen).to(device)  # 5.24: padding
     choices = [
         lambda: lp.TemperatureLogitsWarper(u(0.3, 2.0)),
         lambda: lp.TopKLogitsWarper(int(torch.randint(1, 60, (), generator=gen))),
@@ -463,20 +465,26 @@ def test_processed_scores_equal_hf_processors():
     processors give, step after step as tokens are appended (the repetition penalty's mask
     follows the new tokens). Planted: the penalty's mask never updated after the prompt
     failed, and top-p keeping one token fewer failed."""
+    check_processors(rows=3, vocab=97, rounds=40, device="cpu")
+
+
+def check_processors(rows: int, vocab: int, rounds: int, device: str) -> None:
+    """``rounds`` random processor lists, each over four steps of fresh logits: the device
+    steps' scores equal HF's processors' bit for bit."""
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(40):
-        rows, vocab, prompt_len = 3, 97, 5
-        ids = torch.randint(0, vocab, (rows, prompt_len), generator=gen)
-        processors = LogitsProcessorList(random_processors(gen, prompt_len))
+    for _ in range(rounds):
+        prompt_len = 5
+        ids = torch.randint(0, vocab, (rows, prompt_len), generator=gen).to(device)
+        processors = LogitsProcessorList(random_processors(gen, prompt_len, rows, device))
         assert unsupported(processors, []) in (None, "no single max_length")
         steps = processor_steps(processors, ids)
         for _ in range(4):
-            logits = torch.randn(rows, vocab, generator=gen) * 4
+            logits = (torch.randn(rows, vocab, generator=gen) * 4).to(device)
             expected = processors(ids, logits.clone())
             got = apply_steps(steps, logits.clone(), ids.shape[1])
             assert torch.equal(expected, got), (seed, processors)
-            tokens = torch.randint(0, vocab, (rows,), generator=gen)
+            tokens = torch.randint(0, vocab, (rows,), generator=gen).to(device)
             for step in steps:
                 step.observe(tokens)
             ids = torch.cat([ids, tokens[:, None]], dim=1)
@@ -640,6 +648,15 @@ def test_gpu_compaction_replays_smaller_buckets(monkeypatch):
             stats = nanoserve.decode_graph_stats(model)
     assert torch.equal(stock, ours)
     assert compactions == [(3, 2), (2, 1)] and stats["captures"] == 3, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 128256), (13, 49152), (64, 32000)])
+def test_gpu_processed_scores_equal_hf_processors(rows, vocab):
+    """On CUDA, where top-k runs nanoserve's kernel, the device steps' scores equal HF's
+    processors' bit for bit at real vocabularies."""
+    check_processors(rows, vocab, rounds=12, device="cuda")
 
 
 @pytest.mark.gpu
