@@ -46,9 +46,9 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
     holds and the model's, the forward hooks registered on any module (handle ids: adding or
     removing one changes the key; a call with a hook that may change values shares nothing
     at all, ``user_hooks.scan_hooks``), the adapters each tuner layer has on (peft), the
-    model's dtype and the caller's ``cache_salt``. The digest of the last key is kept on
-    ``state`` (a ``PatchState``); under tensor parallelism the caller joins the ranks'
-    digests into one (``tensor_parallel.agreed_salt``)."""
+    model's dtype and the caller's ``cache_salt``. The digest of the model's part of the
+    last key is kept on ``state`` (a ``PatchState``); under tensor parallelism the caller
+    joins the ranks' digests into one (``tensor_parallel.agreed_salt``)."""
     reason = unnameable(model)
     if reason is not None:
         if state.salt_key != reason:
@@ -79,12 +79,14 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
     values = _fingerprint(tensors, state.backend)
     key = (
         tuple(layout), values, tuple(switches), tuple(modules), settings, global_hooks,
-        model.dtype, user_salt,
+        model.dtype,
     )  # fmt: skip
+    # the model's part is printed and digested only when it changed (a caller's salt that
+    # changes every call then costs one small digest)
     if state.salt_key != key:
         state.salt_key = key
         state.salt = hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
-    return state.salt
+    return hashlib.blake2b(state.salt + repr(user_salt).encode(), digest_size=16).digest()
 
 
 def unnameable(model) -> str | None:

@@ -104,7 +104,7 @@ class PatchState:
     last_cache: Callable[[], object | None] = no_cache
     last_stats: dict = field(default_factory=dict)  # its figures as that call left them
     kept_pools: KeptPools | None = None
-    # the latest prefix salt and what it was computed from (prefix_salt.py)
+    # the digest of the model's part of the latest prefix salt, and that part (prefix_salt.py)
     salt_key: tuple | str | None = None
     salt: bytes = b""
     # one paged call at a time per model: a second thread waits for the first to finish
