@@ -193,13 +193,16 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     choice = TokenChoice(steps, rule, pad, capture=captures, draw=draw)
     lent = False  # whether ``logits`` is a graph's output buffer
     state = state_of(model)
-    state.loop_steps = {"direct": 0, "choice_replays": 0}
+    state.loop_steps = {"direct": 0, "choice_replays": 0, "choice_captures": 0,
+                        "choice_failed": None}  # fmt: skip
     while stop_at is None:
         if rng is not None:
             rng.save(length)
         chosen = choice(logits, unfinished, positions, length, lent)
         tokens, invalid = chosen.tokens, chosen.invalid
-        state.loop_steps["choice_replays"] = choice.replays  # (kept if a later step raises)
+        # (kept if a later step raises)
+        state.loop_steps.update(choice_replays=choice.replays, choice_captures=choice.captures,
+                                choice_failed=choice.failed)  # fmt: skip
         if scores is not None:  # HF's processors each return a new tensor, never the logits
             processed = chosen.processed
             scores.append(processed.clone() if steps and processed is chosen.logits else processed)

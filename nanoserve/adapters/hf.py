@@ -278,8 +278,10 @@ def decode_graph_stats(model) -> dict:
     ``fused_decode``: how many modules have run fused in graph steps
     (``fuse_decode``: {"attention": q/k/v groups, "mlp": gated MLPs, "norm": RMSNorms,
     "rotary": rotary calls in a step}), and ``loop_steps``: of nanoserve's latest loop,
-    the decode steps run straight on the graph runner (``direct``) and the greedy token
-    choices replayed as a graph (``choice_replays``)."""
+    the decode steps run straight on the graph runner (``direct``), the token choices
+    replayed as a graph (``choice_replays``), the choice's captures (``choice_captures``: one
+    per batch size the call decoded at) and why a capture failed, after which its choices ran
+    eagerly (``choice_failed``, None if none did)."""
     state = _state(model)
     fused = state.fused_decode
     loop = {

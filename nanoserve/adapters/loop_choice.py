@@ -25,6 +25,9 @@ import torch
 
 from nanoserve.adapters.decode_graphs import end_generator_capture
 from nanoserve.adapters.device_sampling import StopRule, apply_steps, greedy_tokens
+from nanoserve.log import get_logger
+
+_log = get_logger(__name__)
 
 
 class Choice(NamedTuple):
@@ -56,12 +59,16 @@ class TokenChoice:
         self.capturing: dict = {}  # the captures' memory pool and side stream
         self.failed: str | None = None  # a capture that failed: eager from then on
         self.replays = 0
+        self.captures = 0
 
     def reset(self) -> None:
-        """Drop the graphs and their memory (the batch was compacted: its rows' buffers,
-        and the sampler's, are new, so no key of theirs comes back)."""
+        """Drop the graphs and their memory pool (the batch was compacted: its rows' buffers,
+        and the sampler's, are new, so no key of theirs comes back). The next capture takes a
+        new pool: PyTorch refuses to capture into a pool whose graphs are gone while some of
+        its memory is still held (the read-back holds the last steps' tokens)."""
         self.graphs.clear()
         self.seen.clear()
+        self.capturing = {}
 
     def __call__(
         self, logits: torch.Tensor, unfinished: torch.Tensor, positions: torch.Tensor,
@@ -112,10 +119,12 @@ class TokenChoice:
             graph, outputs = _record(self._choose, args, self.capturing)
         except Exception as error:  # (nothing ran: a capture records, it does not compute)
             self.failed = f"{type(error).__name__}: {error}"
+            _log.info("token choice: capture failed, eager from here on (%s)", self.failed)
             if logits.is_cuda:  # a failed capture_end leaves the generator capturing
                 end_generator_capture(logits.device)
             return self._choose(logits, unfinished, positions, length)
         self.graphs[key] = (graph, outputs)
+        self.captures += 1
         graph.replay()
         self.replays += 1
         return outputs

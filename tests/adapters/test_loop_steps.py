@@ -188,6 +188,33 @@ def test_replayed_choice_in_the_loop_gives_stocks_tokens(lengths, opts, lent_on_
     assert stats["loop_steps"]["choice_replays"] > 0 and lent_on_cpu, stats
 
 
+def test_each_batch_size_captures_its_choice_into_a_new_pool(lent_on_cpu, monkeypatch):
+    """A compacted batch's choice is captured anew into a memory pool of its own (PyTorch
+    refuses a capture into a pool whose graphs are gone while some of its memory is still
+    held, and a refused capture leaves the rest of the call choosing eagerly); the stats
+    count the captures and name no failure. Planted: the pool kept across compactions
+    failed."""
+    pools = []
+    stand_in = loop_choice._record
+
+    def record(run, args, kept):
+        if not kept:  # as ``_record`` makes them: at the first capture into ``kept``
+            kept["pool"] = object()
+        pools.append((args[0].shape[0], kept["pool"]))  # (batch rows, pool)
+        return stand_in(run, args, kept)
+
+    monkeypatch.setattr(loop_choice, "_record", record)
+    model = eos_early(sharpen(tiny_model("llama", seed=10)), 3.0)
+    inputs = padded_batch([13, 6, 2], 13)
+    stock, ours, stats = stock_and_ours(model, inputs, DecodeGraphs(capture=False), **OPTS)
+    assert torch.equal(stock, ours)
+    loop = stats["loop_steps"]
+    assert loop["choice_captures"] == len(pools) == len(lent_on_cpu), loop
+    assert len({rows for rows, _ in pools}) >= 2 and loop["choice_failed"] is None, pools
+    for rows, pool in pools:  # one pool per batch size
+        assert all(other is not pool for r, other in pools if r != rows)
+
+
 SAMPLED = [
     # rows that end at spread steps leave the batch (on most seeds)
     ([13, 6, 2], dict(OPTS, do_sample=True, top_k=20, temperature=0.8)),
