@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_LOWEST_KEY = -2147483648  # below every float's key: chunk padding
+_LOWEST_KEY = tl.constexpr(-2147483648)  # below every float's key: chunk padding
 
 
 @triton.jit
