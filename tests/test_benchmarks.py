@@ -17,14 +17,7 @@ NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 @pytest.mark.parametrize(
     "name",
-    [
-        "bench_decode",
-        "bench_extend",
-        "bench_scatter",
-        "bench_generate_batch",
-        "bench_content_hash",
-        "bench_top_k",
-    ],
+    ["bench_decode", "bench_extend", "bench_scatter", "bench_generate_batch", "bench_content_hash"],
 )
 def test_without_cuda_one_clear_line(name):
     result = subprocess.run(

@@ -6,10 +6,8 @@ per entry, each computing exactly what the HF processor computes (the same ops i
 order, so ``output_scores`` and seeded sampling give stock's values). What differs is the
 state they keep: the repetition penalty keeps a ``[rows, vocab + 1]`` mask of the tokens a
 row has seen (updated with each step's tokens) instead of gathering over the growing
-``input_ids``, and the length processors take the length as a host integer. On CUDA the
-top-k filter runs nanoserve's kernel (``kernels/top_k.py``: the same k-th largest, so the
-same entries removed, without ``torch.topk``'s radix passes). An entry of any other type
-makes ``unsupported`` name it, and the caller runs HF's loop instead.
+``input_ids``, and the length processors take the length as a host integer. An entry of any
+other type makes ``unsupported`` name it, and the caller runs HF's loop instead.
 """
 
 from __future__ import annotations
@@ -19,10 +17,6 @@ import math
 import torch
 from transformers.generation import logits_process as lp
 from transformers.generation import stopping_criteria as sc
-
-from nanoserve.kernels.dispatch import use_triton
-from nanoserve.kernels.top_k import input_problem as top_k_problem
-from nanoserve.kernels.top_k import top_k_filter
 
 
 class _Step:
@@ -57,9 +51,6 @@ class _TopK(_Step):
         self.top_k, self.filter_value = p.top_k, p.filter_value
 
     def __call__(self, scores, length):
-        if top_k_problem(scores, self.top_k) is None and use_triton("auto", scores):
-            # (the same entries removed: the k-th largest found by sorting chunks of the row)
-            return top_k_filter(scores, self.top_k, self.filter_value)
         top_k = min(self.top_k, scores.size(-1))
         remove = scores < torch.topk(scores, top_k)[0][..., -1, None]
         return scores.masked_fill(remove, self.filter_value)

@@ -447,8 +447,8 @@ def random_processors(
         lambda: lp.MinPLogitsWarper(u(0.0, 0.5), min_tokens_to_keep=int(u(1, 4))),
         lambda: lp.RepetitionPenaltyLogitsProcessor(u(0.5, 2.0)),
         lambda: lp.RepetitionPenaltyLogitsProcessor(u(0.5, 2.0), prompt_ignore_length=3),
-        lambda: lp.MinLengthLogitsProcessor(prompt_len + 2, [EOS, 7]),
-        lambda: lp.MinNewTokensLengthLogitsProcessor(prompt_len, 2, EOS),
+        lambda: lp.MinLengthLogitsProcessor(prompt_len + 2, [EOS, 7], device=device),
+        lambda: lp.MinNewTokensLengthLogitsProcessor(prompt_len, 2, EOS, device=device),
     ]
     if PER_ROW_IGNORE:
         choices.append(
@@ -654,8 +654,8 @@ def test_gpu_compaction_replays_smaller_buckets(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 128256), (13, 49152), (64, 32000)])
 def test_gpu_processed_scores_equal_hf_processors(rows, vocab):
-    """On CUDA, where top-k runs nanoserve's kernel, the device steps' scores equal HF's
-    processors' bit for bit at real vocabularies."""
+    """On CUDA the device steps' scores equal HF's processors' bit for bit at real
+    vocabularies and batch sizes."""
     check_processors(rows, vocab, rounds=12, device="cuda")
 
 
