@@ -432,3 +432,41 @@ def test_gpu_replayed_sampled_choice_gives_stocks_tokens(lengths, opts):
     loop = stats["loop_steps"]
     assert decode_steps > 5 and loop["direct"] == decode_steps, stats
     assert loop["choice_replays"] > 0, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("failing_capture", [1, 2])
+def test_gpu_sampled_choice_whose_capture_fails_mid_call_gives_stocks_tokens(
+    failing_capture, monkeypatch
+):
+    """On CUDA, seeded sampling where the ``failing_capture``-th capture of the choice fails
+    inside the capture, after its draw was recorded (a host sync, which capture refuses):
+    the call goes on eagerly with stock's tokens and ends with stock's random state (the
+    failed capture took no offset from the generator)."""
+    record, calls = loop_choice._record, []
+
+    def failing_at(run, args, kept):
+        calls.append(1)
+        if len(calls) != failing_capture:
+            return record(run, args, kept)
+
+        def run_then_sync(*a):
+            outputs = run(*a)
+            outputs.tokens.sum().item()  # refused while the stream captures
+            return outputs
+
+        return record(run_then_sync, args, kept)
+
+    monkeypatch.setattr(loop_choice, "_record", failing_at)
+    model = eos_early(tiny_model("llama", seed=10), 5.0).cuda()
+    lengths, opts = SAMPLED[0]
+    seed = int.from_bytes(os.urandom(4), "little")
+    stock, stock_state, ours, our_state, stats = seeded_stock_and_ours(
+        model, on_cuda(padded_batch(lengths, 13)), None, seed, **opts
+    )
+    assert torch.equal(stock, ours), (seed, stock, ours)
+    assert torch.equal(stock_state, our_state), seed
+    loop = stats["loop_steps"]
+    assert len(calls) >= failing_capture and loop["choice_failed"], (calls, stats)
+    assert loop["choice_captures"] == failing_capture - 1, stats
