@@ -124,7 +124,7 @@ def stock_reason(
         return cache.drops_out  # rows leaving the batch would shift its dropout draws
     if cache.batch_hooks is not None:
         return f"{cache.batch_hooks} (it would see rows leave the batch)"
-    rope = length_dependent_rope(model)
+    rope = length_dependent_rope(model) if cache.walk is None else cache.walk.rope
     if rope is not None:  # the steps run past the stop would move its frequencies on
         return rope
     if model_kwargs.get("use_cache") is False:

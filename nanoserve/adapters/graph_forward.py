@@ -158,7 +158,12 @@ def memory_signature(model, cache) -> tuple:
     """Addresses, dtypes and shapes of what a captured decode step reads and writes in
     place: the cache's pools and the model's weights and buffers."""
     tensors = (*cache.paged.key_pools, *cache.paged.value_pools)
-    tensors += (*model.parameters(), *model.buffers())
+    walk = cache.walk  # (a generate call's start listed them)
+    tensors += (
+        (*model.parameters(), *model.buffers())
+        if walk is None
+        else (*walk.parameters, *walk.buffers)
+    )
     return tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in tensors if t is not None)
 
 

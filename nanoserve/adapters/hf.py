@@ -23,8 +23,9 @@ from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.fused_decode import FUSED_KINDS
 from nanoserve.adapters.graph_forward import graph_step, graph_step_kind, records_grad, replay_skips
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
+from nanoserve.adapters.model_walk import ModelWalk
 from nanoserve.adapters.pool_memory import check_pool_fits
-from nanoserve.adapters.prefix_salt import drops_out, prefix_salt
+from nanoserve.adapters.prefix_salt import prefix_salt
 from nanoserve.adapters.read_back import READ_BACK_LAG
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.sample_hook import hook, unhook
@@ -490,11 +491,13 @@ def _note_hooks(state: PatchState, cache: PagedCache, hooks: HookScan, model) ->
 
 
 @contextlib.contextmanager
-def _generating(state: PatchState, cache: PagedCache, hooks: HookScan, model):
+def _generating(state: PatchState, cache: PagedCache, hooks: HookScan, model, walk: ModelWalk):
     """``cache`` inside a generate call: what the model's hooks rule out was found at the
-    call's start (``hooks``), and its forwards do not look again (their steps stay cheap)."""
+    call's start (``hooks``), and its forwards do not look again (their steps stay cheap);
+    the rest of what that start read off the modules is ``walk``."""
     _note_hooks(state, cache, hooks, model)
     cache.generating = True
+    cache.walk = walk
     if cache.hooked is not None:
         _log.info("decode graphs: this call's steps run eagerly (%s)", cache.hooked)
     if hooks.rows is not None and state.prefix_sharing:
@@ -503,6 +506,7 @@ def _generating(state: PatchState, cache: PagedCache, hooks: HookScan, model):
         yield
     finally:
         cache.generating = False
+        cache.walk = None  # (modules may change before the next call)
 
 
 def _options(model, state: PatchState, dropout: str | None, hooks: HookScan) -> dict:
@@ -638,8 +642,9 @@ def _paged_generate(self, *args, **kwargs):
     if state.graphs is not None:
         state.graphs.recheck = True  # the weights may have moved since the last call
     state.eager_reason = None
+    walk = ModelWalk(self)  # what the checks below read off every module, listed once
     # what the hooks rule out: graph replays, prefix sharing, nanoserve's decode loop
-    hooks = scan_hooks(self)
+    hooks = scan_hooks(self, walk.named)
     user_salt = kwargs.pop("cache_salt", None)
     if user_salt is not None and not isinstance(user_salt, (str, bytes)):
         raise ValueError(f"cache_salt: expected a str or bytes, got {type(user_salt).__name__}")
@@ -653,7 +658,7 @@ def _paged_generate(self, *args, **kwargs):
         with state.lock:
             if state_of(self) is not state:
                 return _generate_again(self, args, kwargs, user_salt)
-            dropout = drops_out(self)
+            dropout = walk.dropout
             agree_options(self, _options(self, state, dropout, hooks))
             _check_attention(self)
             check_windows(self, state.pool.layout)
@@ -663,7 +668,7 @@ def _paged_generate(self, *args, **kwargs):
             passed.drops_out = dropout  # (training mode may have changed since)
             columns = passed.get_seq_length()
             try:
-                with _generating(state, passed, hooks, self):
+                with _generating(state, passed, hooks, self, walk):
                     return stock(*args, **kwargs)
             except BaseException:
                 passed.crop(columns)  # a failed call (OutOfBlocks, say) leaves it as given
@@ -685,7 +690,7 @@ def _paged_generate(self, *args, **kwargs):
             f"cache_implementation unset, or call nanoserve.unpatch_model(model) first{batch}"
         )
     # a model that drops out at random computes each copy of a prompt differently
-    dropout = drops_out(self)
+    dropout = walk.dropout
     agree_options(self, _options(self, state, dropout, hooks))
     _check_attention(self)
     check_windows(self, state.pool.layout)
@@ -705,7 +710,8 @@ def _paged_generate(self, *args, **kwargs):
         )
         size = pool_size(state.pool, self, args, kwargs, share)
         kept = state.kept_pools
-        check_pool_fits(size, state.pool, self, kept.nbytes() if kept is not None else 0)
+        reclaimable = kept.nbytes() if kept is not None else 0
+        check_pool_fits(size, state.pool, self, reclaimable, walk.parameters)
         pool_dtype = state.pool.pool_dtype(self.dtype)
         num_blocks, pools, allocators = _pools_for(state, size, pool_dtype)
         paged = _new_store(state, size, num_blocks, pools, allocators)
@@ -713,7 +719,7 @@ def _paged_generate(self, *args, **kwargs):
         cache.drops_out = dropout
         salt = None
         if state.prefix_sharing and hooks.rows is None and not option("prefill_chunk_size"):
-            salt = prefix_salt(self, user_salt, state)
+            salt = prefix_salt(self, user_salt, state, walk)
         stores = [group.allocator.store_id for group in paged.groups]
         cache.prefix_salt = agreed_salt(self, salt, stores)
         if share and not state.pool.fixed:
@@ -731,7 +737,7 @@ def _paged_generate(self, *args, **kwargs):
         state.kept_pools = kept[0]
         kwargs[cache_kwarg(type(self))] = cache
         try:
-            with _generating(state, cache, hooks, self):
+            with _generating(state, cache, hooks, self, walk):
                 return stock(*args, **kwargs)
         except BaseException:
             state.last_cache = lambda: cache  # held, so the caller can see what was kept

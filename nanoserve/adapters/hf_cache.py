@@ -66,6 +66,9 @@ class PagedCache(Cache):
         self.row_hooks: str | None = None
         self.batch_hooks: str | None = None
         self.generating = False  # inside a generate call (its start looked for hooks)
+        # inside a generate call, what its start read off the model's modules (a
+        # ``model_walk.ModelWalk``); None outside one
+        self.walk = None
 
     # -- the step boundary (once per forward) -----------------------------------------------
 

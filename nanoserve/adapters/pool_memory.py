@@ -13,16 +13,20 @@ import torch
 from nanoserve.adapters.sizing import PoolOptions, PoolSize
 
 
-def check_pool_fits(size: PoolSize, options: PoolOptions, model, reclaimable: int = 0) -> None:
+def check_pool_fits(
+    size: PoolSize, options: PoolOptions, model, reclaimable: int = 0, parameters=None
+) -> None:
     """ValueError naming ``max_new_tokens`` when the pool sized for this call (no
     ``num_blocks`` or ``max_memory`` given) needs more bytes than are free on the devices
-    holding ``model``'s parameters, plus ``reclaimable`` (a kept pool the call lets go)."""
+    holding ``model``'s parameters, plus ``reclaimable`` (a kept pool the call lets go).
+    ``parameters``: ``model.parameters()`` when already listed."""
     if options.fixed:
         return
     sizes = options.group_block_bytes(model.dtype)
     blocks = size.group_blocks or (size.num_blocks,)
     need = sum(b * s for b, s in zip(blocks, sizes, strict=True))
-    devices = sorted({p.device for p in model.parameters()}, key=str)
+    parameters = model.parameters() if parameters is None else parameters
+    devices = sorted({p.device for p in parameters}, key=str)
     free = [free_bytes(d) for d in devices]
     if not devices or any(f is None for f in free) or need <= sum(free) + reclaimable:
         return

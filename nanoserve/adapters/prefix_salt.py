@@ -16,6 +16,7 @@ import enum
 import functools
 import hashlib
 import types
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.modules import module as _module_hooks
@@ -24,6 +25,9 @@ from transformers import PretrainedConfig
 from nanoserve.adapters.module_attrs import module_attr
 from nanoserve.kernels.content_hash import content_digest, kernel_runs_on
 from nanoserve.log import get_logger
+
+if TYPE_CHECKING:
+    from nanoserve.adapters.model_walk import ModelWalk
 
 _log = get_logger(__name__)
 _NONE = object()
@@ -35,7 +39,7 @@ _CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, f
 _DEPTH = 4
 
 
-def prefix_salt(model, user_salt, state) -> bytes | None:
+def prefix_salt(model, user_salt, state, walk: ModelWalk | None = None) -> bytes | None:
     """What names a call's cached prefixes beside their tokens (16 bytes), or None when K/V
     cannot be named across calls (``unnameable``: then only copies within the call share).
 
@@ -48,8 +52,9 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
     at all, ``user_hooks.scan_hooks``), the adapters each tuner layer has on (peft), the
     model's dtype and the caller's ``cache_salt``. The digest of the model's part of the
     last key is kept on ``state`` (a ``PatchState``); under tensor parallelism the caller
-    joins the ranks' digests into one (``tensor_parallel.agreed_salt``)."""
-    reason = unnameable(model)
+    joins the ranks' digests into one (``tensor_parallel.agreed_salt``). ``walk``: the
+    call's ``ModelWalk``, whose module list is read instead of walking again."""
+    reason = unnameable(model, walk)
     if reason is not None:
         if state.salt_key != reason:
             state.salt_key = reason
@@ -57,12 +62,8 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
         return None
     tensors, layout, switches, modules = [], [], [], []
     configs: dict[int, PretrainedConfig] = {}
-    seen, stack = set(), [model]
-    while stack:  # every module once; parameters() and buffers() would walk them twice
-        module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
+    # every module once; parameters() and buffers() would walk them twice
+    for number, module in enumerate(walk.modules if walk is not None else model.modules()):
         for tensors_of in (module._parameters, module._buffers):
             for t in tensors_of.values():
                 if t is not None:
@@ -70,9 +71,8 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
                     layout.append((t.data_ptr(), _version(t), t.dtype, t.shape))
         hooks = (*module._forward_pre_hooks, *module._forward_hooks)
         if hooks or module_attr(module, "active_adapters", _NONE) is not _NONE:
-            switches.append((len(seen), hooks, _adapters_on(module)))
+            switches.append((number, hooks, _adapters_on(module)))
         modules.append((_class_name(type(module)), _attributes(module, configs)))
-        stack.extend(m for m in module._modules.values() if m is not None)
     configs.setdefault(id(model.config), model.config)
     settings = tuple(_plain(_public(c), 0) for c in configs.values())
     global_hooks = (*_module_hooks._global_forward_pre_hooks, *_module_hooks._global_forward_hooks)
@@ -89,19 +89,22 @@ def prefix_salt(model, user_salt, state) -> bytes | None:
     return hashlib.blake2b(state.salt + repr(user_salt).encode(), digest_size=16).digest()
 
 
-def unnameable(model) -> str | None:
+def unnameable(model, walk: ModelWalk | None = None) -> str | None:
     """Why K/V of this model cannot be named by tokens and weights alone (a phrase), or None:
     rotary frequencies that depend on the call's length (``length_dependent_rope``: a later
     call of another length computes other K for the same prefix), or a module that drops
-    out at random (training mode, ``drops_out``)."""
+    out at random (training mode, ``drops_out``). ``walk``: the call's ``ModelWalk``."""
+    if walk is not None:
+        return walk.rope or walk.dropout
     return length_dependent_rope(model) or drops_out(model)
 
 
-def length_dependent_rope(model) -> str | None:
+def length_dependent_rope(model, modules=None) -> str | None:
     """Which rotary type of ``model`` sets its frequencies from the longest position in the
     batch (``dynamic``, ``longrope``: transformers' ``dynamic_rope_update``), as a phrase, or
-    None. Such a model computes other K/V for a row when the batch's other rows change."""
-    for module in model.modules():
+    None. Such a model computes other K/V for a row when the batch's other rows change.
+    ``modules``: the model's modules when already listed (``ModelWalk``)."""
+    for module in model.modules() if modules is None else modules:
         kind = module_attr(module, "rope_type")
         kinds = kind.values() if isinstance(kind, dict) else [kind]
         for kind in kinds:
@@ -110,11 +113,11 @@ def length_dependent_rope(model) -> str | None:
     return None
 
 
-def drops_out(model) -> str | None:
+def drops_out(model, modules=None) -> str | None:
     """Which module of ``model`` drops out at random (training mode, a rate above 0), as a
     phrase, or None. Such a model computes other K/V and logits for each copy of a prompt,
-    so no row may take another's."""
-    for module in model.modules():
+    so no row may take another's. ``modules``: the model's modules when already listed."""
+    for module in model.modules() if modules is None else modules:
         rate = module.p if isinstance(module, torch.nn.Dropout) else _attention_dropout(module)
         if module.training and rate > 0:
             return f"{type(module).__name__} drops out at random in training mode"

@@ -53,10 +53,11 @@ class HookScan(NamedTuple):
     batch: str | None = None
 
 
-def scan_hooks(model) -> HookScan:
+def scan_hooks(model, named=None) -> HookScan:
     """Walk ``model``'s modules once for forward hooks, pre-hooks and wrapped forwards (and
     the global hooks); see ``HookScan``. The model's own forward is nanoserve's while
-    patched, so only its hooks count."""
+    patched, so only its hooks count. ``named``: ``model.named_modules()`` when already
+    listed (``ModelWalk``)."""
     global_hooks = (
         *_torch_module._global_forward_hooks.values(),
         *_torch_module._global_forward_pre_hooks.values(),
@@ -65,7 +66,7 @@ def scan_hooks(model) -> HookScan:
         phrase = "a global forward hook (register_module_forward_hook)"
         return HookScan(phrase, phrase, phrase)
     replay = rows = batch = None
-    for name, module in model.named_modules():
+    for name, module in model.named_modules() if named is None else named:
         hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
         if not name:  # the model itself: its hooks run around its forward, replay or not
             if any(not _neutral(h, module) for h in hooks):

@@ -521,9 +521,9 @@ def test_a_call_that_waited_while_another_thread_unpatched_runs_stock(monkeypatc
     reached, result = threading.Event(), {}
     scan = hf.scan_hooks
 
-    def scanned(m):  # runs before the call takes the lock
+    def scanned(m, *rest):  # runs before the call takes the lock
         reached.set()
-        return scan(m)
+        return scan(m, *rest)
 
     monkeypatch.setattr(hf, "scan_hooks", scanned)
 

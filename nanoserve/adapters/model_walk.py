@@ -1,0 +1,64 @@
+"""What a generate call reads off every module of the model, read in one walk.
+
+At a call's start nanoserve asks each module several questions: does it drop out at random,
+does its rotary embedding depend on the call's length, what hooks does it carry, which
+tensors does it hold (the pool's devices, the decode graphs' addresses, the prefix salt).
+Each question used to walk the modules itself, some twice a call: a few milliseconds of
+host time on a billion-parameter model, paid by every call before its first token. A
+``ModelWalk`` lists the modules once and answers each question at most once a call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from nanoserve.adapters.prefix_salt import drops_out, length_dependent_rope
+from nanoserve.adapters.user_hooks import HookScan, scan_hooks
+
+
+class ModelWalk:
+    """The modules of ``model`` as they stand at a call's start, with the answers read off
+    them (each computed on first use). Valid for one call: modules, hooks and attributes may
+    change between calls."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.named: list[tuple[str, torch.nn.Module]] = list(model.named_modules())
+        self.modules: list[torch.nn.Module] = [module for _, module in self.named]
+
+    @functools.cached_property
+    def dropout(self) -> str | None:
+        """``prefix_salt.drops_out``'s phrase, or None."""
+        return drops_out(self.model, self.modules)
+
+    @functools.cached_property
+    def rope(self) -> str | None:
+        """``prefix_salt.length_dependent_rope``'s phrase, or None."""
+        return length_dependent_rope(self.model, self.modules)
+
+    @functools.cached_property
+    def hooks(self) -> HookScan:
+        """``user_hooks.scan_hooks`` of the model."""
+        return scan_hooks(self.model, self.named)
+
+    @functools.cached_property
+    def parameters(self) -> list[torch.Tensor]:
+        """Every parameter once, in ``model.parameters()``'s order."""
+        return _unique(self.modules, "_parameters")
+
+    @functools.cached_property
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer once, in ``model.buffers()``'s order."""
+        return _unique(self.modules, "_buffers")
+
+
+def _unique(modules: list[torch.nn.Module], table: str) -> list[torch.Tensor]:
+    seen, found = set(), []
+    for module in modules:
+        for tensor in module.__dict__[table].values():
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                found.append(tensor)
+    return found
