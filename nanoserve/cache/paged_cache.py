@@ -590,14 +590,7 @@ class PagedKVCache:
     def stats(self) -> dict[str, float]:
         """Pool figures: blocks used, tokens stored, bytes reserved, share holding no token,
         blocks the sliding window released."""
-        filled: dict[int, int] = {}
-        for table in self.tables:
-            for i, block in enumerate(table.block_ids):
-                if block == DROPPED:
-                    continue
-                in_block = min(self.block_size, table.num_tokens - i * self.block_size)
-                filled[block] = max(filled.get(block, 0), in_block)
-        slots_filled = sum(filled.values())
+        slots_filled = filled_slots(self.tables, self.block_size)
         bytes_per_slot = sum(
             pool[0, 0].numel() * pool.element_size()
             for pools in (self.key_pools, self.value_pools)
@@ -617,3 +610,20 @@ class PagedKVCache:
             "unused_share": 1.0 - slots_filled / total_slots,
             "blocks_dropped_by_window": self.blocks_dropped,
         }
+
+
+def filled_slots(tables, block_size: int) -> int:
+    """Slots holding a token across ``tables`` (``BlockTable``s), a block shared by several
+    tables counted once at its fullest: each table's leading ``num_tokens // block_size``
+    blocks are full, the next holds the remainder, any after it nothing."""
+    full: set[int] = set()
+    partial: dict[int, int] = {}
+    for table in tables:
+        ids, whole = table.block_ids, table.num_tokens // block_size
+        full.update(ids[:whole])
+        rest = table.num_tokens - whole * block_size
+        if rest and whole < len(ids):
+            partial[ids[whole]] = max(partial.get(ids[whole], 0), rest)
+    full.discard(DROPPED)
+    rest = sum(n for block, n in partial.items() if block not in full and block != DROPPED)
+    return len(full) * block_size + rest
