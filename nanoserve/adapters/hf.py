@@ -344,8 +344,9 @@ def _paged_forward(self, *args, **kwargs):
     with state.lock:
         if state_of(self) is not state:  # unpatched (or patched again) by another thread
             return self.forward(**kwargs)
+        if not cache.mask_checked or not cache.generating:  # (a caller's forward: each one)
+            check_whole_mask(kwargs, cache.paged.seq_lens(), cache.columns)
         if not cache.mask_checked:
-            check_whole_mask(kwargs)
             if not cache.generating:  # (generate checked the windows itself)
                 check_windows(self, state.pool.layout)
             cache.mask_checked = True

@@ -263,15 +263,56 @@ def new_token_mask(kwargs: dict, cached_lens: Callable[[], list[int]]) -> torch.
     return new
 
 
-def check_whole_mask(kwargs: dict) -> None:
+def check_whole_mask(kwargs: dict, cached_lens: list[int] | None = None, columns: int = 0) -> None:
     """``check_left_padded`` over every column of a forward's 2-D ``attention_mask``, the
-    cached ones too: run on the first forward of each generate call. (Given no mask,
-    generate infers one from pad ids; a generated token equal to ``pad_token_id`` then reads
-    as padding inside the sequence when its cache is continued. Stock masks that key; the
-    paged cache holds it and would attend it.)"""
+    cached ones too, and ``check_cached_columns``: run on the first forward of each generate
+    call and on every forward outside one. (Given no mask, generate infers one from pad ids;
+    a generated token equal to ``pad_token_id`` then reads as padding inside the sequence
+    when its cache is continued. Stock masks that key; the paged cache holds it and would
+    attend it.) ``cached_lens``: each row's tokens in the cache; ``columns``: the columns
+    it has seen, left padding included (0: nothing cached)."""
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         check_left_padded(mask)
+    if columns and cached_lens is not None and (mask is None or mask.dim() == 2):
+        check_cached_columns(mask, cached_lens, columns)
+
+
+def check_cached_columns(mask: torch.Tensor | None, cached_lens: list[int], columns: int) -> None:
+    """ValueError naming ``attention_mask`` when a forward's mask [B, columns + new] (None:
+    every column real) marks the columns a cache holds otherwise than it holds them: row r's
+    first ``columns - cached_lens[r]`` as padding (stored as none), the rest as its tokens.
+    Stock's cache keeps padding K/V, and a mask marking them real makes it attend them; one
+    marking a cached token as padding makes it skip it. The paged cache can do neither."""
+    lens = torch.tensor(cached_lens, dtype=torch.long)
+    if mask is None:
+        if bool((lens < columns).any()):
+            raise ValueError(
+                "attention_mask: none (or all ones), so every column is real to stock, but the cache "
+                f"holds left padding (rows {_rows(lens < columns)}) that it did not store; "
+                "pass the mask the cache was filled with, extended by ones for the new columns"
+            )
+        return
+    if mask.shape[1] < columns:
+        raise ValueError(
+            f"attention_mask: {mask.shape[1]} columns, fewer than the {columns} the cache "
+            "holds; pass a mask over every column (the cached ones, then the new ones)"
+        )
+    held = torch.arange(columns)[None, :] >= (columns - lens)[:, None]
+    differs = (mask[:, :columns].to("cpu", torch.bool) != held).any(dim=1)
+    if bool(differs.any()):
+        raise ValueError(
+            f"attention_mask: over the {columns} columns the cache holds, rows "
+            f"{_rows(differs)} mark real tokens and padding otherwise than the calls that "
+            "filled it (the paged cache stores no padding, so it cannot attend padding nor "
+            "skip a cached token as stock would); pass the mask those calls had, extended "
+            "by ones for the tokens generated and the new columns"
+        )
+
+
+def _rows(flags: torch.Tensor) -> str:
+    rows = flags.nonzero().flatten().tolist()
+    return ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
 
 
 def check_left_padded(mask: torch.Tensor, cached_lens: list[int] | None = None) -> None:

@@ -250,6 +250,45 @@ def test_a_generated_pad_id_in_a_continued_cache_is_refused():
     assert torch.equal(paged_more, stock_more)
 
 
+@pytest.mark.parametrize("mask", ["none", "all ones", "a cached token masked"])
+def test_a_continuation_whose_mask_disagrees_with_the_cache_is_refused(mask):
+    """A returned cache of a left-padded batch holds no padding. Continued with a mask that
+    marks its columns otherwise (none, or all ones, as generate infers when pad_token_id
+    equals EOS: stock then attends the padding K/V it kept; or a cached real token masked:
+    stock skips it), the call refuses naming attention_mask before the cache changes, and
+    the right mask then gives stock's tokens. A forward of the caller's own with no mask on
+    that cache refuses too. Planted: without the cached columns' check each case ran on to
+    no case raised (the probes that found it gave other tokens than stock's)."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4], 9)
+    opts = dict(max_new_tokens=3, return_dict_in_generate=True, **GREEDY)
+    stock, stock_next = stock_and_continued(model, inputs, opts, 2)
+    with patched(model, block_size=4), torch.no_grad():
+        first = model.generate(**inputs, **opts)
+        cache = first.past_key_values
+        lens, columns = cache.paged.seq_lens(), cache.get_seq_length()
+        right = continued(inputs, first.sequences)
+        wrong = dict(right)
+        if mask == "none":  # (generate then infers the mask from pad ids: none here)
+            del wrong["attention_mask"]
+            wrong["pad_token_id"] = model.config.vocab_size - 1
+            assert not bool((first.sequences == wrong["pad_token_id"]).any())
+        elif mask == "all ones":
+            wrong["attention_mask"] = torch.ones_like(right["attention_mask"])
+        else:
+            wrong["attention_mask"] = right["attention_mask"].clone()
+            wrong["attention_mask"][0, 0] = 0  # row 0 has no padding: a real token masked
+        with pytest.raises(ValueError, match="attention_mask: "):
+            model.generate(**wrong, max_new_tokens=2, **{cache_name(model): cache}, **GREEDY)
+        assert cache.paged.seq_lens() == lens and cache.get_seq_length() == columns
+        with pytest.raises(ValueError, match="attention_mask: none"):
+            model(input_ids=first.sequences[:, -1:], **{cache_name(model): cache})
+        assert cache.paged.seq_lens() == lens and cache.get_seq_length() == columns
+        out = model.generate(**right, max_new_tokens=2, **{cache_name(model): cache}, **GREEDY)
+    assert torch.equal(first.sequences, stock.sequences)
+    assert torch.equal(out, stock_next)
+
+
 def test_output_attentions_returns_stocks_weights():
     model = tiny_model("llama")
     model.set_attn_implementation("eager")
