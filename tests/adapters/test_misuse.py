@@ -257,8 +257,8 @@ def test_a_continuation_whose_mask_disagrees_with_the_cache_is_refused(mask):
     equals EOS: stock then attends the padding K/V it kept; or a cached real token masked:
     stock skips it), the call refuses naming attention_mask before the cache changes, and
     the right mask then gives stock's tokens. A forward of the caller's own with no mask on
-    that cache refuses too. Planted: without the cached columns' check each case ran on to
-    no case raised (the probes that found it gave other tokens than stock's)."""
+    that cache refuses too. Planted: without the cached columns' check no case raised (the
+    probes that found it gave other tokens than stock's)."""
     model = tiny_model("llama")
     inputs = padded_batch([9, 4], 9)
     opts = dict(max_new_tokens=3, return_dict_in_generate=True, **GREEDY)
