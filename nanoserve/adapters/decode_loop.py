@@ -51,6 +51,7 @@ from nanoserve.adapters.prefix_salt import length_dependent_rope
 from nanoserve.adapters.read_back import READ_BACK_LAG, InvalidDraw, ReadBack
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, find_cache, state_of
+from nanoserve.cache.allocator import OutOfBlocks
 
 # generate's model_kwargs the loop handles; any other (not None) runs HF's loop
 _KNOWN_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", *CACHE_KWARGS}
@@ -213,12 +214,7 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
         batch.write(sequences, length, tokens)
         length += 1
         watch.push(length, unfinished, tokens, batch.rows, invalid)
-        try:
-            stop_at = watch.poll(drain=length >= rule.max_length)
-        except InvalidDraw as error:
-            # stock's multinomial raises before drawing: the random state from before it
-            rng.restore(error.length - 1)
-            raise RuntimeError(INVALID_PROBABILITIES) from None
+        stop_at = _poll(watch, rng, drain=length >= rule.max_length)
         if stop_at is None and length >= rule.max_length:
             stop_at = length
         if stop_at is None:
@@ -230,11 +226,20 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
                     step.select(index)
                 choice.reset()
             ids = tokens[:, None]
-            step_logits = loop_decode_step(model, cache, fixed, ids, positions)
-            lent = step_logits is not None
-            state.loop_steps["direct"] += lent
-            if not lent:
-                step_logits = model(input_ids=ids, position_ids=positions, **fixed).logits
+            try:
+                step_logits = loop_decode_step(model, cache, fixed, ids, positions)
+                lent = step_logits is not None
+                state.loop_steps["direct"] += lent
+                if not lent:
+                    step_logits = model(input_ids=ids, position_ids=positions, **fixed).logits
+            except OutOfBlocks:
+                # A step issued before the stop was read back may need a block that the
+                # call's tokens never do (a pool sized to fit them): the step stored
+                # nothing, so if the rows had all stopped, the call ends as it would have.
+                stop_at = _poll(watch, rng, drain=True)
+                if stop_at is None:
+                    raise
+                break
             logits = step_logits[:, -1].to(device)
             del step_logits
 
@@ -258,6 +263,17 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
         hidden_states=None,
         **{_CACHE_FIELD: cache},
     )
+
+
+def _poll(watch: ReadBack, rng, drain: bool) -> int | None:
+    """``watch.poll(drain)``: the column count where every row has stopped, or None; a NaN
+    distribution read back raises stock's error with the random state from before it."""
+    try:
+        return watch.poll(drain=drain)
+    except InvalidDraw as error:
+        # stock's multinomial raises before drawing: the random state from before it
+        rng.restore(error.length - 1)
+        raise RuntimeError(INVALID_PROBABILITIES) from None
 
 
 def _captures(model, device: torch.device) -> bool:

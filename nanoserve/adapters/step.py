@@ -288,9 +288,10 @@ def check_cached_columns(mask: torch.Tensor | None, cached_lens: list[int], colu
     if mask is None:
         if bool((lens < columns).any()):
             raise ValueError(
-                "attention_mask: none (or all ones), so every column is real to stock, but the cache "
-                f"holds left padding (rows {_rows(lens < columns)}) that it did not store; "
-                "pass the mask the cache was filled with, extended by ones for the new columns"
+                "attention_mask: none (or all ones), so every column is real to stock, but "
+                f"the cache holds left padding (rows {_rows(lens < columns)}) that it did not "
+                "store; pass the mask the cache was filled with, extended by ones for the new "
+                "columns"
             )
         return
     if mask.shape[1] < columns:

@@ -595,6 +595,33 @@ def test_random_state_after_a_sampled_stop_is_stocks():
         assert torch.equal(expected, got)
 
 
+@pytest.mark.parametrize("sample", [False, True])
+def test_a_pool_that_fits_the_tokens_but_not_the_steps_past_eos(sample):
+    """A fixed pool of exactly the blocks stock's tokens take (block size 1): the loop issues
+    steps before it reads EOS back, and those may find no block. A step that runs out of
+    blocks stores nothing, so when the rows had stopped the call ends as stock's does (its
+    tokens, and its random state after a seeded call); a pool too small for the tokens still
+    raises OutOfBlocks. Planted: without ending on the stop read back, OutOfBlocks."""
+    model = eos_early(sharpen(tiny_model("llama", seed=3)), 3.0)
+    inputs = padded_batch([4], 4, seed=1)
+    opts = dict(max_new_tokens=60, eos_token_id=EOS, pad_token_id=0, do_sample=sample)
+
+    def run():
+        torch.manual_seed(5)
+        with torch.no_grad():
+            return model.generate(**inputs, **opts), torch.rand(2)
+
+    stock, stock_after = run()
+    stored = stock.shape[1] - 1  # stock's cache holds all but the last token
+    assert stock.shape[1] < 4 + 60 and int(stock[0, -1]) == EOS  # stopped on EOS
+    with patched(model, block_size=1, num_blocks=stored):
+        ours, after = run()
+        assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
+    assert torch.equal(ours, stock) and torch.equal(after, stock_after)
+    with patched(model, block_size=1, num_blocks=stored - 2), pytest.raises(nanoserve.OutOfBlocks):
+        run()
+
+
 # -- the real model ---------------------------------------------------------------------
 
 
