@@ -365,7 +365,10 @@ def _paged_forward(self, *args, **kwargs):
                 [max(0, n - h) for n, h in zip(cache.unshared_blocks, have, strict=True)],
             )
             cache.unshared_blocks = None
-        output = run_step(kwargs, new_token_mask(kwargs, cache.paged.seq_lens))
+        new = new_token_mask(kwargs, cache.paged.seq_lens)
+        if not cache.generating:
+            _room_for_forward(state, cache.paged, self, new)
+        output = run_step(kwargs, new)
         cache.end_step()
         return output
 
@@ -589,7 +592,33 @@ def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs)
     if state.pool.fixed:
         return
     paged = cache.paged
-    need = blocks_to_continue(paged, cache.get_seq_length(), model, args, kwargs)
+    _grow_to(
+        state, paged, blocks_to_continue(paged, cache.get_seq_length(), model, args, kwargs), model
+    )
+
+
+def _room_for_forward(state: PatchState, paged, model, new: torch.Tensor) -> None:
+    """A forward of the caller's own on a returned cache grows its pool to fit the forward's
+    new tokens (``new`` bool [B, q]), as stock's cache would, unless the pool size was fixed:
+    each row may take the blocks its tokens reach plus a copy of its last one."""
+    counts = new.sum(dim=1).tolist()
+    if state.pool.fixed or len(counts) != paged.num_seqs:
+        return  # (a row count the step refuses itself)
+    bs = paged.block_size
+    need = [
+        sum(
+            max(-(-(t.num_tokens + n) // bs) - t.num_blocks, 0) + 1
+            for t, n in zip(group.tables, counts, strict=True)
+            if n
+        )
+        for group in paged.groups
+    ]
+    _grow_to(state, paged, need, model)
+
+
+def _grow_to(state: PatchState, paged, need: list[int], model) -> None:
+    """Grow each layer group of ``paged`` so that ``need[g]`` blocks are free, refused first
+    (``check_pool_fits``) if the devices cannot hold the larger pool."""
     free = [group.allocator.num_free for group in paged.groups]
     if any(n > f for n, f in zip(need, free, strict=True)):
         more = [max(0, n - f) for n, f in zip(need, free, strict=True)]

@@ -247,6 +247,42 @@ def test_a_pool_grown_by_a_continuation_is_kept_at_its_size():
             nanoserve.unpatch_model(model)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_a_forward_of_many_tokens_on_a_returned_cache_grows_its_pool(family):
+    """A forward of the caller's own that feeds a returned cache more tokens than its pool
+    has free: the pool grows as stock's cache would, and the logits are stock's; with the
+    pool fixed (num_blocks), OutOfBlocks leaves the cache as it was. Planted: without the
+    growth, OutOfBlocks naming num_blocks, which the caller never set."""
+    model = tiny_model(family)
+    inputs = padded_batch([9, 4], 9)
+    more = torch.randint(3, 97, (2, 30), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=3, return_dict_in_generate=True,
+                                 **GREEDY)  # fmt: skip
+            columns = out.sequences.shape[1] + more.shape[1]
+            mask = torch.cat([inputs["attention_mask"], torch.ones(2, columns - 9).long()], 1)
+            ids = torch.cat([out.sequences[:, -1:], more], 1)
+            cache = out.past_key_values
+            return model(input_ids=ids, attention_mask=mask, **{cache_name(model): cache}), cache
+
+    stock, _ = run()
+    with patched(model, block_size=4):
+        ours, _ = run()
+    torch.testing.assert_close(ours.logits, stock.logits, rtol=1e-4, atol=1e-4)
+    with patched(model, block_size=4, num_blocks=12), torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=3, return_dict_in_generate=True, **GREEDY)
+        cache = out.past_key_values
+        lens = cache.paged.seq_lens()
+        mask = torch.ones(2, out.sequences.shape[1] + 30).long()
+        mask[1, :5] = 0
+        with pytest.raises(nanoserve.OutOfBlocks):
+            model(input_ids=torch.cat([out.sequences[:, -1:], more], 1), attention_mask=mask,
+                  **{cache_name(model): cache})  # fmt: skip
+        assert cache.paged.seq_lens() == lens
+
+
 def test_a_pool_past_the_free_memory_is_refused_naming_max_new_tokens():
     """max_new_tokens far past what the rows generate: the default pool (reserved up front)
     would need more than the machine holds. Refused before anything changes, naming the
