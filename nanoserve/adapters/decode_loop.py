@@ -50,7 +50,7 @@ from nanoserve.adapters.loop_choice import TokenChoice
 from nanoserve.adapters.prefix_salt import length_dependent_rope
 from nanoserve.adapters.read_back import READ_BACK_LAG, InvalidDraw, ReadBack
 from nanoserve.adapters.registry import family_for
-from nanoserve.adapters.step import CACHE_KWARGS, find_cache, state_of
+from nanoserve.adapters.step import CACHE_KWARGS, find_cache, host_to_device, state_of
 from nanoserve.cache.allocator import OutOfBlocks
 
 # generate's model_kwargs the loop handles; any other (not None) runs HF's loop
@@ -357,8 +357,8 @@ class ActiveRows:
         of the kept batch rows, to select each per-row tensor with."""
         kept = set(keep)
         gone = [row for i, row in enumerate(self.rows) if i not in kept]
-        sequences[torch.tensor(gone, device=self.device), column:] = self.pad
+        sequences[host_to_device(gone, self.device), column:] = self.pad
         cache.paged.reorder(keep)
         self.rows = [self.rows[i] for i in keep]
-        self.index = torch.tensor(self.rows, device=self.device)
-        return torch.tensor(keep, device=self.device)
+        self.index = host_to_device(self.rows, self.device)
+        return host_to_device(keep, self.device)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanoserve.adapters.step import CACHE_KWARGS, new_token_mask
+from nanoserve.adapters.step import CACHE_KWARGS, host_to_device, new_token_mask
 from nanoserve.cache import block_digests
 from nanoserve.log import get_logger
 
@@ -97,7 +97,7 @@ def first_forward(run_step, cache, kwargs: dict):
     )
     if len(plan.leaders) < len(plan.groups):
         logits = output["logits"]
-        output["logits"] = logits.index_select(0, torch.tensor(plan.groups, device=logits.device))
+        output["logits"] = logits.index_select(0, host_to_device(plan.groups, logits.device))
     return output
 
 
@@ -211,7 +211,7 @@ def _leader_inputs(kwargs: dict, plan: _Plan, cached: list[int], seq_lens, trim:
     and left padded to the longest rest; their new-token mask [U, columns] on the CPU).
     Without ``trim`` and with nothing cached, the rows keep every column."""
     ids = kwargs["input_ids"]
-    rows = torch.tensor(plan.leaders, device=ids.device)
+    rows = host_to_device(plan.leaders, ids.device)
     if not trim and not any(cached):
         sub = dict(kwargs)
         for name in _ROW_KWARGS:

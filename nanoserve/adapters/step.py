@@ -263,6 +263,13 @@ def new_token_mask(kwargs: dict, cached_lens: Callable[[], list[int]]) -> torch.
     return new
 
 
+def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor of ``values`` on ``device``, copied without waiting for the device's
+    queued work (``torch.tensor(values, device=...)`` synchronizes the stream first, which
+    would drain the decode steps issued ahead)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
 def check_whole_mask(kwargs: dict, cached_lens: list[int] | None = None, columns: int = 0) -> None:
     """``check_left_padded`` over every column of a forward's 2-D ``attention_mask``, the
     cached ones too, and ``check_cached_columns``: run on the first forward of each generate
