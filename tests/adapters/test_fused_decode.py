@@ -213,7 +213,9 @@ def test_a_hook_added_after_the_first_call_runs():
             assert replays == 2
             cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
             handle = model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, i, o: None)
-            step = dict(input_ids=out.sequences[:, -1:], use_cache=True)
+            grown = torch.ones(2, out.sequences.shape[1] - 6, dtype=torch.long)
+            mask = torch.cat([inputs["attention_mask"], grown], dim=1)
+            step = dict(input_ids=out.sequences[:, -1:], attention_mask=mask, use_cache=True)
             positions = cache.paged.seq_lens()
             step["position_ids"] = torch.tensor(positions).view(-1, 1)
             model(**step, **{cache_kwarg(type(model)): cache})  # the caller's own step
