@@ -160,6 +160,7 @@ class DecodeGraphs:
         self.cache_signature = None
         # set at each generate call: the same cache may come back over moved weights
         self.recheck = False
+        self.modes = None  # the numeric settings the last check saw (``follow``'s ``modes``)
         self.disabled_reason: str | None = None
         self.extend_disabled_reason: str | None = None  # extend captures failed: eager
         self.captures = 0
@@ -179,15 +180,20 @@ class DecodeGraphs:
         self.cache_signature = None
         self.pool = None
 
-    def follow(self, cache, signature: Callable[[object], object] | None = None) -> None:
+    def follow(
+        self, cache, signature: Callable[[object], object] | None = None, modes=None
+    ) -> None:
         """Keep the graphs for ``cache`` only if ``signature(cache)`` (what the graphs'
         memory addresses depend on) equals the one they were captured under; checked on a
-        new cache object, and on the same one after ``recheck`` was set (once per generate
-        call: ``model.half()`` or ``.to()`` between calls moves the weights under a cache the
-        caller passes back). Without ``signature`` every new cache captures anew."""
-        if cache is self.cache() and not self.recheck:
+        new cache object, on the same one after ``recheck`` was set (once per generate call:
+        ``model.half()`` or ``.to()`` between calls moves the weights under a cache the
+        caller passes back), and when ``modes`` (given: settings the signature holds too,
+        cheap to read at every step) differ from the last check's. Without ``signature``
+        every new cache captures anew."""
+        if cache is self.cache() and not self.recheck and (modes is None or modes == self.modes):
             return
         self.recheck = False
+        self.modes = modes
         signature = signature(cache) if signature is not None else None
         keep = signature is not None and signature == self.cache_signature
         if self.agree is not None:
@@ -203,14 +209,15 @@ class DecodeGraphs:
 
     def step(
         self, cache, host: StepMetadata, input_ids, position_ids, run_forward, signature=None,
-        borrow: bool = False,
+        borrow: bool = False, modes=None,
     ):  # fmt: skip
         """Run one decode step (one column) or extend step (``column_bucket`` columns)
         whose host metadata ``host`` is already built; returns the model output with logits
         for the real rows only. ``signature`` as in ``follow``. ``borrow=True`` returns only
         the logits of the real rows, a view of the graph's output buffer that the next
-        replay of the bucket overwrites (no copy, no model output built)."""
-        self.follow(cache, signature)
+        replay of the bucket overwrites (no copy, no model output built). ``modes`` as in
+        ``follow``."""
+        self.follow(cache, signature, modes)
         batch, columns = input_ids.shape
         width = host.block_tables.shape[1]
         if columns == 1:

@@ -21,6 +21,8 @@ from nanoserve.adapters.decode_graphs import bucket_for
 from nanoserve.adapters.extend_static import MAX_TOKENS, column_bucket, fits_tables
 from nanoserve.adapters.fused_decode import FusedDecode
 from nanoserve.adapters.fused_inputs import FUSED_DTYPES
+from nanoserve.adapters.model_walk import ModelWalk
+from nanoserve.adapters.numeric_modes import numeric_modes
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step, state_of
 from nanoserve.adapters.tensor_parallel import tp_size
@@ -118,6 +120,8 @@ def graph_step(model, state: PatchState, stock_forward, cache, kwargs, new, borr
             run_forward,
             signature=lambda c: memory_signature(model, c),
             borrow=borrow,
+            # a forward of the caller's own: autocast or TF32 may change between forwards
+            modes=None if cache.generating else replay_modes(),
         )
     except BaseException:
         cache.abort_step()
@@ -155,16 +159,23 @@ def _fused(model, state: PatchState, rows: int):
 
 
 def memory_signature(model, cache) -> tuple:
-    """Addresses, dtypes and shapes of what a captured decode step reads and writes in
-    place: the cache's pools and the model's weights and buffers."""
+    """What a captured decode step depends on besides the values it reads: the addresses,
+    dtypes and shapes of what it reads and writes in place (the cache's pools, the model's
+    weights and buffers), the model's structure (``prefix_salt.structure_key``: a swapped
+    activation, a changed eps or scaling, an adapter switched, none of which moves a
+    tensor) and torch's numeric settings (``numeric_modes``: autocast, matmul precision),
+    all of which a replay would run as captured."""
     tensors = (*cache.paged.key_pools, *cache.paged.value_pools)
-    walk = cache.walk  # (a generate call's start listed them)
-    tensors += (
-        (*model.parameters(), *model.buffers())
-        if walk is None
-        else (*walk.parameters, *walk.buffers)
-    )
-    return tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in tensors if t is not None)
+    walk = cache.walk if cache.walk is not None else ModelWalk(model)
+    tensors += (*walk.parameters, *walk.buffers)
+    addresses = tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in tensors if t is not None)
+    return addresses, walk.structure, replay_modes()
+
+
+def replay_modes() -> tuple:
+    """torch's settings a captured step replays as captured: ``numeric_modes``, and whether
+    inference mode is on (a graph's buffers made under it take no write outside it)."""
+    return numeric_modes(), torch.is_inference_mode_enabled()
 
 
 def records_grad(model, kwargs: dict) -> bool:

@@ -440,9 +440,12 @@ def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype):
     kept, state.kept_pools = state.kept_pools, None
     wanted = list(size.group_blocks) or [size.num_blocks]
     fresh = wanted, [None] * len(wanted), [None] * len(wanted)
-    if kept is None or kept.owner() is not None or kept.dtype != dtype:
+    inference = kept is not None and not torch.is_inference_mode_enabled()
+    inference = inference and kept.made_for_inference()
+    if kept is None or kept.owner() is not None or kept.dtype != dtype or inference:
         if kept is not None:
             why = "a returned cache holds it" if kept.owner() is not None else f"{kept.dtype}"
+            why = "made under torch.inference_mode" if inference else why
             _log.info("pool: the kept pool is not reused (%s)", why)
         return fresh
     held = list(kept.group_blocks) or [kept.num_blocks]

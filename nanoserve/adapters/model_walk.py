@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from nanoserve.adapters.prefix_salt import drops_out, length_dependent_rope
+from nanoserve.adapters.prefix_salt import drops_out, length_dependent_rope, structure_key
 from nanoserve.adapters.user_hooks import HookScan, scan_hooks
 
 
@@ -42,6 +42,12 @@ class ModelWalk:
     def hooks(self) -> HookScan:
         """``user_hooks.scan_hooks`` of the model."""
         return scan_hooks(self.model, self.named)
+
+    @functools.cached_property
+    def structure(self) -> tuple:
+        """``prefix_salt.structure_key`` of the model: what its forward reads besides the
+        tensors' values (module classes and attributes, configs, hooks, adapters on)."""
+        return structure_key(self.model, self.modules)
 
     @functools.cached_property
     def parameters(self) -> list[torch.Tensor]:

@@ -23,6 +23,7 @@ from torch.nn.modules import module as _module_hooks
 from transformers import PretrainedConfig
 
 from nanoserve.adapters.module_attrs import module_attr
+from nanoserve.adapters.numeric_modes import numeric_modes
 from nanoserve.kernels.content_hash import content_digest, kernel_runs_on
 from nanoserve.log import get_logger
 
@@ -45,48 +46,56 @@ def prefix_salt(model, user_salt, state, walk: ModelWalk | None = None) -> bytes
 
     The key: every parameter and buffer (address, in-place version, dtype, shape, and a
     fingerprint of its values, ``_fingerprint``, read once a call: fused optimizers and
-    writes through ``.data`` change values without a new version), every module's class and
-    public plain attributes (``_attributes``), the public settings of every config a module
-    holds and the model's, the forward hooks registered on any module (handle ids: adding or
-    removing one changes the key; a call with a hook that may change values shares nothing
-    at all, ``user_hooks.scan_hooks``), the adapters each tuner layer has on (peft), the
-    model's dtype and the caller's ``cache_salt``. The digest of the model's part of the
-    last key is kept on ``state`` (a ``PatchState``); under tensor parallelism the caller
-    joins the ranks' digests into one (``tensor_parallel.agreed_salt``). ``walk``: the
-    call's ``ModelWalk``, whose module list is read instead of walking again."""
+    writes through ``.data`` change values without a new version), the model's structure
+    (``structure_key``), torch's settings that change what a forward computes (autocast,
+    matmul precision: ``numeric_modes``) and the caller's ``cache_salt``. The digest of the
+    model's part of the last key is kept on ``state`` (a ``PatchState``); under tensor
+    parallelism the caller joins the ranks' digests into one
+    (``tensor_parallel.agreed_salt``). ``walk``: the call's ``ModelWalk``, whose module
+    list (and structure) is read instead of walking again."""
     reason = unnameable(model, walk)
     if reason is not None:
         if state.salt_key != reason:
             state.salt_key = reason
             _log.info("prefix cache: no prefix found across calls (%s)", reason)
         return None
-    tensors, layout, switches, modules = [], [], [], []
-    configs: dict[int, PretrainedConfig] = {}
+    tensors, layout = [], []
     # every module once; parameters() and buffers() would walk them twice
-    for number, module in enumerate(walk.modules if walk is not None else model.modules()):
+    for module in walk.modules if walk is not None else model.modules():
         for tensors_of in (module._parameters, module._buffers):
             for t in tensors_of.values():
                 if t is not None:
                     tensors.append(t)
                     layout.append((t.data_ptr(), _version(t), t.dtype, t.shape))
-        hooks = (*module._forward_pre_hooks, *module._forward_hooks)
-        if hooks or module_attr(module, "active_adapters", _NONE) is not _NONE:
-            switches.append((number, hooks, _adapters_on(module)))
-        modules.append((_class_name(type(module)), _attributes(module, configs)))
-    configs.setdefault(id(model.config), model.config)
-    settings = tuple(_plain(_public(c), 0) for c in configs.values())
-    global_hooks = (*_module_hooks._global_forward_pre_hooks, *_module_hooks._global_forward_hooks)
+    structure = walk.structure if walk is not None else structure_key(model)
     values = _fingerprint(tensors, state.backend)
-    key = (
-        tuple(layout), values, tuple(switches), tuple(modules), settings, global_hooks,
-        model.dtype,
-    )  # fmt: skip
+    key = (tuple(layout), values, structure, numeric_modes())
     # the model's part is printed and digested only when it changed (a caller's salt that
     # changes every call then costs one small digest)
     if state.salt_key != key:
         state.salt_key = key
         state.salt = hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
     return hashlib.blake2b(state.salt + repr(user_salt).encode(), digest_size=16).digest()
+
+
+def structure_key(model, modules=None) -> tuple:
+    """What ``model``'s forward reads besides its tensors' values, as a comparable, printable
+    tuple: every module's class and public plain attributes (``_attributes``: a swapped
+    activation, a norm's eps, an attention's scaling), the public settings of every config a
+    module holds and the model's, the forward hooks registered on any module and globally
+    (handle ids: adding or removing one changes it), the adapters each tuner layer has on
+    (peft) and the model's dtype. ``modules``: ``model.modules()`` when already listed."""
+    switches, classes = [], []
+    configs: dict[int, PretrainedConfig] = {}
+    for number, module in enumerate(model.modules() if modules is None else modules):
+        hooks = (*module._forward_pre_hooks, *module._forward_hooks)
+        if hooks or module_attr(module, "active_adapters", _NONE) is not _NONE:
+            switches.append((number, hooks, _adapters_on(module)))
+        classes.append((_class_name(type(module)), _attributes(module, configs)))
+    configs.setdefault(id(model.config), model.config)
+    settings = tuple(_plain(_public(c), 0) for c in configs.values())
+    global_hooks = (*_module_hooks._global_forward_pre_hooks, *_module_hooks._global_forward_hooks)
+    return tuple(switches), tuple(classes), settings, global_hooks, model.dtype
 
 
 def unnameable(model, walk: ModelWalk | None = None) -> str | None:

@@ -58,6 +58,12 @@ class KeptPools:
             return ()
         return (self.num_blocks, *(kept.num_blocks for kept in self.others))
 
+    def made_for_inference(self) -> bool:
+        """Whether the pool tensors were made under ``torch.inference_mode`` (outside it they
+        take no in-place write)."""
+        tensors = (p for kept in (self, *self.others) for pools in kept.pools for p in pools)
+        return any(p is not None and p.is_inference() for p in tensors)
+
     def nbytes(self) -> int:
         """Bytes of the pool tensors (K and V, every layer allocated so far, every group)."""
         own = sum(

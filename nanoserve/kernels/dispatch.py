@@ -52,6 +52,18 @@ def use_triton(backend: str, tensor: torch.Tensor) -> bool:
     return True
 
 
+def refuse_interpreted_bfloat16(*tensors: torch.Tensor) -> None:
+    """ValueError naming ``backend`` when the Triton attention kernels would run on bfloat16
+    CPU tensors in Triton's interpreter: its ``tl.dot`` on bfloat16 gives wrong sums (float16
+    and float32 are right), and a wrong answer must not pass for one."""
+    if _interpreting() and any(t.dtype == torch.bfloat16 and not t.is_cuda for t in tensors):
+        raise ValueError(
+            "backend: 'triton' under TRITON_INTERPRET=1 computes bfloat16 attention wrongly "
+            "(the interpreter's tl.dot on bfloat16); use float32 or float16, backend='auto' "
+            "or 'torch' on the CPU, or a GPU"
+        )
+
+
 @functools.cache
 def triton_installed() -> bool:
     """True when the triton package can be imported (checked once; nothing is imported)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.kernels.dispatch import check_backend, use_triton
+from nanoserve.kernels.dispatch import check_backend, refuse_interpreted_bfloat16, use_triton
 from nanoserve.kernels.quant import dequantize
 from nanoserve.kernels.reference import attend_sequence, gather_history
 from nanoserve.kernels.validation import check_attention_args, check_positive
@@ -141,6 +141,7 @@ def paged_decode_attention(
     if use_triton(backend, key_cache):
         from nanoserve.kernels.triton_decode import paged_decode_attention_triton
 
+        refuse_interpreted_bfloat16(query, key_cache)
         return paged_decode_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens,
             scale=_default_scale(query.shape[-1], scale),
@@ -190,6 +191,7 @@ def paged_extend_attention(
     if use_triton(backend, key_cache):
         from nanoserve.kernels.triton_extend import paged_extend_attention_triton
 
+        refuse_interpreted_bfloat16(query, key_cache)
         return paged_extend_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
             scale=_default_scale(query.shape[-1], scale),

@@ -34,8 +34,9 @@ def slot_scatter_ref(
     key, value = key[keep], value[keep]
     if k_scale is not None:
         key, value = quantize(key, k_scale), quantize(value, v_scale)
-    key_cache.view(-1, *key_cache.shape[2:])[slots] = key
-    value_cache.view(-1, *value_cache.shape[2:])[slots] = value
+    # (rows of another float dtype are stored converted, as the kernel's store does)
+    key_cache.view(-1, *key_cache.shape[2:])[slots] = key.to(key_cache.dtype)
+    value_cache.view(-1, *value_cache.shape[2:])[slots] = value.to(value_cache.dtype)
 
 
 def slot_scatter(

@@ -169,7 +169,7 @@ def test_each_generate_call_asks_for_a_recheck(monkeypatch):
     monkeypatch.setattr(
         DecodeGraphs,
         "follow",
-        lambda self, cache, sig=None: (seen.append(self.recheck), follow(self, cache, sig)),
+        lambda self, cache, *rest: (seen.append(self.recheck), follow(self, cache, *rest)),
     )
     opts = dict(max_new_tokens=4, do_sample=False, eos_token_id=None)
     nanoserve.patch_model(model, block_size=4)

@@ -3,6 +3,8 @@ Triton kernel launched (every launcher raises here), for float32 and float16 on 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from kernel_inputs import make_paged_kv
@@ -50,3 +52,27 @@ def test_scatter_torch_backend(dtype, forbid_triton):
     slot_scatter(key, value, key_cache, value_cache, slots, backend="torch")
     assert torch.equal(key_cache, ref_k) and torch.equal(value_cache, ref_v)
     assert torch.equal(key_cache.view(-1, 2, 32)[31], key[2])
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton's CPU interpreter only",
+)
+@pytest.mark.parametrize("op", ["decode", "extend"])
+def test_interpreted_bfloat16_attention_is_refused(op):
+    """The interpreter's ``tl.dot`` on bfloat16 gives wrong sums (a probe measured the
+    attention kernels off by ~1e9 from the reference): backend="triton" on bfloat16 CPU
+    tensors raises naming ``backend`` instead of answering; "auto" runs the reference.
+    Planted: without the refusal, the kernel returned an answer (the test saw no error)."""
+    key_cache, value_cache, tables, seq_lens = make_paged_kv([9, 20], 2, 32, 8, torch.bfloat16)
+    if op == "decode":
+        args = (torch.randn(2, 4, 32).bfloat16(), key_cache, value_cache, tables, seq_lens)
+        run, ref = paged_decode_attention, paged_decode_attention_ref
+    else:
+        cu = torch.tensor([0, 4, 7], dtype=torch.int32)
+        query = torch.randn(7, 4, 32).bfloat16()
+        args = (query, key_cache, value_cache, tables, seq_lens, cu)
+        run, ref = paged_extend_attention, paged_extend_attention_ref
+    with pytest.raises(ValueError, match="^backend: 'triton' under TRITON_INTERPRET=1"):
+        run(*args, backend="triton")
+    assert torch.equal(run(*args, backend="auto"), ref(*args))
