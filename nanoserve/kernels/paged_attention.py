@@ -141,7 +141,7 @@ def paged_decode_attention(
     if use_triton(backend, key_cache):
         from nanoserve.kernels.triton_decode import paged_decode_attention_triton
 
-        refuse_interpreted_bfloat16(query, key_cache)
+        refuse_interpreted_bfloat16(key_cache)
         return paged_decode_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens,
             scale=_default_scale(query.shape[-1], scale),
@@ -191,7 +191,7 @@ def paged_extend_attention(
     if use_triton(backend, key_cache):
         from nanoserve.kernels.triton_extend import paged_extend_attention_triton
 
-        refuse_interpreted_bfloat16(query, key_cache)
+        refuse_interpreted_bfloat16(key_cache)
         return paged_extend_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
             scale=_default_scale(query.shape[-1], scale),
