@@ -36,6 +36,7 @@ in place, go on with the pools).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -361,6 +362,7 @@ class PagedKVCache:
         store (padding is False and never stored). All tables grow or none do: on
         ``OutOfBlocks`` the tables and the pools are left as they were.
         """
+        device = _step_device(device)
         tables, counts_np, mask_np = self._prepare_step(new_token_mask)
         self.step = self._commit_step(tables, counts_np, mask_np, device)
         return self.step
@@ -627,3 +629,19 @@ def filled_slots(tables, block_size: int) -> int:
     full.discard(DROPPED)
     rest = sum(n for block, n in partial.items() if block not in full and block != DROPPED)
     return len(full) * block_size + rest
+
+
+@functools.lru_cache(maxsize=64)
+def _step_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` the step's metadata can go to; ValueError naming
+    ``device`` otherwise (checked before any table grows; remembered, as it is asked at
+    every step)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device: {device!r} is not a device ({error})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device} asked for, but CUDA is not available")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device: {device} asked for, but there are {torch.cuda.device_count()}")
+    return device

@@ -460,3 +460,24 @@ def test_filled_slots_counts_shared_and_dropped_blocks_once(block_size):
             if gen.random() < 0.3:
                 table.drop_before(gen.randrange(0, table.num_tokens + 1))
         assert filled_slots(tables, block_size) == _filled_slots_by_block(tables, block_size)
+
+
+@pytest.mark.parametrize("device", ["nope", "cuda:7", 3.5])
+def test_a_step_for_a_device_there_is_not_changes_nothing(device):
+    """begin_step for a device that is no device, or a GPU this machine lacks: ValueError
+    naming ``device``, raised before any table grows; the next step runs as if it never
+    came. Planted: without the check, torch's own error (naming no argument) came after
+    the tables grew."""
+    if isinstance(device, str) and device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has that GPU")
+    cache = PagedKVCache(num_layers=1, num_blocks=8, block_size=4)
+    cache.begin_step(torch.ones(2, 5, dtype=torch.bool), device="cpu")
+    key = torch.randn(10, 2, 8)
+    cache.write(0, key, key)
+
+    lens, blocks = cache.seq_lens(), [list(t.block_ids) for t in cache.tables]
+    with pytest.raises(ValueError, match="^device: "):
+        cache.begin_step(torch.ones(2, 4, dtype=torch.bool), device=device)
+    assert cache.seq_lens() == lens and [list(t.block_ids) for t in cache.tables] == blocks
+    cache.begin_step(torch.ones(2, 1, dtype=torch.bool), device="cpu")
+    assert cache.seq_lens() == [6, 6]
