@@ -160,7 +160,8 @@ def test_a_call_under_inference_mode_then_one_under_no_grad():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("change", [*CHANGES, "autocast", "tf32", "inference mode"])
 def test_gpu_replays_follow_what_changed_between_calls(change):
-    """On CUDA, float32, with real graph replays: after two calls (graphs captured), the
+    """On CUDA, float32, with real graph replays: after two calls (graphs captured) and a
+    third that captures nothing (the signature is the same from call to call), the
     change, then a call on the patched model and on a stock copy given the same change:
     stock's tokens (for TF32: a call under TF32, then a plain one within float32's
     tolerance of stock). Found on the H200 before the fix: every structural change gave
@@ -173,7 +174,10 @@ def test_gpu_replays_follow_what_changed_between_calls(change):
     try:
         generate(model, inputs)
         generate(model, inputs)
-        assert nanoserve.decode_graph_stats(model)["replays"] > 0
+        captures = nanoserve.decode_graph_stats(model)["captures"]
+        generate(model, inputs)  # nothing changed: the graphs replay, none is captured anew
+        stats = nanoserve.decode_graph_stats(model)
+        assert stats["replays"] > 0 and stats["captures"] == captures, stats
         if change in CHANGES:
             CHANGES[change](model)
             CHANGES[change](stock)
