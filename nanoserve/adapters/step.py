@@ -287,7 +287,8 @@ def check_whole_mask(kwargs: dict, cached_lens: list[int] | None = None, columns
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         check_left_padded(mask)
-    if columns and cached_lens is not None and (mask is None or mask.dim() == 2):
+    rows_match = mask is None or (mask.dim() == 2 and mask.shape[0] == len(cached_lens or ()))
+    if columns and cached_lens is not None and rows_match:  # (other rows: the step refuses)
         check_cached_columns(mask, cached_lens, columns)
 
 
