@@ -2,7 +2,9 @@
 
 At a call's start nanoserve asks each module several questions: does it drop out at random,
 does its rotary embedding depend on the call's length, what hooks does it carry, which
-tensors does it hold (the pool's devices, the decode graphs' addresses, the prefix salt).
+tensors does it hold (the pool's devices, the decode graphs' addresses, the prefix salt),
+what else does its forward read (its class and attributes: the salt and the graphs'
+signature).
 Each question used to walk the modules itself, some twice a call: a few milliseconds of
 host time on a billion-parameter model, paid by every call before its first token. A
 ``ModelWalk`` lists the modules once and answers each question at most once a call.
