@@ -21,7 +21,12 @@ from collections.abc import Sequence
 import torch
 
 from nanoserve.cache.allocator import BlockAllocator, as_index
-from nanoserve.cache.paged_cache import PagedKVCache, StepMetadata, grouped_metadata
+from nanoserve.cache.paged_cache import (
+    PagedKVCache,
+    StepMetadata,
+    grouped_metadata,
+    step_device,
+)
 from nanoserve.kernels.quant import FP8_DTYPE
 
 
@@ -283,10 +288,7 @@ class GroupedKVCache:
                 f"new_token_mask: expected a bool tensor [num_seqs, q], got "
                 f"{type(new_token_mask).__name__}"
             )
-        try:
-            device = torch.device(device)
-        except (TypeError, RuntimeError) as error:
-            raise ValueError(f"device: {device!r} is not a device ({error})") from None
+        device = step_device(device)
         prepared = [group._prepare_step(new_token_mask) for group in self._groups]
         metas = []
         for group, (tables, counts, mask) in zip(self._groups, prepared, strict=True):

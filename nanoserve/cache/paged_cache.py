@@ -362,7 +362,7 @@ class PagedKVCache:
         store (padding is False and never stored). All tables grow or none do: on
         ``OutOfBlocks`` the tables and the pools are left as they were.
         """
-        device = _step_device(device)
+        device = step_device(device)
         tables, counts_np, mask_np = self._prepare_step(new_token_mask)
         self.step = self._commit_step(tables, counts_np, mask_np, device)
         return self.step
@@ -631,11 +631,18 @@ def filled_slots(tables, block_size: int) -> int:
     return len(full) * block_size + rest
 
 
+def step_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` a step's metadata can go to; ValueError naming
+    ``device`` otherwise (a step checks it before any table grows)."""
+    try:
+        return _checked_device(device)
+    except TypeError:  # (unhashable: not a device either)
+        raise ValueError(f"device: {device!r} is not a device") from None
+
+
 @functools.lru_cache(maxsize=64)
-def _step_device(device) -> torch.device:
-    """``device`` as a ``torch.device`` the step's metadata can go to; ValueError naming
-    ``device`` otherwise (checked before any table grows; remembered, as it is asked at
-    every step)."""
+def _checked_device(device) -> torch.device:
+    """``step_device``, remembered: it is asked at every step."""
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as error:

@@ -172,6 +172,7 @@ def _state(grouped: GroupedKVCache):
     )
 
 
+NO_SUCH_GPU = torch.cuda.device_count()  # (the first index this machine lacks)
 MISUSE = {
     "add_sequences('2')": ("n", lambda c: c.add_sequences("2")),
     "add_sequences(-1)": ("n", lambda c: c.add_sequences(-1)),
@@ -190,6 +191,10 @@ MISUSE = {
     "begin_step device": (
         "device",
         lambda c: c.begin_step(torch.ones(2, 1, dtype=torch.bool), "no-such-device"),
+    ),
+    "begin_step a GPU not there": (
+        "device",
+        lambda c: c.begin_step(torch.ones(2, 1, dtype=torch.bool), f"cuda:{NO_SUCH_GPU}"),
     ),
     "step a string": ("meta", lambda c: setattr(c, "step", "x")),
     "layer_window": ("layer_idx", lambda c: c.layer_window(7)),
