@@ -286,6 +286,7 @@ def check_whole_mask(kwargs: dict, cached_lens: list[int] | None = None, columns
     it has seen, left padding included (0: nothing cached)."""
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        mask = mask.to("cpu", torch.bool)  # (read back once for both checks)
         check_left_padded(mask)
     rows_match = mask is None or (mask.dim() == 2 and mask.shape[0] == len(cached_lens or ()))
     if columns and cached_lens is not None and rows_match:  # (other rows: the step refuses)
