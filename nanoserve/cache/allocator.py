@@ -53,6 +53,7 @@ class BlockAllocator:
         num_blocks = as_index(num_blocks, "num_blocks", minimum=1)
         self._num_blocks = num_blocks
         self._refcounts = [0] * num_blocks
+        self._in_use: set[int] = set()  # the blocks whose refcount is not 0
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self._digest_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
@@ -104,6 +105,7 @@ class BlockAllocator:
             blocks.append(block)
         for block in blocks:
             self._refcounts[block] = 1
+        self._in_use.update(blocks)
         return blocks
 
     # -- cached prefixes ---------------------------------------------------------------------
@@ -126,6 +128,7 @@ class BlockAllocator:
             return None
         if self._refcounts[block] == 0:
             del self._evictable[block]
+            self._in_use.add(block)
         self._refcounts[block] += 1
         return block
 
@@ -148,10 +151,15 @@ class BlockAllocator:
 
     def release_all(self) -> None:
         """Drop every reference at once (the owners of all blocks are gone): published
-        blocks become evictable, the others free."""
-        self._refcounts = [0] * self._num_blocks
-        self._evictable = OrderedDict((block, None) for block in self._digest_of)
-        self._free = [b for b in range(self._num_blocks - 1, -1, -1) if b not in self._digest_of]
+        blocks become evictable, as the most recently used (after those evictable already,
+        whose order is kept), the others free. Costs a step per block in use, not per block."""
+        for block in sorted(self._in_use):
+            self._refcounts[block] = 0
+            if block in self._digest_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+        self._in_use.clear()
 
     def _forget(self, block: int) -> None:
         digest = self._digest_of.pop(block, None)
@@ -193,6 +201,7 @@ class BlockAllocator:
         for block in block_ids:
             self._refcounts[block] -= 1
             if self._refcounts[block] == 0:
+                self._in_use.discard(block)
                 if block in self._digest_of:
                     self._evictable[block] = None
                 else:

@@ -177,6 +177,30 @@ def test_a_later_call_skips_the_system_prompt_an_earlier_one_stored(backend, mon
     assert stats["tokens_not_recomputed"] == 2 * 16
 
 
+def test_prefixes_used_by_recent_calls_are_evicted_last():
+    """Two system prompts in turns through a pool of 12 blocks of 4: each call needs 6 blocks
+    and the two prompts hold 8, so every call evicts something. Least recently used first
+    keeps both prompts (every call from the third finds its 16 tokens) and evicts the rows'
+    own blocks. With the kept pool's release planted to order its cached blocks by when they
+    were first stored, the fifth and sixth calls found nothing."""
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(3)
+    systems = [torch.randint(3, 97, (1, 16), generator=gen) for _ in range(2)]
+    calls = []
+    for i in range(8):
+        ids = torch.cat([systems[i % 2], torch.randint(3, 97, (1, 4), generator=gen)], dim=1)
+        calls.append(dict(input_ids=ids, attention_mask=torch.ones_like(ids)))
+    opts = dict(max_new_tokens=3, **GREEDY)
+    with torch.no_grad():
+        stock = [model.generate(**c, **opts) for c in calls]
+        found = []
+        with patched(model, num_blocks=12, block_size=4):
+            for call, expected in zip(calls, stock, strict=True):
+                assert torch.equal(model.generate(**call, **opts), expected)
+                found.append(nanoserve.cache_stats(model)["tokens_not_recomputed"])
+    assert found == [0, 0] + [16] * 6
+
+
 def test_new_weights_a_salt_or_a_release_find_nothing():
     """(A pool of 64 blocks: room for several calls' prompts, so one call's blocks are not
     evicted by the next call's.)"""

@@ -64,6 +64,23 @@ def test_release_all_keeps_the_published_blocks_findable():
     assert alloc.lookup(b"x") == blocks[2] and alloc.refcount(blocks[2]) == 1
 
 
+def test_release_all_keeps_the_least_recently_used_first():
+    """Blocks the owners held until the release were used last: evicted after the blocks
+    already evictable, which keep their order (a block published first but used since is
+    not the oldest). With release_all planted to order the evictable blocks by publication,
+    b stayed and a was evicted."""
+    alloc = BlockAllocator(4)
+    a, b = alloc.allocate(2)
+    alloc.publish(a, b"a")
+    alloc.publish(b, b"b")
+    alloc.free([a, b])  # evictable, oldest first: a, b
+    assert alloc.lookup(b"a") == a  # a is used again, by an owner the release drops
+    alloc.release_all()
+    assert alloc.num_free == 4 and alloc.num_evictable == 2
+    alloc.allocate(3)  # the 2 free blocks, then the least recently used: b
+    assert alloc.lookup(b"b") is None and alloc.lookup(b"a") == a
+
+
 def test_a_table_cut_back_into_a_published_block_unpublishes_it():
     """Its tail will be written over, so it must no longer be found by the tokens it held."""
     alloc = BlockAllocator(4)

@@ -102,6 +102,13 @@ class TablesMachine(RuleBasedStateMachine):
         self.tables.append(table)
         self.contents.append(content[: len(blocks) * BLOCK_SIZE])
 
+    @rule()
+    def release_everything(self):
+        """A call ends with its tables let go at once (a kept pool's next cache)."""
+        self.alloc.release_all()
+        self.tables.clear()
+        self.contents.clear()
+
     @invariant()
     def counts_add_up(self):
         assert self.alloc.num_free + self.alloc.num_used == NUM_BLOCKS
