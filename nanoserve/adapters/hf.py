@@ -25,7 +25,7 @@ from nanoserve.adapters.graph_forward import graph_step, graph_step_kind, record
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.model_walk import ModelWalk
 from nanoserve.adapters.pool_memory import check_pool_fits
-from nanoserve.adapters.prefix_salt import prefix_salt
+from nanoserve.adapters.prefix_salt import begin_prefix_salt, finish_prefix_salt
 from nanoserve.adapters.read_back import READ_BACK_LAG
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.sample_hook import hook, unhook
@@ -37,6 +37,7 @@ from nanoserve.adapters.sizing import (
     call_inputs,
     generate_option,
     pool_size,
+    row_growth,
 )
 from nanoserve.adapters.step import (
     CACHE_KWARGS,
@@ -607,10 +608,9 @@ def _room_for_forward(state: PatchState, paged, model, new: torch.Tensor) -> Non
     counts = new.sum(dim=1).tolist()
     if state.pool.fixed or len(counts) != paged.num_seqs:
         return  # (a row count the step refuses itself)
-    bs = paged.block_size
     need = [
         sum(
-            max(-(-(t.num_tokens + n) // bs) - t.num_blocks, 0) + 1
+            row_growth(t, n, paged.block_size)
             for t, n in zip(group.tables, counts, strict=True)
             if n
         )
@@ -730,6 +730,10 @@ def _paged_generate(self, *args, **kwargs):
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         check_left_padded(mask)
+    pending_salt = None
+    if state.prefix_sharing and hooks.rows is None and not option("prefill_chunk_size"):
+        # the weights' hash runs on the device while the host sizes the pool below
+        pending_salt = begin_prefix_salt(self, state, walk)
     with state.lock:
         if state_of(self) is not state:
             return _generate_again(self, args, kwargs, user_salt)
@@ -751,8 +755,8 @@ def _paged_generate(self, *args, **kwargs):
         cache = PagedCache(paged)
         cache.drops_out = dropout
         salt = None
-        if state.prefix_sharing and hooks.rows is None and not option("prefill_chunk_size"):
-            salt = prefix_salt(self, user_salt, state, walk)
+        if pending_salt is not None:
+            salt = finish_prefix_salt(pending_salt, self, user_salt, state, walk)
         stores = [group.allocator.store_id for group in paged.groups]
         cache.prefix_salt = agreed_salt(self, salt, stores)
         if share and not state.pool.fixed:

@@ -16,7 +16,7 @@ import enum
 import functools
 import hashlib
 import types
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.nn.modules import module as _module_hooks
@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 
 from nanoserve.adapters.module_attrs import module_attr
 from nanoserve.adapters.numeric_modes import numeric_modes
-from nanoserve.kernels.content_hash import content_digest, kernel_runs_on
+from nanoserve.kernels.content_hash import PendingDigest, kernel_runs_on, launch_digest
 from nanoserve.log import get_logger
 
 if TYPE_CHECKING:
@@ -40,6 +40,16 @@ _CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, f
 _DEPTH = 4
 
 
+class PendingSalt(NamedTuple):
+    """``begin_prefix_salt``'s result: why K/V cannot be named across calls (None when they
+    can), the tensors' layout and their fingerprint's work (per device: a ``PendingDigest``
+    still on the device, or the values already read)."""
+
+    reason: str | None
+    layout: tuple
+    values: tuple
+
+
 def prefix_salt(model, user_salt, state, walk: ModelWalk | None = None) -> bytes | None:
     """What names a call's cached prefixes beside their tokens (16 bytes), or None when K/V
     cannot be named across calls (``unnameable``: then only copies within the call share).
@@ -52,13 +62,18 @@ def prefix_salt(model, user_salt, state, walk: ModelWalk | None = None) -> bytes
     model's part of the last key is kept on ``state`` (a ``PatchState``); under tensor
     parallelism the caller joins the ranks' digests into one
     (``tensor_parallel.agreed_salt``). ``walk``: the call's ``ModelWalk``, whose module
-    list (and structure) is read instead of walking again."""
+    list (and structure) is read instead of walking again. In two halves,
+    ``begin_prefix_salt`` and ``finish_prefix_salt``, the device hashes the weights while
+    the host does other work between them."""
+    return finish_prefix_salt(begin_prefix_salt(model, state, walk), model, user_salt, state, walk)
+
+
+def begin_prefix_salt(model, state, walk: ModelWalk | None = None) -> PendingSalt:
+    """``prefix_salt``'s first half: reads the tensors' layout and queues their fingerprint
+    (a hash kernel on CUDA), without waiting for it and without changing ``state``."""
     reason = unnameable(model, walk)
     if reason is not None:
-        if state.salt_key != reason:
-            state.salt_key = reason
-            _log.info("prefix cache: no prefix found across calls (%s)", reason)
-        return None
+        return PendingSalt(reason, (), ())
     tensors, layout = [], []
     # every module once; parameters() and buffers() would walk them twice
     for module in walk.modules if walk is not None else model.modules():
@@ -67,9 +82,22 @@ def prefix_salt(model, user_salt, state, walk: ModelWalk | None = None) -> bytes
                 if t is not None:
                     tensors.append(t)
                     layout.append((t.data_ptr(), _version(t), t.dtype, t.shape))
+    return PendingSalt(None, tuple(layout), _start_fingerprint(tensors, state.backend))
+
+
+def finish_prefix_salt(
+    pending: PendingSalt, model, user_salt, state, walk: ModelWalk | None = None
+) -> bytes | None:
+    """``prefix_salt``'s second half, from ``begin_prefix_salt(model, state, walk)``'s
+    result: reads the fingerprint back and digests the key."""
+    if pending.reason is not None:
+        if state.salt_key != pending.reason:
+            state.salt_key = pending.reason
+            _log.info("prefix cache: no prefix found across calls (%s)", pending.reason)
+        return None
     structure = walk.structure if walk is not None else structure_key(model)
-    values = _fingerprint(tensors, state.backend)
-    key = (tuple(layout), values, structure, numeric_modes())
+    values = _read_fingerprint(pending.values)
+    key = (pending.layout, values, structure, numeric_modes())
     # the model's part is printed and digested only when it changed (a caller's salt that
     # changes every call then costs one small digest)
     if state.salt_key != key:
@@ -160,6 +188,12 @@ def _fingerprint(tensors: list[torch.Tensor], backend: str = "auto") -> tuple:
     """What the values of ``tensors`` are, per device. Where the Triton kernels run (CUDA, or
     the interpreter with ``backend="triton"``): ``content_digest``, a hash of every byte at
     its place (any changed byte changes it). Elsewhere (CPU): ``_float_fingerprint``."""
+    return _read_fingerprint(_start_fingerprint(tensors, backend))
+
+
+def _start_fingerprint(tensors: list[torch.Tensor], backend: str = "auto") -> tuple:
+    """``_fingerprint``'s work: per device a ``PendingDigest`` (the hash queued, not read) or
+    the float fingerprint's values."""
     per_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
@@ -168,10 +202,15 @@ def _fingerprint(tensors: list[torch.Tensor], backend: str = "auto") -> tuple:
     prints = []
     for device, group in per_device.items():
         if kernel_runs_on(backend, device):
-            prints.append(content_digest(group, backend=backend))
+            prints.append(launch_digest(group, backend=backend))
         else:
             prints.append(_float_fingerprint(device, group))
     return tuple(prints)
+
+
+def _read_fingerprint(prints: tuple) -> tuple:
+    """``_start_fingerprint``'s result with every digest read back."""
+    return tuple(p.result() if isinstance(p, PendingDigest) else p for p in prints)
 
 
 def _float_fingerprint(device: torch.device, tensors: list[torch.Tensor]) -> tuple:

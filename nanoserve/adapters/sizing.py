@@ -354,7 +354,7 @@ def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) ->
         at_most = 0  # blocks the rows hold at once, those they share counted for each
         for t in group.tables:
             blocks = math.ceil((t.num_tokens + grow) / bs)
-            appended += max(blocks - t.num_blocks, 0) + 1 + shape.spare
+            appended += row_growth(t, grow, bs) + shape.spare
             if window is not None:
                 # the window's blocks after each step, and the first forward's whole extension
                 # past the window's first position
@@ -366,6 +366,12 @@ def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) ->
             more = min(more, max(shape.copies * at_most - _held_by_rows_alone(group), 0))
         need.append(more)
     return need
+
+
+def row_growth(table, tokens: int, block_size: int) -> int:
+    """Blocks a row (its ``BlockTable``) may take to append ``tokens``: those its tokens
+    reach past the blocks it holds, and a copy of its last block (copy on write)."""
+    return max(math.ceil((table.num_tokens + tokens) / block_size) - table.num_blocks, 0) + 1
 
 
 def _held_by_rows_alone(group) -> int:

@@ -33,6 +33,21 @@ WORD_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 CHUNK_WORDS = 1 << 16
 
 
+class PendingDigest:
+    """``content_digest``'s sums, queued on the tensors' device; ``result()`` reads them back."""
+
+    def __init__(self, widths: tuple[int, ...], sums: torch.Tensor | None):
+        self.widths, self.sums = widths, sums  # sums: int64 [widths, 2], not yet reduced
+
+    def result(self) -> tuple:
+        """The digest (``content_digest``'s value): one copy to the host, which waits for
+        the sums."""
+        if self.sums is None:
+            return ()
+        values = (self.sums & MASK32).cpu().tolist()
+        return tuple((width, a, b) for width, (a, b) in zip(self.widths, values, strict=True))
+
+
 def content_digest(tensors: Sequence[torch.Tensor], *, backend: str = "auto") -> tuple:
     """The digest of ``tensors`` (module docstring): a tuple of (word width, sum a, sum b)
     for each word width present, widths descending; () for no elements.
@@ -41,10 +56,16 @@ def content_digest(tensors: Sequence[torch.Tensor], *, backend: str = "auto") ->
     contiguous copy). ``backend``: "auto" (the Triton kernel for CUDA tensors when Triton is
     installed, else the reference), "triton" (on CPU needs TRITON_INTERPRET=1) or "torch".
     One read back to the host a call."""
+    return launch_digest(tensors, backend=backend).result()
+
+
+def launch_digest(tensors: Sequence[torch.Tensor], *, backend: str = "auto") -> PendingDigest:
+    """``content_digest``'s work queued without waiting for it (same arguments, same checks):
+    the host goes on while the device reads the bytes, until ``result()``."""
     check_backend(backend)
     groups = word_groups(tensors)
     if not groups:
-        return ()
+        return PendingDigest((), None)
     device = next(iter(groups.values()))[0][1].device
     if _use_triton(backend, device):
         from nanoserve.kernels.triton_hash import group_sums_triton  # imports triton
@@ -52,8 +73,7 @@ def content_digest(tensors: Sequence[torch.Tensor], *, backend: str = "auto") ->
         sums = torch.stack([group_sums_triton(items) for items in groups.values()])
     else:
         sums = torch.stack([group_sums_ref(items) for items in groups.values()])
-    values = (sums & MASK32).cpu().tolist()
-    return tuple((width, a, b) for width, (a, b) in zip(groups, values, strict=True))
+    return PendingDigest(tuple(groups), sums)
 
 
 def word_groups(tensors: Sequence[torch.Tensor]) -> dict[int, list[tuple[int, torch.Tensor]]]:
@@ -70,13 +90,16 @@ def word_groups(tensors: Sequence[torch.Tensor]) -> dict[int, list[tuple[int, to
         devices.add(tensor.device)
         if tensor.numel() == 0:
             continue
-        flat = tensor.detach().reshape(-1).resolve_neg()  # (a lazily negated view's values)
-        if flat.is_complex():
-            flat = torch.view_as_real(flat.resolve_conj()).reshape(-1)
-        raw = flat.contiguous().view(torch.uint8)
-        nbytes, address = raw.numel(), raw.data_ptr()
+        if tensor.is_contiguous() and not tensor.is_complex() and not tensor.is_neg():
+            flat = tensor.detach().view(-1)  # (the common case, in fewer tensor operations)
+        else:
+            flat = tensor.detach().reshape(-1).resolve_neg()  # (a lazily negated view's values)
+            if flat.is_complex():
+                flat = torch.view_as_real(flat.resolve_conj()).reshape(-1)
+            flat = flat.contiguous()
+        nbytes, address = flat.numel() * flat.element_size(), flat.data_ptr()
         width = next(w for w in (4, 2, 1) if nbytes % w == 0 and address % w == 0)
-        groups[width].append((number, raw.view(WORD_DTYPES[width])))
+        groups[width].append((number, flat.view(WORD_DTYPES[width])))
     if len(devices) > 1:
         names = ", ".join(sorted(str(d) for d in devices))
         raise ValueError(f"tensors: expected one device, got tensors on {names}")

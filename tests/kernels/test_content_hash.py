@@ -12,6 +12,7 @@ from nanoserve.kernels.content_hash import (
     content_digest,
     group_sums_ref,
     kernel_runs_on,
+    launch_digest,
     word_groups,
 )
 
@@ -54,6 +55,23 @@ def test_kernel_sums_equal_the_reference(chunk_words):
     for items in groups.values():
         ours = group_sums_triton(items, chunk_words=chunk_words) & MASK32
         assert torch.equal(ours, group_sums_ref(items) & MASK32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_launched_digest_holds_the_values_at_its_launch(backend):
+    """``launch_digest`` queues the work and ``result()`` reads it later (prefix_salt sizes
+    the pool in between): a write queued after the launch does not reach the digest, and the
+    result is ``content_digest``'s. Planted: the sums computed in ``result()``, from the
+    tensors as they are then: failed."""
+    gen = torch.Generator().manual_seed(5)
+    tensors = mixed_tensors(gen)
+    before = content_digest(tensors, backend=backend)
+    pending = launch_digest(tensors, backend=backend)
+    tensors[0].add_(1.0)
+    tensors[4].add_(1)
+    assert pending.result() == before
+    assert content_digest(tensors, backend=backend) != before
+    assert launch_digest([], backend=backend).result() == ()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
