@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from nanoserve.cache.allocator import BlockAllocator, as_index
 
 DROPPED = -1  # block_ids entry of a block released under a sliding window
@@ -90,7 +92,14 @@ class BlockTable:
         self._block_ids.extend(blocks)
         start = self._num_tokens
         self._num_tokens += n
-        return [self.slot(p) for p in range(start, start + n)]
+        if n <= self.block_size:
+            return [self.slot(p) for p in range(start, start + n)]
+        # a prefill's many tokens: the slots of whole blocks at once
+        bs = self.block_size
+        first = start // bs
+        positions = np.arange(start, start + n)
+        ids = np.asarray(self._block_ids[first : (start + n - 1) // bs + 1], np.int64)
+        return (ids[positions // bs - first] * bs + positions % bs).tolist()
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens; blocks past them are released (and blocks

@@ -37,6 +37,7 @@ in place, go on with the pools).
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -405,7 +406,7 @@ class PagedKVCache:
 
         # numpy, then one wrap per tensor: a decode step runs this for every forward
         total = sum(counts)
-        flat_slots = np.fromiter((s for slots in slot_lists for s in slots), np.int64, total)
+        flat_slots = np.fromiter(itertools.chain.from_iterable(slot_lists), np.int64, total)
         if total == mask_np.size:  # no padding (every decode step): no masking
             slot_mapping, token_index = flat_slots, np.arange(total)
         else:
