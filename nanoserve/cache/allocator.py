@@ -46,7 +46,7 @@ class BlockAllocator:
     everything before them, see ``prefix.py``); ``lookup`` finds it again and takes a
     reference. A published block whose last reference is freed is not free but *evictable*:
     still findable, and handed out by ``allocate`` (which forgets its digest) only once the
-    free list is empty, oldest first. ``num_free`` counts both.
+    free list is empty, least recently released first. ``num_free`` counts both.
     """
 
     def __init__(self, num_blocks: int):
@@ -57,6 +57,8 @@ class BlockAllocator:
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self._digest_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+        self._published_at: dict[int, int] = {}  # block -> when it was published
+        self._publications = itertools.count()
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         # no other allocator of this process has it: names the store of these cached blocks
         self.store_id = next(_STORE_IDS)
@@ -118,6 +120,7 @@ class BlockAllocator:
             return False
         self._block_of[digest] = block
         self._digest_of[block] = digest
+        self._published_at[block] = next(self._publications)
         return True
 
     def lookup(self, digest: bytes) -> int | None:
@@ -152,19 +155,24 @@ class BlockAllocator:
     def release_all(self) -> None:
         """Drop every reference at once (the owners of all blocks are gone): published
         blocks become evictable, as the most recently used (after those evictable already,
-        whose order is kept), the others free. Costs a step per block in use, not per block."""
-        for block in sorted(self._in_use):
+        whose order is kept), the others free. Among them the latest published go first: a
+        prompt's tail is evicted before its head, which later prompts reach first. Costs a
+        step per block in use, not per block of the pool."""
+        released = sorted(self._in_use)
+        published = [block for block in released if block in self._digest_of]
+        published.sort(key=self._published_at.__getitem__, reverse=True)
+        for block in released:
             self._refcounts[block] = 0
-            if block in self._digest_of:
-                self._evictable[block] = None
-            else:
-                self._free.append(block)
+        for block in published:
+            self._evictable[block] = None
+        self._free.extend(block for block in released if block not in self._digest_of)
         self._in_use.clear()
 
     def _forget(self, block: int) -> None:
         digest = self._digest_of.pop(block, None)
         if digest is not None:
             del self._block_of[digest]
+            del self._published_at[block]
 
     def _block_id(self, block: object, name: str) -> int:
         try:

@@ -115,7 +115,8 @@ class BlockTable:
             last = self._block_ids[keep - 1]
             if self.allocator.is_published(last):
                 self.allocator.unpublish(last)
-        self.allocator.free(self._block_ids[max(keep, self._dropped) :])
+        # (tail first: a cached block the release makes evictable goes before its head)
+        self.allocator.free(self._block_ids[max(keep, self._dropped) :][::-1])
         if keep < len(self._block_ids):
             self.version += 1
         del self._block_ids[keep:]
@@ -156,8 +157,9 @@ class BlockTable:
         return child
 
     def free(self) -> None:
-        """Release every block; the table is empty afterwards."""
-        self.allocator.free(self._held())
+        """Release every block, the last first (a cached prefix's tail is then evicted
+        before its head, which later prompts reach first); the table is empty afterwards."""
+        self.allocator.free(self._held()[::-1])
         self._block_ids = []
         self._num_tokens = 0
         self._dropped = 0

@@ -201,6 +201,27 @@ def test_prefixes_used_by_recent_calls_are_evicted_last():
     assert found == [0, 0] + [16] * 6
 
 
+def test_a_prompt_partly_evicted_keeps_its_head():
+    """A 32-token prompt (8 blocks of 4), then another prompt that needs some of its blocks
+    in a 10-block pool, then the first prompt again: the eviction took the first prompt's
+    last blocks, so its first 24 tokens are found, and the tokens are stock's. With the
+    kept pool's release planted to give up blocks in block order (head first), nothing
+    was found."""
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(3)
+    first, other = (torch.randint(3, 97, (1, n), generator=gen) for n in (32, 12))
+    calls = [dict(input_ids=ids, attention_mask=torch.ones_like(ids)) for ids in (first, other)]
+    opts = dict(max_new_tokens=2, **GREEDY)
+    with torch.no_grad():
+        stock = [model.generate(**c, **opts) for c in calls]
+        found = []
+        with patched(model, num_blocks=10, block_size=4):
+            for call, expected in zip([*calls, calls[0]], [*stock, stock[0]], strict=True):
+                assert torch.equal(model.generate(**call, **opts), expected)
+                found.append(nanoserve.cache_stats(model)["tokens_not_recomputed"])
+    assert found == [0, 0, 24]
+
+
 def test_new_weights_a_salt_or_a_release_find_nothing():
     """(A pool of 64 blocks: room for several calls' prompts, so one call's blocks are not
     evicted by the next call's.)"""

@@ -81,6 +81,28 @@ def test_release_all_keeps_the_least_recently_used_first():
     assert alloc.lookup(b"b") is None and alloc.lookup(b"a") == a
 
 
+def test_a_released_prompt_is_evicted_tail_first():
+    """A later prompt reaches a cached prefix from its first block on, so a released prompt
+    gives up its last blocks first, both when its table is freed and when its owners are
+    dropped at once (``release_all``, by the order the blocks were published). Planted: the
+    table's blocks freed head first, or release_all by block id: the head went first."""
+    for release in ("free", "release_all"):
+        alloc = BlockAllocator(3)
+        table = BlockTable(alloc, 2)
+        table.append(6)
+        digests = block_digests(list(range(6)), 2)
+        for block, digest in zip(table.block_ids, digests, strict=True):
+            alloc.publish(block, digest)
+        if release == "free":
+            table.free()
+        else:
+            alloc.release_all()
+        assert alloc.num_evictable == 3
+        alloc.allocate(2)  # the two tail blocks
+        assert alloc.lookup(digests[0]) is not None, release
+        assert alloc.lookup(digests[1]) is None and alloc.lookup(digests[2]) is None
+
+
 def test_a_table_cut_back_into_a_published_block_unpublishes_it():
     """Its tail will be written over, so it must no longer be found by the tokens it held."""
     alloc = BlockAllocator(4)
