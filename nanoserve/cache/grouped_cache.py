@@ -256,7 +256,7 @@ class GroupedKVCache:
             found.append(blocks)
         n = min(len(blocks) for blocks in found)
         for group, blocks in zip(self._groups, found, strict=True):
-            group.allocator.free(blocks[n:])
+            group.allocator.free(blocks[n:][::-1])  # (tail first, as BlockTable.free)
             group.tables[seq].adopt(blocks[:n])
             group._attached = group._attached or n > 0
         return n * self.block_size

@@ -312,7 +312,7 @@ class PagedKVCache:
         try:
             self.tables[seq].adopt(blocks)
         except BaseException:
-            self.allocator.free(blocks)
+            self.allocator.free(blocks[::-1])  # (tail first, as BlockTable.free)
             raise
         self._attached = self._attached or bool(blocks)
         return len(blocks) * self.block_size
