@@ -353,11 +353,11 @@ def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) ->
         appended = 0  # blocks the rows add, none released
         at_most = 0  # blocks the rows hold at once, those they share counted for each
         for t in group.tables:
-            blocks = math.ceil((t.num_tokens + grow) / bs)
             appended += row_growth(t, grow, bs) + shape.spare
             if window is not None:
                 # the window's blocks after each step, and the first forward's whole extension
                 # past the window's first position
+                blocks = math.ceil((t.num_tokens + grow) / bs)
                 decode = math.ceil((window + group.window_slack) / bs) + 1
                 first = math.ceil((window - 1 + group.window_slack + extend) / bs) + 1
                 at_most += min(blocks - t.dropped, max(decode, first)) + 1 + shape.spare
