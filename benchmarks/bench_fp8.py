@@ -1,6 +1,6 @@
-"""FP8 KV decode on the GPU: error against float32 K/V as the context grows, and speed of
-bf16 pools vs FP8 pools vs a pure read of the FP8 bytes (and FlashInfer's FP8 decode when it
-imports).
+"""FP8 and INT8 KV decode on the GPU: error against float32 K/V as the context grows, and
+speed of bf16 pools vs FP8 pools vs INT8 pools vs a pure read of their bytes (and FlashInfer's
+FP8 decode when it imports).
 
 Error: batch 1, 32 query / 8 KV heads, head_dim 128, contexts 1k..128k; random K/V whose
 per-head magnitudes differ, FP8 scales per KV head from the amax; relative error of the
@@ -12,10 +12,12 @@ Speed (median µs under CUDA-graph replay, input sets rotated past the L2): 32 x
 scattered at random. Columns: bf16_us, fp8_us, read_fp8_us (a pure read of the FP8 pool's
 bytes), speedup = bf16 / fp8, x_read = fp8 / read_fp8, flashinfer_fp8_us, and
 fp8_prev_plan_us: the FP8 launch as planned before the register cap (128-token tiles, three
-stages, the compiler's registers), for comparison in the same run. Goals: speedup >= 1.8 at
->= 1 GB of bf16-equivalent K/V, x_read <= 1.15, 1 x 32k speedup >= 1.6.
+stages, the compiler's registers), for comparison in the same run. INT8 pools (values and
+float16 scales per 16 channels): int8_us, read_int8_us (a pure read of their values and
+scales), int8_speedup = bf16 / int8, int8_x_read. Goals: speedup >= 1.8 at >= 1 GB of
+bf16-equivalent K/V, x_read <= 1.15, 1 x 32k speedup >= 1.6.
 
-    python3 benchmarks/bench_fp8.py [--errors-only | --speed-only | --sweep]
+    python3 benchmarks/bench_fp8.py [--errors-only | --speed-only | --sweep | --sweep-int8]
         [--max-context 131072]
 
 Prints two tables; with $OUT set, writes fp8_error.csv and fp8_speed.csv there.
@@ -39,7 +41,7 @@ require_cuda("bench_fp8")
 from harness import ceiling, num_input_sets, rel_err, show_table, time_graph, versions  # noqa: E402
 
 from nanoserve.kernels import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
-from nanoserve.kernels.quant import FP8_DTYPE, FP8_MAX, quantize  # noqa: E402
+from nanoserve.kernels.quant import FP8_DTYPE, FP8_MAX, quantize, quantize_int8  # noqa: E402
 
 BS, DIM = 16, 128
 BF16 = torch.bfloat16
@@ -76,10 +78,13 @@ def error_rows(max_context: int) -> list[dict]:
         vs = value.abs().amax(dim=(0, 2)) / FP8_MAX
         kc, vc = quantize(key, ks).view(pools), quantize(value, vs).view(pools)
         fp8 = paged_decode_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs)
+        (k8, ks8), (v8, vs8) = quantize_int8(key.view(pools)), quantize_int8(value.view(pools))
+        int8 = paged_decode_attention(q, k8, v8, bt, sl, k_scale=ks8, v_scale=vs8)
         rows.append(dict(context=ctx, fp8_err=f"{rel_err(fp8, ref):.2e}",
+                         int8_err=f"{rel_err(int8, ref):.2e}",
                          bf16_err=f"{rel_err(bf16, ref):.2e}"))  # fmt: skip
         print(rows[-1], flush=True)
-        del key, value, kc, vc
+        del key, value, kc, vc, k8, v8
         ctx *= 2
     return rows
 
@@ -96,7 +101,20 @@ def make_set(batch: int, ctx: int, hq: int, hkv: int) -> dict:
     bt = torch.randperm(total, device="cuda")[:used].view(batch, ctx // BS).int().contiguous()
     sl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, hq, DIM, device="cuda", dtype=BF16)
-    return dict(q=q, kc=kc, vc=vc, k8=k8, v8=v8, ks=ks, vs=vs, bt=bt, sl=sl)
+    ki, kis = quantize_int8(kc)
+    vi, vis = quantize_int8(vc)
+    return dict(q=q, kc=kc, vc=vc, k8=k8, v8=v8, ks=ks, vs=vs, bt=bt, sl=sl,
+                ki=ki, vi=vi, kis=kis, vis=vis)  # fmt: skip
+
+
+def int8_decode(s: dict, config=None, splits=None):
+    """The decode launch over the set's INT8 pools (the default plan unless given)."""
+    from nanoserve.kernels.triton_decode import paged_decode_attention_triton
+
+    return lambda: paged_decode_attention_triton(
+        s["q"], s["ki"], s["vi"], s["bt"], s["sl"], scale=DIM**-0.5, sliding_window=None,
+        softcap=None, num_splits=splits, config=config, k_scale=s["kis"], v_scale=s["vis"],
+    )  # fmt: skip
 
 
 def flashinfer_fp8(s: dict, hq: int, hkv: int):
@@ -135,6 +153,7 @@ def speed_rows(shapes) -> list[dict]:
     for batch, ctx, hq, hkv in shapes:
         bf16_bytes = batch * ctx * hkv * DIM * 2 * 2
         fp8_bytes = bf16_bytes // 2
+        int8_bytes = fp8_bytes + fp8_bytes // DIM * 2 * (DIM // 16)  # + float16 scales
         torch.cuda.empty_cache()
         sets = [make_set(batch, ctx, hq, hkv) for _ in range(num_input_sets(fp8_bytes, 8))]
 
@@ -163,6 +182,13 @@ def speed_rows(shapes) -> list[dict]:
             k_scale=s0["ks"], v_scale=s0["vs"],
         )  # fmt: skip
         err = rel_err(fp8(s0)()[:n], ref)
+        ref8 = paged_decode_attention_ref(
+            s0["q"][:n].float(), s0["ki"], s0["vi"], s0["bt"][:n], s0["sl"][:n],
+            k_scale=s0["kis"], v_scale=s0["vis"],
+        )  # fmt: skip
+        err8 = rel_err(int8_decode(s0)()[:n], ref8)
+        t_int8 = time_graph([int8_decode(s) for s in sets]).median
+        t_read8 = ceiling(int8_bytes, len(sets), graph=True).median
         t_bf16 = time_graph([bf16(s) for s in sets]).median
         t_fp8 = time_graph([fp8(s) for s in sets]).median
         t_prev = time_graph([fp8_prev_plan(s) for s in sets]).median
@@ -174,8 +200,10 @@ def speed_rows(shapes) -> list[dict]:
                    read_fp8_us=round(t_read, 1), speedup=round(t_bf16 / t_fp8, 2),
                    x_read=round(t_fp8 / t_read, 2), fp8_GBps=round(fp8_bytes / t_fp8 / 1e3),
                    flashinfer_fp8_us="" if t_fi is None else round(t_fi, 1),
-                   fp8_prev_plan_us=round(t_prev, 1), flashinfer=why,
-                   fp8_err=f"{err:.1e}")  # fmt: skip
+                   fp8_prev_plan_us=round(t_prev, 1), int8_us=round(t_int8, 1),
+                   read_int8_us=round(t_read8, 1), int8_speedup=round(t_bf16 / t_int8, 2),
+                   int8_x_read=round(t_int8 / t_read8, 2), flashinfer=why,
+                   fp8_err=f"{err:.1e}", int8_err=f"{err8:.1e}")  # fmt: skip
         rows.append(row)
         print(row, flush=True)
         del sets
@@ -214,14 +242,38 @@ def sweep_rows(shapes) -> list[dict]:
     return rows
 
 
+def sweep_int8_rows(shapes) -> list[dict]:
+    """INT8 decode over (BLOCK_N, num_warps, num_stages) and split counts."""
+    rows = []
+    configs = [None, (32, 4, 2), (64, 4, 2), (128, 4, 2), (128, 8, 2)]
+    for batch, ctx, hq, hkv in shapes:
+        int8_bytes = batch * ctx * hkv * DIM * 2 * 9 // 8  # values + float16 scales
+        torch.cuda.empty_cache()
+        sets = [make_set(batch, ctx, hq, hkv) for _ in range(num_input_sets(int8_bytes, 8))]
+        for config in configs:
+            for splits in (None, 4):
+                fns = [int8_decode(s, config, splits) for s in sets]
+                us = time_graph(fns).median
+                rows.append(dict(shape=f"{batch}x{ctx} {hq}/{hkv}", config=config or "default",
+                                 splits=splits or "auto", int8_us=round(us, 1),
+                                 int8_GBps=round(int8_bytes / us / 1e3)))  # fmt: skip
+                print(rows[-1], flush=True)
+        del sets
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--errors-only", action="store_true")
     parser.add_argument("--speed-only", action="store_true")
     parser.add_argument("--max-context", type=int, default=131072)
     parser.add_argument("--sweep", action="store_true", help="only FP8 decode configs")
+    parser.add_argument("--sweep-int8", action="store_true", help="only INT8 decode configs")
     args = parser.parse_args()
     print(versions())
+    if args.sweep_int8:
+        show_table(sweep_int8_rows(SPEED_SHAPES[:3]), "int8_sweep.csv")
+        return
     if args.sweep:
         show_table(sweep_rows(SPEED_SHAPES), "fp8_sweep.csv")
         return

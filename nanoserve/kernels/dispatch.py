@@ -25,7 +25,7 @@ def use_triton(backend: str, tensor: torch.Tensor) -> bool:
     """True when ``backend`` picks the Triton kernel for data living where ``tensor`` lives.
 
     "auto" picks Triton for CUDA tensors of a dtype the kernels take (float16, bfloat16,
-    float32, and float8_e4m3fn pools) when Triton is installed, and the reference
+    float32, and float8_e4m3fn / int8 pools) when Triton is installed, and the reference
     otherwise; "triton" forces it (on CPU this needs TRITON_INTERPRET=1); "torch" forces the
     reference.
     """
@@ -37,6 +37,7 @@ def use_triton(backend: str, tensor: torch.Tensor) -> bool:
         torch.bfloat16,
         torch.float32,
         torch.float8_e4m3fn,
+        torch.int8,
     )
     if backend == "auto":
         return tensor.is_cuda and supported and triton_installed()
@@ -55,7 +56,8 @@ def use_triton(backend: str, tensor: torch.Tensor) -> bool:
 def refuse_interpreted_bfloat16(*tensors: torch.Tensor) -> None:
     """ValueError naming ``backend`` when the Triton attention kernels would run on bfloat16
     CPU tensors in Triton's interpreter (``tensors``: the pools, whose dtype the kernels'
-    ``tl.dot`` tiles take; FP8 pools meet the query in float16): its ``tl.dot`` on bfloat16
+    ``tl.dot`` tiles take; FP8 pools meet the query in float16, INT8 pools in the query's
+    dtype, so the query is passed with them): its ``tl.dot`` on bfloat16
     gives wrong sums (float16 and float32 are right), and a wrong answer must not pass for
     one."""
     if _interpreting() and any(t.dtype == torch.bfloat16 and not t.is_cuda for t in tensors):

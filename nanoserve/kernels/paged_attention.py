@@ -14,9 +14,14 @@ from __future__ import annotations
 import torch
 
 from nanoserve.kernels.dispatch import check_backend, refuse_interpreted_bfloat16, use_triton
-from nanoserve.kernels.quant import dequantize
+from nanoserve.kernels.quant import INT8_DTYPE, dequantize, dequantize_int8
 from nanoserve.kernels.reference import attend_sequence, gather_history
 from nanoserve.kernels.validation import check_attention_args, check_positive
+
+
+def _dequantized_like(query: torch.Tensor, key_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The query, when the kernels dequantize these pools into its dtype (INT8), else ()."""
+    return (query,) if key_cache.dtype == INT8_DTYPE else ()
 
 
 def _default_scale(head_dim: int, scale: float | None) -> float:
@@ -43,7 +48,8 @@ def paged_extend_attention_ref(
     The new tokens of sequence i are its last ``cu_seqlens_q[i+1] - cu_seqlens_q[i]``
     positions; each sees positions <= its own (and > pos - sliding_window). A sequence with
     seq_len 0 has no new tokens, hence no output rows. FP8 pools take float32
-    ``k_scale``/``v_scale`` [Hkv] and are dequantized (``fp8 * scale``) before attention.
+    ``k_scale``/``v_scale`` [Hkv], INT8 pools float16 per-slot scales (``quant.py``); both
+    are dequantized (values times scales) before attention.
     """
     if check:
         check_attention_args(
@@ -63,8 +69,13 @@ def paged_extend_attention_ref(
             continue
         keys = gather_history(key_cache, block_tables[i], seq_len)
         values = gather_history(value_cache, block_tables[i], seq_len)
-        if k_scale is not None:
-            compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+        compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+        if key_cache.dtype == INT8_DTYPE:
+            k_scales = gather_history(k_scale, block_tables[i], seq_len)
+            v_scales = gather_history(v_scale, block_tables[i], seq_len)
+            keys = dequantize_int8(keys, k_scales, compute)
+            values = dequantize_int8(values, v_scales, compute)
+        elif k_scale is not None:
             keys = dequantize(keys, k_scale, compute)
             values = dequantize(values, v_scale, compute)
         out[start:end] = attend_sequence(
@@ -128,8 +139,8 @@ def paged_decode_attention(
     ``backend``: "auto" (Triton on CUDA tensors, the reference on CPU), "triton" or "torch".
     ``check=False`` skips validation and never reads device memory on the host, so the call
     is safe under CUDA-graph capture (the split count comes from shapes only). FP8 pools
-    (float8_e4m3fn) need ``k_scale``/``v_scale`` float32 [Hkv]; the query is then
-    float16/bfloat16/float32.
+    (float8_e4m3fn) need ``k_scale``/``v_scale`` float32 [Hkv], INT8 pools their float16
+    per-slot scales; the query is then float16/bfloat16/float32.
     """
     check_backend(backend)
     if check:
@@ -141,7 +152,7 @@ def paged_decode_attention(
     if use_triton(backend, key_cache):
         from nanoserve.kernels.triton_decode import paged_decode_attention_triton
 
-        refuse_interpreted_bfloat16(key_cache)
+        refuse_interpreted_bfloat16(key_cache, *_dequantized_like(query, key_cache))
         return paged_decode_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens,
             scale=_default_scale(query.shape[-1], scale),
@@ -191,7 +202,7 @@ def paged_extend_attention(
     if use_triton(backend, key_cache):
         from nanoserve.kernels.triton_extend import paged_extend_attention_triton
 
-        refuse_interpreted_bfloat16(key_cache)
+        refuse_interpreted_bfloat16(key_cache, *_dequantized_like(query, key_cache))
         return paged_extend_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
             scale=_default_scale(query.shape[-1], scale),

@@ -1,9 +1,18 @@
-"""FP8 (e4m3) K/V pools: the storage format and its torch quantize / dequantize.
+"""Quantized K/V pools: the two storage formats and their torch quantize / dequantize.
 
-A quantized pool holds ``torch.float8_e4m3fn`` values with one float32 scale per KV head
+FP8: a pool holds ``torch.float8_e4m3fn`` values with one float32 scale per KV head
 (``k_scale`` / ``v_scale`` [Hkv]): the real value is ``fp8.to(float32) * scale``. Writing
 divides by the scale in float32, saturates to +-448 (the largest finite e4m3 value; inf
 becomes +-448, NaN stays NaN) and rounds to nearest even.
+
+INT8: a pool holds ``torch.int8`` values, and every slot its own float16 scales, one per
+(KV head, group of ``INT8_GROUP`` channels of the head dim), in a tensor beside the pool
+([num_blocks, block_size, Hkv, groups]; ``k_scale`` / ``v_scale``). The real value is
+``int8 * scale``. Writing takes the group's amax / 127, rounded to float16 (and kept in
+[2^-14, 65504]), as the scale, then rounds x / scale to the nearest integer (half to even)
+and saturates to +-127. A group holding inf or NaN gets a NaN scale, so it reads back as NaN.
+No calibration: a token's stored values depend on that token alone (see
+benchmarks/RESULTS.md for the accuracy of the group size).
 """
 
 from __future__ import annotations
@@ -12,13 +21,68 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+INT8_DTYPE = torch.int8
+INT8_MAX = 127.0
+# Channels of the head dim that share one INT8 scale.
+INT8_GROUP = 16
+INT8_SCALE_DTYPE = torch.float16
+# The smallest and largest INT8 scales: float16's least normal and its largest finite value.
+INT8_SCALE_MIN = 2.0**-14
+INT8_SCALE_MAX = 65504.0
 # The pool dtypes a caller may ask for by name (patch_model's kv_dtype).
-KV_DTYPE_NAMES = {"fp8_e4m3": FP8_DTYPE, "float8_e4m3fn": FP8_DTYPE}
+KV_DTYPE_NAMES = {
+    "fp8_e4m3": FP8_DTYPE,
+    "float8_e4m3fn": FP8_DTYPE,
+    "int8": INT8_DTYPE,
+}
 
 
 def is_quantized(pool: torch.Tensor) -> bool:
-    """True when ``pool`` stores FP8 values that need scales."""
-    return pool.dtype == FP8_DTYPE
+    """True when ``pool`` stores FP8 or INT8 values that need scales."""
+    return pool.dtype in (FP8_DTYPE, INT8_DTYPE)
+
+
+def int8_groups(head_dim: int) -> int:
+    """Scales per (slot, KV head) of an INT8 pool of head dim ``head_dim``."""
+    return -(-head_dim // INT8_GROUP)
+
+
+def int8_scale_shape(pool_shape) -> tuple[int, ...]:
+    """Shape of the scale tensor of an INT8 pool [num_blocks, block_size, Hkv, D]."""
+    *lead, head_dim = pool_shape
+    return (*lead, int8_groups(head_dim))
+
+
+def _grouped(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [..., groups, INT8_GROUP], the last group padded with zeros."""
+    head_dim = x.shape[-1]
+    pad = int8_groups(head_dim) * INT8_GROUP - head_dim
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], -1, INT8_GROUP)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (any float dtype) -> (int8 [..., D], float16 scales [..., groups])."""
+    head_dim = x.shape[-1]
+    groups = _grouped(x.to(torch.float32))
+    amax = groups.abs().amax(dim=-1)
+    scale = (amax / INT8_MAX).clamp(INT8_SCALE_MIN, INT8_SCALE_MAX).to(INT8_SCALE_DTYPE)
+    finite = torch.isfinite(groups).all(dim=-1)
+    scale = torch.where(finite, scale, torch.nan)
+    q = groups / scale.to(torch.float32)[..., None]
+    q = torch.where(finite[..., None], q.round().clamp(-INT8_MAX, INT8_MAX), 0.0)
+    q = q.reshape(*x.shape[:-1], -1)[..., :head_dim]
+    return q.to(INT8_DTYPE).contiguous(), scale
+
+
+def dequantize_int8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x int8 [..., D] * scale float16 [..., groups] -> ``dtype`` (computed in float32, or
+    float64 when ``dtype`` is float64; exact in either)."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    head_dim = x.shape[-1]
+    values = _grouped(x.to(compute)) * scale.to(compute)[..., None]
+    return values.reshape(*x.shape[:-1], -1)[..., :head_dim].to(dtype).contiguous()
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

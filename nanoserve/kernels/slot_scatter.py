@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.kernels.dispatch import check_backend, use_triton
-from nanoserve.kernels.quant import quantize
+from nanoserve.kernels.quant import INT8_DTYPE, quantize, quantize_int8
 from nanoserve.kernels.validation import check_slot_scatter_args
 
 
@@ -25,14 +25,20 @@ def slot_scatter_ref(
     ``slot_mapping`` int32/int64 [T]: token t goes to flat slot ``slot_mapping[t]``
     (block_id * block_size + offset); -1 skips the token. Pools are updated in place.
     FP8 pools (float8_e4m3fn) take float32 ``k_scale``/``v_scale`` [Hkv]: each row is
-    stored as ``x / scale`` saturated to +-448 (see ``quant.py``).
+    stored as ``x / scale`` saturated to +-448. INT8 pools take float16 per-slot scales
+    [num_blocks, block_size, Hkv, groups], written here beside the values (see ``quant.py``).
     """
     if check:
         check_slot_scatter_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     key, value = key[keep], value[keep]
-    if k_scale is not None:
+    if key_cache.dtype == INT8_DTYPE:
+        key, key_scales = quantize_int8(key)
+        value, value_scales = quantize_int8(value)
+        k_scale.view(-1, *k_scale.shape[2:])[slots] = key_scales
+        v_scale.view(-1, *v_scale.shape[2:])[slots] = value_scales
+    elif k_scale is not None:
         key, value = quantize(key, k_scale), quantize(value, v_scale)
     # (rows of another float dtype are stored converted, as the kernel's store does)
     key_cache.view(-1, *key_cache.shape[2:])[slots] = key.to(key_cache.dtype)

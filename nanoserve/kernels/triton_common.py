@@ -50,3 +50,22 @@ def mma_acc(a, b, acc, FP32: tl.constexpr):
         return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a.to(b.dtype), b, acc)
+
+
+@triton.jit
+def int8_rows_scales(scales, rows, valid, HEAD_DIM: tl.constexpr, GROUPS: tl.constexpr,
+                     G_PAD: tl.constexpr):  # fmt: skip
+    """float16 scales [BLOCK_N, G_PAD] of INT8 pool rows starting at element offsets ``rows``
+    (contiguous pools: a row's scales start at rows // HEAD_DIM * GROUPS); 0 where masked."""
+    g = tl.arange(0, G_PAD)
+    at = (rows // HEAD_DIM * GROUPS)[:, None] + g[None, :]
+    return tl.load(scales + at, mask=valid[:, None] & (g < GROUPS)[None, :], other=0.0)
+
+
+@triton.jit
+def dequantize_int8_tile(x, scales, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+                         G_PAD: tl.constexpr):  # fmt: skip
+    """int8 [BLOCK_N, D_PAD] times its float16 scales [BLOCK_N, G_PAD] (one per group of
+    D_PAD // G_PAD channels) -> float32 [BLOCK_N, D_PAD], exact."""
+    groups = tl.reshape(x.to(tl.float32), [BLOCK_N, G_PAD, D_PAD // G_PAD])
+    return tl.reshape(groups * scales.to(tl.float32)[:, :, None], [BLOCK_N, D_PAD])

@@ -28,8 +28,14 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.dispatch import head_dim_pad, next_pow2, pdl_launch, sm_count, unit_stride
-from nanoserve.kernels.quant import is_quantized
-from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
+from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_GROUP, int8_groups
+from nanoserve.kernels.triton_common import (
+    dequantize_int8_tile,
+    int8_rows_scales,
+    mma,
+    pdl_enter,
+    scores_to_log2,
+)
 
 MAX_SPLITS = 64
 # Balanced launch below this many (row, KV head) programs per SM (see benchmarks/RESULTS.md).
@@ -78,6 +84,7 @@ def _decode_kernel(
     BALANCED: tl.constexpr, S_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
     k_scale=None, v_scale=None, FP8: tl.constexpr = False,
+    INT8: tl.constexpr = False, GROUPS: tl.constexpr = 1, G_PAD: tl.constexpr = 1,
 ):  # fmt: skip
     pdl_enter(PDL)  # (the merge kernel's launch then starts while this one runs)
     # one grid axis for (work, KV head): axis 1 of a CUDA grid stops at 65,535
@@ -149,6 +156,11 @@ def _decode_kernel(
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(key_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(value_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if INT8:  # each row's groups times their scales, then in the query's dtype
+            ks = int8_rows_scales(k_scale, rows, valid, HEAD_DIM, GROUPS, G_PAD)
+            vs = int8_rows_scales(v_scale, rows, valid, HEAD_DIM, GROUPS, G_PAD)
+            k = dequantize_int8_tile(k, ks, BLOCK_N, D_PAD, G_PAD)
+            v = dequantize_int8_tile(v, vs, BLOCK_N, D_PAD, G_PAD)
         k, v = k.to(q.dtype), v.to(q.dtype)  # fp8 tiles: exact in float16 and float32
         s = mma(q, tl.trans(k), FP32)
         s = scores_to_log2(s, scale, softcap, HAS_SOFTCAP)
@@ -369,7 +381,7 @@ def decode_plan(
     )
     if many_long:
         config = (max(64, next_pow2(block_size)), 4, 2)
-    fp8_tiles = config is None and is_quantized(key_cache) and query.dtype != torch.float32
+    fp8_tiles = config is None and key_cache.dtype == FP8_DTYPE and query.dtype != torch.float32
     block_n, num_warps, num_stages = config or decode_config(head_dim, block_size, query.dtype)
     max_registers = 0
     if fp8_tiles:
@@ -411,7 +423,8 @@ def paged_decode_attention_triton(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch decode attention (arguments already validated); returns [S, Hq, D] like query.
-    FP8 pools come with float32 ``k_scale``/``v_scale`` [Hkv].
+    FP8 pools come with float32 ``k_scale``/``v_scale`` [Hkv], INT8 pools with their float16
+    per-slot scales.
 
     By default the work is balanced over rows of any lengths (see ``DecodePlan``).
     ``num_splits`` (fixed splits per row), ``work_items`` (the balanced target) and ``config``
@@ -427,6 +440,7 @@ def paged_decode_attention_triton(
     block_tables, seq_lens = unit_stride(block_tables), unit_stride(seq_lens)
     group = num_q_heads // num_kv_heads
     d_pad = head_dim_pad(head_dim)
+    int8 = key_cache.dtype == INT8_DTYPE
     plan = decode_plan(query, key_cache, block_tables, config, num_splits, work_items)
     balanced = plan.work_items > 0
     # The most items any lengths can need: sum of ceil(len / chunk) <= work_items + rows, and
@@ -458,7 +472,8 @@ def paged_decode_attention_triton(
         BALANCED=balanced, S_PAD=s_pad,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32, PDL=pdl,
-        k_scale=k_scale, v_scale=v_scale, FP8=k_scale is not None,
+        k_scale=k_scale, v_scale=v_scale, FP8=key_cache.dtype == FP8_DTYPE,
+        INT8=int8, GROUPS=int8_groups(head_dim), G_PAD=d_pad // INT8_GROUP,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch, **registers,
     )  # fmt: skip
     if balanced:

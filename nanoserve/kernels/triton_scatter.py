@@ -10,6 +10,9 @@ saturated to +-448 and encoded to e4m3 bits in integer arithmetic (round to near
 NaN stays NaN). The encoding is spelled out rather than left to ``.to(tl.float8e4nv)``
 because the Triton interpreter rounds that cast wrongly, and one code path on GPU and CPU
 keeps the CPU tests meaningful; the scatter is memory-bound, so the integer work is free.
+
+INT8 pools get each (token, head)'s values and float16 scales per group of ``INT8_GROUP``
+channels, as ``quant.quantize_int8`` computes them (the tile's columns reshaped into groups).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.dispatch import next_pow2, pdl_launch, unit_stride
+from nanoserve.kernels.quant import INT8_DTYPE, INT8_GROUP, int8_groups
 from nanoserve.kernels.triton_common import pdl_enter
 
 
@@ -44,13 +48,41 @@ def encode_e4m3(x):
     return code.to(tl.uint8) | sign
 
 
+@triton.jit
+def round_half_even(y):
+    """float32 tile -> its nearest integers (ties to even), as float32; |y| < 2**22.
+    (``libdevice.rint`` has no interpreter version.)"""
+    f = tl.floor(y)
+    frac = y - f
+    odd = f - 2.0 * tl.floor(f * 0.5)
+    return tl.where(frac > 0.5, f + 1.0, tl.where(frac < 0.5, f, f + odd))
+
+
+@triton.jit
+def quantize_int8_tile(x, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, GW: tl.constexpr):
+    """float32 [ROWS, BLOCK_D] (padding columns zero) -> (int8 [ROWS, BLOCK_D], float16
+    scales [ROWS, BLOCK_D // GW]), as ``quant.quantize_int8``: amax / 127 rounded to float16
+    within [2^-14, 65504], x / scale rounded half to even and saturated to +-127; a group with
+    inf or NaN gets a NaN scale and zeros."""
+    groups = tl.reshape(x, [ROWS, BLOCK_D // GW, GW])
+    bad = tl.max(((groups != groups) | (tl.abs(groups) == float("inf"))).to(tl.int32), 2) > 0
+    amax = tl.max(tl.where(groups == groups, tl.abs(groups), 0.0), 2)
+    scale = tl.clamp(tl.math.div_rn(amax, 127.0), 2.0**-14, 65504.0).to(tl.float16)
+    scale = tl.where(bad, float("nan"), scale)
+    y = tl.math.div_rn(groups, scale.to(tl.float32)[:, :, None])
+    q = round_half_even(tl.clamp(y, -127.0, 127.0))
+    q = tl.where(bad[:, :, None], 0.0, q)
+    return tl.reshape(q, [ROWS, BLOCK_D]).to(tl.int8), scale
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _slot_scatter_kernel(
     key, value, key_cache, value_cache, slot_mapping, num_tokens, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, INT8: tl.constexpr = False, GROUPS: tl.constexpr = 1,
+    GW: tl.constexpr = 16,
 ):  # fmt: skip
     pdl_enter(PDL)
     r = tl.arange(0, BLOCK_T * BLOCK_H)
@@ -70,6 +102,15 @@ def _slot_scatter_kernel(
         vs = tl.load(v_scale + heads, mask=in_range, other=1.0)
         k = encode_e4m3(tl.math.div_rn(k.to(tl.float32), ks[:, None]))
         v = encode_e4m3(tl.math.div_rn(v.to(tl.float32), vs[:, None]))
+    if INT8:  # per-slot scales [slots, Hkv, GROUPS] beside the pools
+        ROWS: tl.constexpr = BLOCK_T * BLOCK_H
+        k, k_groups = quantize_int8_tile(tl.where(mask, k.to(tl.float32), 0.0), ROWS, BLOCK_D, GW)
+        v, v_groups = quantize_int8_tile(tl.where(mask, v.to(tl.float32), 0.0), ROWS, BLOCK_D, GW)
+        g = tl.arange(0, BLOCK_D // GW)
+        scale_dst = (slot * NUM_KV_HEADS + heads)[:, None] * GROUPS + g[None, :]
+        scale_mask = keep[:, None] & (g < GROUPS)[None, :]
+        tl.store(k_scale + scale_dst, k_groups, mask=scale_mask)
+        tl.store(v_scale + scale_dst, v_groups, mask=scale_mask)
     tl.store(key_cache + dst, k, mask=mask)
     tl.store(value_cache + dst, v, mask=mask)
 
@@ -115,10 +156,11 @@ def slot_scatter_triton(
     elements, num_warps = config or (ELEMENTS_PER_PROGRAM, NUM_WARPS)
     block_t, block_h, block_d = scatter_config(num_kv_heads, head_dim, elements)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_kv_heads, block_h))
-    fp8 = k_scale is not None
+    int8 = key_cache.dtype == INT8_DTYPE
+    fp8 = k_scale is not None and not int8
     if fp8:
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
-    else:
+    elif not int8:
         k_scale = v_scale = slot_mapping  # unused
     launch = pdl_launch(key.device)
     _slot_scatter_kernel[grid](
@@ -126,5 +168,6 @@ def slot_scatter_triton(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, PDL=bool(launch),
+        INT8=int8, GROUPS=int8_groups(head_dim), GW=min(INT8_GROUP, block_d),
         num_warps=num_warps, **launch,
     )  # fmt: skip

@@ -13,12 +13,12 @@ import numbers
 
 import torch
 
-from nanoserve.kernels.quant import FP8_DTYPE
+from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_SCALE_DTYPE, int8_scale_shape
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# What the kernels compute in when the pools hold FP8 (query, new K/V rows).
+# What the kernels compute in when the pools hold FP8 or INT8 (query, new K/V rows).
 FP8_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-POOL_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE)
+POOL_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE, INT8_DTYPE)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -111,15 +111,29 @@ def check_kv_scales(
     key_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
 ) -> None:
     """FP8 pools need float32 ``k_scale``/``v_scale`` [Hkv] on the pools' device, finite
-    and positive; other pools take none (a scale that would be ignored is refused)."""
+    and positive; INT8 pools float16 per-slot scales (``quant.int8_scale_shape``),
+    contiguous, not sharing memory; other pools take none (a scale that would be ignored
+    is refused)."""
     num_kv_heads = key_cache.shape[2]
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if key_cache.dtype != FP8_DTYPE:
+        if key_cache.dtype not in (FP8_DTYPE, INT8_DTYPE):
             if scale is not None:
-                _fail(name, f"given for {key_cache.dtype} pools; only FP8 pools take scales")
+                _fail(name, f"given for {key_cache.dtype} pools; only FP8/INT8 pools take scales")
             continue
         if scale is None:
-            _fail(name, "required: the pools hold float8_e4m3fn values")
+            _fail(
+                name,
+                f"required: the pools hold {str(key_cache.dtype).removeprefix('torch.')} values",
+            )
+        if key_cache.dtype == INT8_DTYPE:
+            check_tensor(
+                name, scale, ndim=4, dtypes=(INT8_SCALE_DTYPE,), device=key_cache.device,
+                contiguous=True,
+            )  # fmt: skip
+            want = int8_scale_shape(key_cache.shape)
+            if tuple(scale.shape) != want:
+                _fail(name, f"shape {tuple(scale.shape)} must be {list(want)} for these pools")
+            continue
         check_tensor(name, scale, ndim=1, dtypes=(torch.float32,), device=key_cache.device)
         if scale.shape[0] > 1 and scale.stride(0) != 1:  # the kernels read scale + head
             _fail(name, "must be contiguous (a strided view reads other heads' scales)")
@@ -127,11 +141,14 @@ def check_kv_scales(
             _fail(name, f"has {scale.shape[0]} entries for {num_kv_heads} KV heads")
         if not bool(torch.isfinite(scale).all() & (scale > 0).all()):
             _fail(name, "must be finite and positive")
+    if key_cache.dtype == INT8_DTYPE and _overlap(k_scale, v_scale):
+        _fail("v_scale", "shares memory with k_scale: K and V need scales of their own")
 
 
 def compute_dtypes(key_cache: torch.Tensor) -> tuple[torch.dtype, ...]:
     """Dtypes a query or new K/V row may have for these pools."""
-    return FP8_COMPUTE_DTYPES if key_cache.dtype == FP8_DTYPE else (key_cache.dtype,)
+    quantized = key_cache.dtype in (FP8_DTYPE, INT8_DTYPE)
+    return FP8_COMPUTE_DTYPES if quantized else (key_cache.dtype,)
 
 
 def check_slot_scatter_args(

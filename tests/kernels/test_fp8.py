@@ -300,7 +300,7 @@ def test_scales_for_unquantized_pools_and_fp8_queries_are_refused():
     kc = torch.zeros(4, 16, 2, 64)
     tables = torch.zeros(1, 1, dtype=torch.int32)
     lens = torch.tensor([3], dtype=torch.int32)
-    with pytest.raises(ValueError, match="^k_scale: .*only FP8 pools"):
+    with pytest.raises(ValueError, match="^k_scale: .*only FP8/INT8 pools"):
         query = torch.randn(1, 4, 64)
         paged_decode_attention(query, kc, kc.clone(), tables, lens, k_scale=torch.ones(2))
     fp8 = kc.to(FP8_DTYPE)
