@@ -5,14 +5,16 @@ FP8: a pool holds ``torch.float8_e4m3fn`` values with one float32 scale per KV h
 divides by the scale in float32, saturates to +-448 (the largest finite e4m3 value; inf
 becomes +-448, NaN stays NaN) and rounds to nearest even.
 
-INT8: a pool holds ``torch.int8`` values, and every slot its own float16 scales, one per
-(KV head, group of ``INT8_GROUP`` channels of the head dim), in a tensor beside the pool
-([num_blocks, block_size, Hkv, groups]; ``k_scale`` / ``v_scale``). The real value is
-``int8 * scale``. Writing takes the group's amax / 127, rounded to float16 (and kept in
-[2^-14, 65504]), as the scale, then rounds x / scale to the nearest integer (half to even)
-and saturates to +-127. A group holding inf or NaN gets a NaN scale, so it reads back as NaN.
-No calibration: a token's stored values depend on that token alone (see
-benchmarks/RESULTS.md for the accuracy of the group size).
+INT8: a pool holds ``torch.int8`` values and every slot its own float16 scales in a tensor
+beside the pool: keys one scale per (KV head, group of ``INT8_K_GROUP`` channels of the head
+dim), values one per KV head (``k_scale`` [num_blocks, block_size, Hkv, groups], ``v_scale``
+[num_blocks, block_size, Hkv, 1]). The real value is ``int8 * scale``. Writing takes the
+group's amax / 127, rounded to float16 (and kept in [2^-14, 65504]), as the scale, then
+rounds x / scale to the nearest integer (half to even) and saturates to +-127. A group
+holding inf or NaN gets a NaN scale, so it reads back as NaN. No calibration: a token's
+stored values depend on that token alone. Keys need the finer groups: a few channels carry
+most of q.k, and one scale per head would round the rest coarsely (benchmarks/RESULTS.md
+has the accuracy of each choice); a value's scale per head folds into the softmax weights.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 INT8_DTYPE = torch.int8
 INT8_MAX = 127.0
-# Channels of the head dim that share one INT8 scale.
-INT8_GROUP = 16
+# Channels of the head dim that share one INT8 key scale (values: the whole head).
+INT8_K_GROUP = 16
 INT8_SCALE_DTYPE = torch.float16
 # The smallest and largest INT8 scales: float16's least normal and its largest finite value.
 INT8_SCALE_MIN = 2.0**-14
@@ -42,30 +44,34 @@ def is_quantized(pool: torch.Tensor) -> bool:
     return pool.dtype in (FP8_DTYPE, INT8_DTYPE)
 
 
-def int8_groups(head_dim: int) -> int:
-    """Scales per (slot, KV head) of an INT8 pool of head dim ``head_dim``."""
-    return -(-head_dim // INT8_GROUP)
+def int8_groups(head_dim: int, group: int | None) -> int:
+    """Scales per (slot, KV head) of INT8 pools of ``head_dim`` with ``group`` channels a
+    scale (None: the whole head, one scale)."""
+    return 1 if group is None else -(-head_dim // group)
 
 
-def int8_scale_shape(pool_shape) -> tuple[int, ...]:
-    """Shape of the scale tensor of an INT8 pool [num_blocks, block_size, Hkv, D]."""
+def int8_scale_shape(pool_shape, group: int | None) -> tuple[int, ...]:
+    """Shape of the scales of an INT8 pool [num_blocks, block_size, Hkv, D]: ``group`` as
+    in ``int8_groups`` (``INT8_K_GROUP`` for keys, None for values)."""
     *lead, head_dim = pool_shape
-    return (*lead, int8_groups(head_dim))
+    return (*lead, int8_groups(head_dim, group))
 
 
-def _grouped(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> [..., groups, INT8_GROUP], the last group padded with zeros."""
-    head_dim = x.shape[-1]
-    pad = int8_groups(head_dim) * INT8_GROUP - head_dim
+def _grouped(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., D] -> [..., ceil(D / width), width], the last group padded with zeros."""
+    pad = -x.shape[-1] % width
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
-    return x.reshape(*x.shape[:-1], -1, INT8_GROUP)
+    return x.reshape(*x.shape[:-1], -1, width)
 
 
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] (any float dtype) -> (int8 [..., D], float16 scales [..., groups])."""
+def quantize_int8(
+    x: torch.Tensor, group: int | None = INT8_K_GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (any float dtype) -> (int8 [..., D], float16 scales [..., groups]) with
+    ``group`` channels a scale (None: one scale per row)."""
     head_dim = x.shape[-1]
-    groups = _grouped(x.to(torch.float32))
+    groups = _grouped(x.to(torch.float32), head_dim if group is None else group)
     amax = groups.abs().amax(dim=-1)
     scale = (amax / INT8_MAX).clamp(INT8_SCALE_MIN, INT8_SCALE_MAX).to(INT8_SCALE_DTYPE)
     finite = torch.isfinite(groups).all(dim=-1)
@@ -77,11 +83,15 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_int8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x int8 [..., D] * scale float16 [..., groups] -> ``dtype`` (computed in float32, or
-    float64 when ``dtype`` is float64; exact in either)."""
+    """x int8 [..., D] * scale float16 [..., groups] (one group: the whole row; more: groups
+    of ``INT8_K_GROUP`` channels) -> ``dtype`` (computed in float32, or float64 when
+    ``dtype`` is float64; exact in either)."""
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    head_dim = x.shape[-1]
-    values = _grouped(x.to(compute)) * scale.to(compute)[..., None]
+    head_dim, groups = x.shape[-1], scale.shape[-1]
+    if groups not in (1, int8_groups(head_dim, INT8_K_GROUP)):
+        raise ValueError(f"scale: {groups} groups fit no INT8 layout of head dim {head_dim}")
+    values = _grouped(x.to(compute), head_dim if groups == 1 else INT8_K_GROUP)
+    values = values * scale.to(compute)[..., None]
     return values.reshape(*x.shape[:-1], -1)[..., :head_dim].to(dtype).contiguous()
 
 

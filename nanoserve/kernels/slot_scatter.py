@@ -26,7 +26,8 @@ def slot_scatter_ref(
     (block_id * block_size + offset); -1 skips the token. Pools are updated in place.
     FP8 pools (float8_e4m3fn) take float32 ``k_scale``/``v_scale`` [Hkv]: each row is
     stored as ``x / scale`` saturated to +-448. INT8 pools take float16 per-slot scales
-    [num_blocks, block_size, Hkv, groups], written here beside the values (see ``quant.py``).
+    (keys [num_blocks, block_size, Hkv, groups], values [..., 1]), written here beside the
+    values (see ``quant.py``).
     """
     if check:
         check_slot_scatter_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
@@ -35,7 +36,7 @@ def slot_scatter_ref(
     key, value = key[keep], value[keep]
     if key_cache.dtype == INT8_DTYPE:
         key, key_scales = quantize_int8(key)
-        value, value_scales = quantize_int8(value)
+        value, value_scales = quantize_int8(value, group=None)
         k_scale.view(-1, *k_scale.shape[2:])[slots] = key_scales
         v_scale.view(-1, *v_scale.shape[2:])[slots] = value_scales
     elif k_scale is not None:

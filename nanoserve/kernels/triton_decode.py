@@ -28,14 +28,8 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.dispatch import head_dim_pad, next_pow2, pdl_launch, sm_count, unit_stride
-from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_GROUP, int8_groups
-from nanoserve.kernels.triton_common import (
-    dequantize_int8_tile,
-    int8_rows_scales,
-    mma,
-    pdl_enter,
-    scores_to_log2,
-)
+from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_groups
+from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
 
 MAX_SPLITS = 64
 # Balanced launch below this many (row, KV head) programs per SM (see benchmarks/RESULTS.md).
@@ -84,7 +78,7 @@ def _decode_kernel(
     BALANCED: tl.constexpr, S_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
     k_scale=None, v_scale=None, FP8: tl.constexpr = False,
-    INT8: tl.constexpr = False, GROUPS: tl.constexpr = 1, G_PAD: tl.constexpr = 1,
+    INT8: tl.constexpr = False, K_GROUPS: tl.constexpr = 1, K_GW: tl.constexpr = 16,
 ):  # fmt: skip
     pdl_enter(PDL)  # (the merge kernel's launch then starts while this one runs)
     # one grid axis for (work, KV head): axis 1 of a CUDA grid stops at 65,535
@@ -130,7 +124,8 @@ def _decode_kernel(
     heads = kv_head * GROUP + g
     d_mask = d < HEAD_DIM
     row_mask = (g < GROUP)[:, None] & d_mask[None, :]
-    q = tl.load(query + seq * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=row_mask)
+    q_rows = query + seq * stride_qs + heads[:, None] * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=row_mask)
     if FP8 and not FP32:
         # e4m3 converts to float16 in one instruction, to bfloat16 only through more: the
         # tiles meet in float16. The query joins them divided by a power of two that puts its
@@ -154,22 +149,36 @@ def _decode_kernel(
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + head_off
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(key_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(value_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if INT8:  # each row's groups times their scales, then in the query's dtype
-            ks = int8_rows_scales(k_scale, rows, valid, HEAD_DIM, GROUPS, G_PAD)
-            vs = int8_rows_scales(v_scale, rows, valid, HEAD_DIM, GROUPS, G_PAD)
-            k = dequantize_int8_tile(k, ks, BLOCK_N, D_PAD, G_PAD)
-            v = dequantize_int8_tile(v, vs, BLOCK_N, D_PAD, G_PAD)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # fp8 tiles: exact in float16 and float32
-        s = mma(q, tl.trans(k), FP32)
+        if INT8:
+            # A key's scales are per group of K_GW channels: the scores sum one dot per group,
+            # each times its keys' scales; a value's one scale folds into its softmax weight.
+            s = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
+            slot_head = rows // HEAD_DIM
+            for gi in tl.static_range(K_GROUPS):
+                c = gi * K_GW + tl.arange(0, K_GW)
+                c_mask = c < HEAD_DIM
+                k_g = tl.load(key_cache + rows[:, None] + c[None, :],
+                              mask=valid[:, None] & c_mask[None, :], other=0)  # fmt: skip
+                q_g = tl.load(q_rows + c[None, :], mask=(g < GROUP)[:, None] & c_mask[None, :])
+                k_mul = tl.load(k_scale + slot_head * K_GROUPS + gi, mask=valid, other=0.0)
+                s += mma(q_g, tl.trans(k_g.to(q.dtype)), FP32) * k_mul.to(tl.float32)[None, :]
+            v_token = tl.load(v_scale + slot_head, mask=valid, other=0.0).to(tl.float32)
+            v = v.to(q.dtype)
+        else:
+            k = tl.load(key_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # fp8 tiles: exact in float16 and float32
+            s = mma(q, tl.trans(k), FP32)
         s = scores_to_log2(s, scale, softcap, HAS_SOFTCAP)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + mma(p, v, FP32)
+        if INT8:
+            acc = acc * alpha[:, None] + mma(p * v_token[None, :], v, FP32)
+        else:
+            acc = acc * alpha[:, None] + mma(p, v, FP32)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -473,7 +482,7 @@ def paged_decode_attention_triton(
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32, PDL=pdl,
         k_scale=k_scale, v_scale=v_scale, FP8=key_cache.dtype == FP8_DTYPE,
-        INT8=int8, GROUPS=int8_groups(head_dim), G_PAD=d_pad // INT8_GROUP,
+        INT8=int8, K_GROUPS=int8_groups(head_dim, INT8_K_GROUP), K_GW=INT8_K_GROUP,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch, **registers,
     )  # fmt: skip
     if balanced:

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.dispatch import head_dim_pad, next_pow2, sm_count, unit_stride
-from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_GROUP, int8_groups
+from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_groups
 from nanoserve.kernels.triton_common import (
     dequantize_int8_tile,
     int8_rows_scales,
@@ -63,7 +63,7 @@ def _attend_tiles(
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
     FAST_TANH: tl.constexpr, WARP_SPEC: tl.constexpr,
-    k_scale=None, v_scale=None, INT8: tl.constexpr = False, GROUPS: tl.constexpr = 1,
+    k_scale=None, v_scale=None, INT8: tl.constexpr = False, K_GROUPS: tl.constexpr = 1,
     G_PAD: tl.constexpr = 1,
 ):  # fmt: skip
     """Online softmax over key tiles [lo, hi) (lo a multiple of BLOCK_N).
@@ -72,7 +72,8 @@ def _attend_tiles(
     no mask on the loads unless head_dim is padded). MASKED=True: keys outside [kv_lo, kv_hi)
     are not loaded, and the causal (and window) test applies per row. WARP_SPEC asks Triton
     to warp-specialize the loop (loads and matmuls in separate warps). INT8 pools come with
-    their per-slot scales (``k_scale``/``v_scale``) and are dequantized tile by tile.
+    their per-slot scales (``k_scale``/``v_scale``): keys are dequantized tile by tile (G_PAD
+    groups of channels), a value's scale folds into its softmax weight.
     """
     d = tl.arange(0, D_PAD)
     for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
@@ -97,10 +98,9 @@ def _attend_tiles(
             v = tl.load(value_cache + ptrs)
         if INT8:
             in_run = (pos < kv_hi) & (pos >= kv_lo) if MASKED else pos >= 0
-            ks = int8_rows_scales(k_scale, rows, in_run, HEAD_DIM, GROUPS, G_PAD)
-            vs = int8_rows_scales(v_scale, rows, in_run, HEAD_DIM, GROUPS, G_PAD)
+            ks = int8_rows_scales(k_scale, rows, in_run, HEAD_DIM, K_GROUPS, G_PAD)
             k = dequantize_int8_tile(k, ks, BLOCK_N, D_PAD, G_PAD)
-            v = dequantize_int8_tile(v, vs, BLOCK_N, D_PAD, G_PAD)
+            v_token = tl.load(v_scale + rows // HEAD_DIM, mask=in_run, other=0.0)
         k, v = k.to(q.dtype), v.to(q.dtype)  # fp8 tiles: exact in 16-bit and fp32
         s = mma(q, tl.trans(k), FP32)
         if MASKED:
@@ -121,6 +121,8 @@ def _attend_tiles(
             p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if INT8:
+            p = p * v_token.to(tl.float32)[None, :]
         acc = mma_acc(p, v, acc * alpha[:, None], FP32)
         m_i = m_new
     return acc, l_i, m_i
@@ -137,7 +139,7 @@ def _extend_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
     FAST_TANH: tl.constexpr, WARP_SPEC: tl.constexpr,
     k_scale=None, v_scale=None, FP8: tl.constexpr = False,
-    INT8: tl.constexpr = False, GROUPS: tl.constexpr = 1, G_PAD: tl.constexpr = 1,
+    INT8: tl.constexpr = False, K_GROUPS: tl.constexpr = 1, G_PAD: tl.constexpr = 1,
 ):  # fmt: skip
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # latest (longest) tiles first
     head = tl.program_id(1)
@@ -194,19 +196,20 @@ def _extend_kernel(
             acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb,
             stride_ct, (kv_lo // BLOCK_N) * BLOCK_N, full_lo, kv_lo, kv_hi, qk_scale, scale,
             softcap, window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True,
-            HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH, False, k_scale, v_scale, INT8, GROUPS, G_PAD,
+            HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH, False,
+            k_scale, v_scale, INT8, K_GROUPS, G_PAD,
         )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
         full_lo, diag, kv_lo, kv_hi, qk_scale, scale, softcap, window,
         HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
-        WARP_SPEC, k_scale, v_scale, INT8, GROUPS, G_PAD,
+        WARP_SPEC, k_scale, v_scale, INT8, K_GROUPS, G_PAD,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
         diag, kv_hi, kv_lo, kv_hi, qk_scale, scale, softcap, window,
         HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
-        False, k_scale, v_scale, INT8, GROUPS, G_PAD,
+        False, k_scale, v_scale, INT8, K_GROUPS, G_PAD,
     )  # fmt: skip
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -427,8 +430,8 @@ def paged_extend_attention_triton(
         FP32=query.dtype == torch.float32, FAST_TANH=fast_tanh(query),
         WARP_SPEC=WARP_SPECIALIZE and query.device.type == "cuda",
         k_scale=k_scale, v_scale=v_scale, FP8=key_cache.dtype == FP8_DTYPE,
-        INT8=key_cache.dtype == INT8_DTYPE, GROUPS=int8_groups(head_dim),
-        G_PAD=head_dim_pad(head_dim) // INT8_GROUP,
+        INT8=key_cache.dtype == INT8_DTYPE, K_GROUPS=int8_groups(head_dim, INT8_K_GROUP),
+        G_PAD=head_dim_pad(head_dim) // INT8_K_GROUP,
     )  # fmt: skip
 
     def grid(m: dict) -> tuple[int, int]:

@@ -11,8 +11,9 @@ NaN stays NaN). The encoding is spelled out rather than left to ``.to(tl.float8e
 because the Triton interpreter rounds that cast wrongly, and one code path on GPU and CPU
 keeps the CPU tests meaningful; the scatter is memory-bound, so the integer work is free.
 
-INT8 pools get each (token, head)'s values and float16 scales per group of ``INT8_GROUP``
-channels, as ``quant.quantize_int8`` computes them (the tile's columns reshaped into groups).
+INT8 pools get each (token, head)'s values and float16 scales (keys per group of
+``INT8_K_GROUP`` channels, values per head), as ``quant.quantize_int8`` computes them (the
+tile's columns reshaped into groups).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.dispatch import next_pow2, pdl_launch, unit_stride
-from nanoserve.kernels.quant import INT8_DTYPE, INT8_GROUP, int8_groups
+from nanoserve.kernels.quant import INT8_DTYPE, INT8_K_GROUP, int8_groups
 from nanoserve.kernels.triton_common import pdl_enter
 
 
@@ -81,8 +82,8 @@ def _slot_scatter_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
-    PDL: tl.constexpr, INT8: tl.constexpr = False, GROUPS: tl.constexpr = 1,
-    GW: tl.constexpr = 16,
+    PDL: tl.constexpr, INT8: tl.constexpr = False, K_GROUPS: tl.constexpr = 1,
+    K_GW: tl.constexpr = 16,
 ):  # fmt: skip
     pdl_enter(PDL)
     r = tl.arange(0, BLOCK_T * BLOCK_H)
@@ -102,15 +103,18 @@ def _slot_scatter_kernel(
         vs = tl.load(v_scale + heads, mask=in_range, other=1.0)
         k = encode_e4m3(tl.math.div_rn(k.to(tl.float32), ks[:, None]))
         v = encode_e4m3(tl.math.div_rn(v.to(tl.float32), vs[:, None]))
-    if INT8:  # per-slot scales [slots, Hkv, GROUPS] beside the pools
+    if INT8:  # per-slot scales beside the pools: K [slots, Hkv, K_GROUPS], V [slots, Hkv]
         ROWS: tl.constexpr = BLOCK_T * BLOCK_H
-        k, k_groups = quantize_int8_tile(tl.where(mask, k.to(tl.float32), 0.0), ROWS, BLOCK_D, GW)
-        v, v_groups = quantize_int8_tile(tl.where(mask, v.to(tl.float32), 0.0), ROWS, BLOCK_D, GW)
-        g = tl.arange(0, BLOCK_D // GW)
-        scale_dst = (slot * NUM_KV_HEADS + heads)[:, None] * GROUPS + g[None, :]
-        scale_mask = keep[:, None] & (g < GROUPS)[None, :]
-        tl.store(k_scale + scale_dst, k_groups, mask=scale_mask)
-        tl.store(v_scale + scale_dst, v_groups, mask=scale_mask)
+        k, k_scales = quantize_int8_tile(tl.where(mask, k.to(tl.float32), 0.0), ROWS, BLOCK_D, K_GW)
+        v, v_scales = quantize_int8_tile(
+            tl.where(mask, v.to(tl.float32), 0.0), ROWS, BLOCK_D, BLOCK_D
+        )
+        g = tl.arange(0, BLOCK_D // K_GW)
+        slot_head = slot * NUM_KV_HEADS + heads
+        k_at = slot_head[:, None] * K_GROUPS + g[None, :]
+        tl.store(k_scale + k_at, k_scales, mask=keep[:, None] & (g < K_GROUPS)[None, :])
+        tl.store(v_scale + slot_head[:, None] + tl.arange(0, 1)[None, :], v_scales,
+                 mask=keep[:, None])  # fmt: skip
     tl.store(key_cache + dst, k, mask=mask)
     tl.store(value_cache + dst, v, mask=mask)
 
@@ -168,6 +172,6 @@ def slot_scatter_triton(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, PDL=bool(launch),
-        INT8=int8, GROUPS=int8_groups(head_dim), GW=min(INT8_GROUP, block_d),
+        INT8=int8, K_GROUPS=int8_groups(head_dim, INT8_K_GROUP), K_GW=min(INT8_K_GROUP, block_d),
         num_warps=num_warps, **launch,
     )  # fmt: skip

@@ -13,7 +13,13 @@ import numbers
 
 import torch
 
-from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_SCALE_DTYPE, int8_scale_shape
+from nanoserve.kernels.quant import (
+    FP8_DTYPE,
+    INT8_DTYPE,
+    INT8_K_GROUP,
+    INT8_SCALE_DTYPE,
+    int8_scale_shape,
+)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # What the kernels compute in when the pools hold FP8 or INT8 (query, new K/V rows).
@@ -111,7 +117,8 @@ def check_kv_scales(
     key_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
 ) -> None:
     """FP8 pools need float32 ``k_scale``/``v_scale`` [Hkv] on the pools' device, finite
-    and positive; INT8 pools float16 per-slot scales (``quant.int8_scale_shape``),
+    and positive; INT8 pools float16 per-slot scales (``quant.int8_scale_shape``: keys per
+    group of channels, values per head),
     contiguous, not sharing memory; other pools take none (a scale that would be ignored
     is refused)."""
     num_kv_heads = key_cache.shape[2]
@@ -130,7 +137,7 @@ def check_kv_scales(
                 name, scale, ndim=4, dtypes=(INT8_SCALE_DTYPE,), device=key_cache.device,
                 contiguous=True,
             )  # fmt: skip
-            want = int8_scale_shape(key_cache.shape)
+            want = int8_scale_shape(key_cache.shape, INT8_K_GROUP if name == "k_scale" else None)
             if tuple(scale.shape) != want:
                 _fail(name, f"shape {tuple(scale.shape)} must be {list(want)} for these pools")
             continue

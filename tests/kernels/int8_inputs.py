@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 from kernel_inputs import make_paged_kv
 
-from nanoserve.kernels.quant import dequantize_int8, quantize_int8
+from nanoserve.kernels.quant import INT8_K_GROUP, dequantize_int8, quantize_int8
 
 
 def make_int8_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, device="cpu", **kwargs):
     """(key_cache, value_cache, k_scale, v_scale, key64, value64, block_tables, seq_lens).
 
-    The pools hold random K/V quantized per (slot, KV head, group of 16 channels); ``key64``
+    The pools hold random K/V quantized per (slot, KV head) and, for keys, group of 16
+    channels; ``key64``
     and ``value64`` are their exact dequantization in float64 (pools of the same layout), the
     reference's input. Channel magnitudes span three decades, so every group has its own
     scale and a scale read for the wrong group or row shows. Slots holding no token have NaN
@@ -23,8 +24,8 @@ def make_int8_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, device="cpu
     )
     spread = torch.logspace(-1.5, 1.5, head_dim, device=key32.device)[torch.randperm(head_dim)]
     pools, scales = [], []
-    for pool in (key32 * spread, value32 * spread.flip(0)):
-        values, scale = quantize_int8(pool)
+    for pool, group in ((key32 * spread, INT8_K_GROUP), (value32 * spread.flip(0), None)):
+        values, scale = quantize_int8(pool, group)
         pools.append(values)
         scales.append(scale)
     key64 = dequantize_int8(pools[0], scales[0], torch.float64)

@@ -17,7 +17,7 @@ from nanoserve.kernels import (
     slot_scatter,
     slot_scatter_ref,
 )
-from nanoserve.kernels.quant import INT8_DTYPE, int8_scale_shape
+from nanoserve.kernels.quant import INT8_DTYPE, INT8_K_GROUP, int8_scale_shape
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,8 +91,8 @@ def test_int8_scatter_equals_reference(num_tokens, dim, dtype):
     shape = (num_tokens // 16 + 8, 16, 8, dim)
     kc = torch.full(shape, 55, dtype=INT8_DTYPE, device="cuda")
     vc = kc.clone()
-    ks = torch.full(int8_scale_shape(shape), 3.0, dtype=torch.float16, device="cuda")
-    vs = ks.clone()
+    ks = torch.full(int8_scale_shape(shape, INT8_K_GROUP), 3.0, dtype=torch.float16, device="cuda")
+    vs = torch.full(int8_scale_shape(shape, None), 3.0, dtype=torch.float16, device="cuda")
     k = torch.randn(num_tokens, 8, dim, device="cuda") * torch.logspace(-6, 7, dim, device="cuda")
     v = torch.randn(num_tokens, 8, dim, device="cuda") * 20
     k[0, 0, :3] = torch.tensor([float("inf"), -float("inf"), float("nan")])

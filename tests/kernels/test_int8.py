@@ -1,5 +1,5 @@
-"""INT8 pools: values and float16 scales per (slot, KV head, 16 channels), quantized on
-write, dequantized tile by tile in the attention kernels.
+"""INT8 pools: values and float16 scales per slot (keys per KV head and 16 channels, values
+per KV head), quantized on write, dequantized in the attention kernels.
 
 The torch references are tested everywhere; the Triton kernels under the interpreter with
 float32 and float16 queries (the kernels dequantize into the query's dtype; bfloat16 lives in
@@ -23,7 +23,7 @@ from nanoserve.kernels import (
 )
 from nanoserve.kernels.quant import (
     INT8_DTYPE,
-    INT8_GROUP,
+    INT8_K_GROUP,
     dequantize_int8,
     int8_scale_shape,
     quantize_int8,
@@ -40,8 +40,8 @@ def _scatter_inputs(num_tokens, num_kv_heads, head_dim, block_size, dtype):
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = torch.full(shape, 55, dtype=INT8_DTYPE)  # untouched slots must keep 55
     value_cache = key_cache.clone()
-    k_scale = torch.full(int8_scale_shape(shape), 3.0, dtype=torch.float16)
-    v_scale = k_scale.clone()
+    k_scale = torch.full(int8_scale_shape(shape, INT8_K_GROUP), 3.0, dtype=torch.float16)
+    v_scale = torch.full(int8_scale_shape(shape, None), 3.0, dtype=torch.float16)
     # magnitudes from float16's scale floor to past its ceiling (8e6 / 127 > 65504)
     key = torch.randn(num_tokens, num_kv_heads, head_dim) * torch.logspace(-6, 7, head_dim)
     value = torch.randn(num_tokens, num_kv_heads, head_dim) * 20
@@ -70,15 +70,18 @@ def test_quantize_int8_rounds_to_its_group_scale():
     back = dequantize_int8(q, scale, torch.float64)
     bad = torch.zeros(6, 3, 5, dtype=torch.bool)
     bad[0, 0, 0] = bad[1, 2, 4] = True
-    assert torch.isnan(back.view(6, 3, 5, INT8_GROUP)[bad]).all()
+    assert torch.isnan(back.view(6, 3, 5, INT8_K_GROUP)[bad]).all()
     good = ~bad
-    groups = x.double().view(6, 3, 5, INT8_GROUP)[good]
+    groups = x.double().view(6, 3, 5, INT8_K_GROUP)[good]
     step = scale.double()[good][:, None]
-    assert ((back.view(6, 3, 5, INT8_GROUP)[good] - groups).abs() <= step / 2 * 1.001).all()
-    assert (q.view(6, 3, 5, INT8_GROUP)[good].abs().amax(-1) >= 126).all()
+    assert ((back.view(6, 3, 5, INT8_K_GROUP)[good] - groups).abs() <= step / 2 * 1.001).all()
+    assert (q.view(6, 3, 5, INT8_K_GROUP)[good].abs().amax(-1) >= 126).all()
     assert torch.equal(torch.tensor([0.5, 1.5, 2.5, 127.0]).round(), torch.tensor([0, 2, 2, 127.0]))
     q2, s2 = quantize_int8(torch.tensor([[0.5, 1.5, 2.5, -2.5, 127.0]]))
     assert s2.item() == 1.0 and q2.tolist() == [[0, 2, 2, -2, 127]]
+    # one scale per row (values): the row's amax
+    q3, s3 = quantize_int8(torch.tensor([[0.5, 254.0] + [1.0] * 30]), group=None)
+    assert s3.shape == (1, 1) and s3.item() == 2.0 and q3[0, :3].tolist() == [0, 127, 0]
 
 
 def test_reference_scatter_writes_values_and_scales_of_real_rows_only():
@@ -87,16 +90,17 @@ def test_reference_scatter_writes_values_and_scales_of_real_rows_only():
     )
     slot_scatter_ref(key, value, key_cache, value_cache, slots, k_scale=k_scale, v_scale=v_scale)
     keep = slots >= 0
-    for cache, scales, x in ((key_cache, k_scale, key), (value_cache, v_scale, value)):
+    pairs = ((key_cache, k_scale, key, INT8_K_GROUP), (value_cache, v_scale, value, None))
+    for cache, scales, x, group in pairs:
         stored = cache.view(-1, 3, 64)[slots[keep]]
-        stored_scales = scales.view(-1, 3, 4)[slots[keep]]
-        want_q, want_s = quantize_int8(x[keep])
+        stored_scales = scales.view(-1, *scales.shape[2:])[slots[keep]]
+        want_q, want_s = quantize_int8(x[keep], group)
         assert torch.equal(stored, want_q)
         assert torch.equal(stored_scales.nan_to_num(-1.0), want_s.nan_to_num(-1.0))
         untouched = torch.ones(cache.shape[0] * cache.shape[1], dtype=torch.bool)
         untouched[slots[keep]] = False
         assert (cache.view(-1, 3, 64)[untouched] == 55).all()
-        assert (scales.view(-1, 3, 4)[untouched] == 3.0).all()
+        assert (scales.view(-1, *scales.shape[2:])[untouched] == 3.0).all()
     # saturation: scales stop at float16's largest finite value
     assert (k_scale == 65504.0).any() and torch.isnan(k_scale).any()
 
@@ -221,7 +225,7 @@ def test_int8_error_is_small_and_does_not_grow_with_length():
         query = torch.randn(1, 32, 64) * 0.3  # peaked enough that attention is not a mean
         pools = [x.view(-1, 16, 2, 64) for x in (key, value)]
         ref = paged_decode_attention_ref(query, *pools, tables, lens)
-        (kc, ks), (vc, vs) = quantize_int8(pools[0]), quantize_int8(pools[1])
+        (kc, ks), (vc, vs) = quantize_int8(pools[0]), quantize_int8(pools[1], group=None)
         out = paged_decode_attention(
             query, kc, vc, tables, lens, k_scale=ks, v_scale=vs, backend="triton"
         )
@@ -236,7 +240,8 @@ def test_int8_error_is_small_and_does_not_grow_with_length():
         ("k_scale", None, "required"),
         ("v_scale", None, "required"),
         ("k_scale", torch.ones(4, 16, 2, 3, dtype=torch.float16), r"\[4, 16, 2, 4\]"),
-        ("v_scale", torch.ones(4, 16, 2, 4), "dtype"),
+        ("v_scale", torch.ones(4, 16, 2, 4, dtype=torch.float16), r"\[4, 16, 2, 1\]"),
+        ("v_scale", torch.ones(4, 16, 2, 1), "dtype"),
         ("k_scale", torch.ones(2, dtype=torch.float16), "dims"),
         ("v_scale", "strided", "contiguous"),
         ("v_scale", "same", "shares memory"),
@@ -245,12 +250,14 @@ def test_int8_error_is_small_and_does_not_grow_with_length():
 @pytest.mark.parametrize("op", ["scatter", "decode", "extend", "scatter_ref", "decode_ref"])
 def test_bad_int8_scales_raise_naming_the_argument(op, name, bad, match):
     kc = torch.zeros(4, 16, 2, 64, dtype=INT8_DTYPE)
-    scales = torch.ones(4, 16, 2, 4, dtype=torch.float16)
-    args = dict(key_cache=kc, value_cache=kc.clone(), k_scale=scales, v_scale=scales.clone())
+    args = dict(
+        key_cache=kc, value_cache=kc.clone(), k_scale=torch.ones(4, 16, 2, 4, dtype=torch.float16),
+        v_scale=torch.ones(4, 16, 2, 1, dtype=torch.float16),
+    )  # fmt: skip
     if bad == "strided":
-        bad = torch.ones(4, 16, 2, 8, dtype=torch.float16)[..., ::2]
-    elif bad == "same":
-        bad = args["k_scale"]
+        bad = torch.ones(4, 16, 2, 2, dtype=torch.float16)[..., :1]
+    elif bad == "same":  # the first entries of the key scales
+        bad = args["k_scale"].view(-1)[: 4 * 16 * 2].view(4, 16, 2, 1)
     args[name] = bad
     before = args["key_cache"].clone()
     tables = torch.zeros(1, 1, dtype=torch.int32)
