@@ -102,7 +102,7 @@ def make_set(batch: int, ctx: int, hq: int, hkv: int) -> dict:
     sl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, hq, DIM, device="cuda", dtype=BF16)
     ki, kis = quantize_int8(kc)
-    vi, vis = quantize_int8(vc)
+    vi, vis = quantize_int8(vc, group=None)
     return dict(q=q, kc=kc, vc=vc, k8=k8, v8=v8, ks=ks, vs=vs, bt=bt, sl=sl,
                 ki=ki, vi=vi, kis=kis, vis=vis)  # fmt: skip
 

@@ -11,7 +11,14 @@ import torch
 from nanoserve.adapters.family import KVLayout
 from nanoserve.adapters.read_back import READ_BACK_LAG
 from nanoserve.cache.allocator import as_index
-from nanoserve.kernels.quant import FP8_DTYPE, KV_DTYPE_NAMES
+from nanoserve.kernels.quant import (
+    FP8_DTYPE,
+    INT8_DTYPE,
+    INT8_K_GROUP,
+    INT8_SCALE_DTYPE,
+    KV_DTYPE_NAMES,
+    int8_groups,
+)
 from nanoserve.kernels.validation import check_positive
 from nanoserve.log import get_logger
 
@@ -59,10 +66,10 @@ class PoolOptions:
             object.__setattr__(self, "max_memory", as_index(self.max_memory, "max_memory", 1))
         object.__setattr__(self, "kv_dtype", kv_dtype_of(self.kv_dtype))
         if self.kv_scale is not None:
-            if self.kv_dtype is None:
+            if self.kv_dtype != FP8_DTYPE:
                 raise ValueError("kv_scale: only FP8 pools (kv_dtype='fp8_e4m3') take a scale")
             check_fp8_scale(self.kv_scale)
-        elif self.kv_dtype is not None:
+        elif self.kv_dtype == FP8_DTYPE:
             # A fixed scale: calibrating from a pool's first write would make a call's output
             # depend on the calls before it (kept pools keep their scales) and on how short
             # the first prompt was.
@@ -101,22 +108,29 @@ def check_fp8_scale(value) -> None:
 
 
 def kv_dtype_of(value) -> torch.dtype | None:
-    """patch_model's ``kv_dtype`` as a pool dtype: None (the model's dtype), "fp8_e4m3" or
-    torch.float8_e4m3fn."""
-    if value is None or value == FP8_DTYPE:
-        return None if value is None else FP8_DTYPE
+    """patch_model's ``kv_dtype`` as a pool dtype: None (the model's dtype), "fp8_e4m3" /
+    torch.float8_e4m3fn, or "int8" / torch.int8."""
+    if value is None or value in (FP8_DTYPE, INT8_DTYPE):
+        return value
     if isinstance(value, str) and value in KV_DTYPE_NAMES:
         return KV_DTYPE_NAMES[value]
-    raise ValueError(f"kv_dtype: expected None, 'fp8_e4m3' or torch.float8_e4m3fn, got {value!r}")
+    raise ValueError(
+        "kv_dtype: expected None, 'fp8_e4m3' (torch.float8_e4m3fn) or 'int8' (torch.int8), "
+        f"got {value!r}"
+    )
 
 
 def block_bytes(
     layout: KVLayout, block_size: int, dtype: torch.dtype, layers: int | None = None
 ) -> int:
-    """Bytes one block takes over all layers (or ``layers`` of them), K and V."""
+    """Bytes one block takes over all layers (or ``layers`` of them), K and V (and the
+    per-slot scales of INT8 pools)."""
     layers = layout.num_layers if layers is None else layers
-    per_token = 2 * layers * layout.num_kv_heads * layout.head_dim
-    return per_token * block_size * dtype.itemsize
+    per_token = 2 * layers * layout.num_kv_heads * layout.head_dim * dtype.itemsize
+    if dtype == INT8_DTYPE:
+        scales = int8_groups(layout.head_dim, INT8_K_GROUP) + 1  # keys' groups, values' one
+        per_token += layers * layout.num_kv_heads * scales * INT8_SCALE_DTYPE.itemsize
+    return per_token * block_size
 
 
 def group_windows(layout: KVLayout) -> list[tuple[int, int | None]]:

@@ -27,7 +27,7 @@ from nanoserve.cache.paged_cache import (
     grouped_metadata,
     step_device,
 )
-from nanoserve.kernels.quant import FP8_DTYPE
+from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE
 
 
 def check_layer_groups(
@@ -146,10 +146,10 @@ class GroupedKVCache:
 
     def scales_for(self, key_pool: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """(k_scale, v_scale) of the layer whose key pool is ``key_pool``; (None, None)
-        unless the pools are FP8 (see ``PagedKVCache.scales_for``)."""
+        unless the pools are FP8 or INT8 (see ``PagedKVCache.scales_for``)."""
         if not isinstance(key_pool, torch.Tensor):
             raise ValueError(f"key_pool: expected a tensor, got {type(key_pool).__name__}")
-        if key_pool.dtype != FP8_DTYPE:
+        if key_pool.dtype not in (FP8_DTYPE, INT8_DTYPE):
             return None, None
         for group in self._groups:
             if any(pool is key_pool for pool in group.key_pools):
@@ -340,7 +340,7 @@ class GroupedKVCache:
 
     @property
     def key_scales(self) -> list[torch.Tensor | None]:
-        """Every layer's FP8 key scales, in layer order (a new list)."""
+        """Every layer's FP8 (or INT8 per-slot) key scales, in layer order (a new list)."""
         return [self._groups[g].key_scales[i] for g, i in self._where]
 
     @property

@@ -32,6 +32,12 @@ per-head amax times ``CALIBRATION_HEADROOM``, or a fixed ``kv_scale``), and neve
 while the pool lives: later writes saturate instead, since a new scale would misread every
 token already stored (and the cached prefixes and the decode graphs, which read the scales
 in place, go on with the pools).
+
+With ``kv_dtype=torch.int8`` the pools hold int8 values and every slot its own float16
+scales (``key_scales`` [num_blocks, block_size, Hkv, groups] and ``value_scales`` [..., 1]
+per layer, allocated with the pools): the scatter writes both, so nothing is calibrated and
+a token's stored values depend on that token alone (see ``kernels/quant.py``). A block copy
+copies its scales too.
 """
 
 from __future__ import annotations
@@ -46,7 +52,14 @@ import torch
 from nanoserve.cache.allocator import BlockAllocator, as_index
 from nanoserve.cache.block_table import DROPPED, BlockTable
 from nanoserve.kernels.dispatch import check_backend
-from nanoserve.kernels.quant import FP8_DTYPE, FP8_MAX
+from nanoserve.kernels.quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    INT8_DTYPE,
+    INT8_K_GROUP,
+    INT8_SCALE_DTYPE,
+    int8_scale_shape,
+)
 from nanoserve.kernels.slot_scatter import slot_scatter
 from nanoserve.kernels.validation import check_positive
 
@@ -190,16 +203,19 @@ class PagedKVCache:
         default) keeps every block. ``window_slack``: tokens a later ``drop_last`` may cut
         and still continue (at least ``block_size`` are kept).
 
-        ``kv_dtype``: None (pools take the dtype of the K/V written) or
-        ``torch.float8_e4m3fn`` (FP8 pools with per-(layer, KV head) scales; ``pools`` may
-        then be four lists: key pools, value pools, key scales, value scales, as
-        ``pool_lists`` gives them). ``kv_scale``: None calibrates each layer's scales from
-        its first write; a positive number fixes every scale to it."""
+        ``kv_dtype``: None (pools take the dtype of the K/V written),
+        ``torch.float8_e4m3fn`` (FP8 pools with per-(layer, KV head) scales) or ``torch.int8``
+        (INT8 pools with per-slot scales); ``pools`` may then be four lists: key pools, value
+        pools, key scales, value scales, as ``pool_lists`` gives them. ``kv_scale`` (FP8
+        only): None calibrates each layer's scales from its first write; a positive number
+        fixes every scale to it."""
         check_backend(backend)
-        if kv_dtype is not None and kv_dtype != FP8_DTYPE:
-            raise ValueError(f"kv_dtype: expected None or torch.float8_e4m3fn, got {kv_dtype!r}")
+        if kv_dtype not in (None, FP8_DTYPE, INT8_DTYPE):
+            raise ValueError(
+                f"kv_dtype: expected None, torch.float8_e4m3fn or torch.int8, got {kv_dtype!r}"
+            )
         if kv_scale is not None:
-            if kv_dtype is None:
+            if kv_dtype != FP8_DTYPE:
                 raise ValueError("kv_scale: only FP8 pools (kv_dtype) take a scale")
             check_positive("kv_scale", kv_scale)
         self.kv_dtype = kv_dtype
@@ -231,7 +247,8 @@ class PagedKVCache:
             pools = (*pools, [None] * num_layers, [None] * num_layers)
         self.key_pools: list[torch.Tensor | None] = pools[0]
         self.value_pools: list[torch.Tensor | None] = pools[1]
-        # FP8 pools' float32 scales [Hkv] per layer (None: no FP8 pool, or not written yet)
+        # FP8 pools' float32 scales [Hkv] per layer (None: no FP8 pool, or not written yet);
+        # INT8 pools' per-slot float16 scales
         self.key_scales: list[torch.Tensor | None] = pools[2]
         self.value_scales: list[torch.Tensor | None] = pools[3]
         self._written = [False] * num_layers  # whether this cache has stored into the layer
@@ -489,7 +506,7 @@ class PagedKVCache:
             return
         host = torch.tensor(pairs, dtype=torch.int64)  # [n, 2]: (source, destination)
         per_device: dict[torch.device, torch.Tensor] = {}
-        for pool in (*self.key_pools, *self.value_pools):
+        for pool in (*self.key_pools, *self.value_pools, *self._slot_scales()):
             if pool is not None:
                 if pool.device not in per_device:
                     per_device[pool.device] = host.to(pool.device)
@@ -502,6 +519,12 @@ class PagedKVCache:
     def pool_lists(self) -> tuple[list, list, list, list]:
         """(key_pools, value_pools, key_scales, value_scales): what ``pools=`` takes back."""
         return self.key_pools, self.value_pools, self.key_scales, self.value_scales
+
+    def _slot_scales(self) -> list[torch.Tensor]:
+        """The INT8 pools' per-slot scales (indexed by block like the pools); [] otherwise."""
+        if self.kv_dtype != INT8_DTYPE:
+            return []
+        return [s for s in (*self.key_scales, *self.value_scales) if s is not None]
 
     def _pools(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.allocator.num_blocks, self.block_size, *like.shape[1:])
@@ -516,6 +539,14 @@ class PagedKVCache:
             self.key_pools[layer_idx] = torch.zeros(shape, dtype=dtype, device=like.device)
             self.value_pools[layer_idx] = torch.zeros_like(self.key_pools[layer_idx])
             self.key_scales[layer_idx] = self.value_scales[layer_idx] = None
+        if dtype == INT8_DTYPE:
+            scales = self.key_scales[layer_idx]
+            if scales is None or scales.shape != int8_scale_shape(shape, INT8_K_GROUP):
+                opts = dict(dtype=INT8_SCALE_DTYPE, device=like.device)
+                self.key_scales[layer_idx] = torch.zeros(
+                    int8_scale_shape(shape, INT8_K_GROUP), **opts
+                )
+                self.value_scales[layer_idx] = torch.zeros(int8_scale_shape(shape, None), **opts)
         return self.key_pools[layer_idx], self.value_pools[layer_idx]
 
     def _first_scales(self, rows: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -530,14 +561,14 @@ class PagedKVCache:
         return torch.where(amax > 0, amax * (CALIBRATION_HEADROOM / FP8_MAX), 1.0)
 
     def scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Layer ``layer_idx``'s (k_scale, v_scale) float32 [Hkv], or (None, None) for pools
-        in the compute dtype."""
+        """Layer ``layer_idx``'s (k_scale, v_scale): float32 [Hkv] (FP8), the per-slot float16
+        scales (INT8), or (None, None) for pools in the compute dtype."""
         return self.key_scales[layer_idx], self.value_scales[layer_idx]
 
     def scales_for(self, key_pool: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """(k_scale, v_scale) of the layer whose key pool is ``key_pool`` (what ``write``
-        returned); (None, None) unless the pools are FP8."""
-        if key_pool.dtype != FP8_DTYPE:
+        returned); (None, None) unless the pools are FP8 or INT8."""
+        if key_pool.dtype not in (FP8_DTYPE, INT8_DTYPE):
             return None, None
         for layer, pool in enumerate(self.key_pools):
             if pool is key_pool:
@@ -566,7 +597,7 @@ class PagedKVCache:
             raise ValueError(f"key: expected [tokens, kv_heads, head_dim], got {tuple(key.shape)}")
         key_pool, value_pool = self._pools(layer_idx, key)
         step = self.step.to(key_pool.device)
-        if self.kv_dtype is not None and self.key_scales[layer_idx] is None:
+        if self.kv_dtype == FP8_DTYPE and self.key_scales[layer_idx] is None:
             real = step.slot_mapping >= 0
             self.key_scales[layer_idx] = self._first_scales(key, real)
             self.value_scales[layer_idx] = self._first_scales(value, real)
@@ -596,8 +627,7 @@ class PagedKVCache:
         slots_filled = filled_slots(self.tables, self.block_size)
         bytes_per_slot = sum(
             pool[0, 0].numel() * pool.element_size()
-            for pools in (self.key_pools, self.value_pools)
-            for pool in pools
+            for pool in (*self.key_pools, *self.value_pools, *self._slot_scales())
             if pool is not None
         )
         total_slots = self.allocator.num_blocks * self.block_size

@@ -83,7 +83,8 @@ def test_kept_pool_and_scales_serve_the_next_call():
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        (dict(kv_dtype="int8"), "^kv_dtype"),
+        (dict(kv_dtype="int4"), "^kv_dtype"),
+        (dict(kv_dtype="int8", kv_scale=1.0), "^kv_scale"),
         (dict(kv_dtype=torch.float16), "^kv_dtype"),
         (dict(kv_scale=1.0), "^kv_scale"),
         (dict(kv_dtype="fp8_e4m3", kv_scale=-1.0), "^kv_scale"),

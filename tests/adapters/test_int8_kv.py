@@ -1,0 +1,134 @@
+"""patch_model(kv_dtype="int8"): INT8 pools with per-slot scales under a stock generate call."""
+
+from __future__ import annotations
+
+import torch
+from helpers import BACKENDS, patched
+from test_families import padded_batch, tiny_model
+
+import nanoserve
+from nanoserve.kernels.quant import INT8_DTYPE, INT8_SCALE_DTYPE
+
+GREEDY = dict(do_sample=False, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+
+
+def _generate(model, inputs, max_new_tokens=6, **options):
+    with patched(model, block_size=4, **options), torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, **GREEDY)
+        stats = nanoserve.cache_stats(model)
+    return out, out.past_key_values, stats
+
+
+def _close_while_tokens_agree(out, base, prompt_len, tolerance):
+    """Per-step logits within ``tolerance`` (relative norm) while the tokens so far agree;
+    returns the steps compared."""
+    steps = 0
+    for step in range(min(len(out.logits), len(base.logits))):
+        if not torch.equal(
+            out.sequences[:, : prompt_len + step], base.sequences[:, : prompt_len + step]
+        ):
+            break  # a token differed: later logits are of other prefixes
+        a, b = out.logits[step], base.logits[step]
+        assert ((a - b).norm() / b.norm()).item() < tolerance, step
+        steps += 1
+    return steps
+
+
+@BACKENDS
+def test_int8_generate_stays_close_to_float_pools(backend):
+    """Per-step logits over INT8 pools stay within INT8's rounding of float32 pools' (closer
+    than FP8's 0.05); the pools are int8 with float16 per-slot scales; the Triton path gives
+    the torch references' logits. Planted: attention not passing the layer's scales (the
+    kernels then refuse the pools) and a scatter storing values without their scales (the
+    logits ran far off): both failed."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4, 7], 9)
+    base, _, _ = _generate(model, inputs)
+    out, cache, _ = _generate(model, inputs, kv_dtype="int8", backend=backend)
+    paged = cache.paged
+    assert all(p.dtype == INT8_DTYPE for p in paged.key_pools + paged.value_pools)
+    for pool, k_scale, v_scale in zip(
+        paged.key_pools, paged.key_scales, paged.value_scales, strict=True
+    ):
+        assert k_scale.dtype == v_scale.dtype == INT8_SCALE_DTYPE
+        assert k_scale.shape == (*pool.shape[:3], 1) == v_scale.shape  # head_dim 16: 1 group
+    assert _close_while_tokens_agree(out, base, 9, 0.02) >= 1
+    if backend == "triton":
+        ref, _, _ = _generate(model, inputs, kv_dtype="int8", backend="torch")
+        assert torch.equal(out.sequences, ref.sequences)
+        for a, b in zip(out.logits, ref.logits, strict=True):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_max_memory_holds_more_int8_rows():
+    """max_memory sizes the pool in INT8 bytes, scales included, and cache_stats counts them:
+    per (layer, KV head, token) 16 bytes of K and of V plus a 2-byte scale each, 36 bytes
+    against float32's 128."""
+    model = tiny_model("llama")
+    inputs = padded_batch([6, 3], 6)
+    _, _, plain = _generate(model, inputs, max_memory=20_000)
+    _, _, int8 = _generate(model, inputs, max_memory=20_000, kv_dtype="int8")
+    # 2 layers x 2 heads x 4 tokens a block: float32 2048 bytes, INT8 2 x 2 x 4 x 36 = 576
+    assert plain["num_blocks"] == 20_000 // 2048 and int8["num_blocks"] == 20_000 // 576
+    assert int8["bytes_reserved"] == int8["num_blocks"] * 576
+
+
+def test_kept_pool_and_cached_prefix_give_a_fresh_calls_logits():
+    """The next call reuses the kept INT8 pools and scales (the same tensors), and a prompt
+    found in the prefix cache gives the tokens of the same call on fresh pools and its logits
+    but for float32's last bits (the attention over the cached prefix sums in another order,
+    as with float pools): a token's stored values depend on that token alone. Planted:
+    scales allocated anew at each call (the cached prefixes then read zeros): failed."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 5], 9)
+    options = dict(block_size=4, num_blocks=64, kv_dtype="int8")
+    with patched(model, **options), torch.no_grad():
+        fresh = model.generate(**inputs, max_new_tokens=6, **GREEDY)
+    with patched(model, **options), torch.no_grad():
+        first = model.generate(**inputs, max_new_tokens=6, **GREEDY)
+        pools = first.past_key_values.paged.key_pools
+        scales = first.past_key_values.paged.key_scales
+        del first
+        model.generate(**padded_batch([1], 1), max_new_tokens=2, **GREEDY)
+        again = model.generate(**inputs, max_new_tokens=6, **GREEDY)
+        paged = again.past_key_values.paged
+        assert paged.key_pools[0] is pools[0] and paged.key_scales[0] is scales[0]
+        assert nanoserve.cache_stats(model)["prefix_hits"] == 2  # both prompts found
+    assert torch.equal(fresh.sequences, again.sequences)
+    for a, b in zip(fresh.logits, again.logits, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_int8_pools_in_every_layer_group():
+    """Gemma 3 (a sliding and a global layer group, each its own store): every group's pools
+    are INT8 with per-slot scales, and the logits stay within INT8's rounding."""
+    from test_new_families import tiny_model as tiny_family
+
+    model = tiny_family("gemma3")
+    inputs = padded_batch([13, 6], 13)
+    base, _, _ = _generate(model, inputs)
+    out, cache, _ = _generate(model, inputs, kv_dtype="int8")
+    groups = cache.paged.groups
+    assert len(groups) == 2
+    for group in groups:
+        assert all(p.dtype == INT8_DTYPE for p in group.key_pools + group.value_pools)
+        assert all(s is not None and s.dtype == INT8_SCALE_DTYPE for s in group.key_scales)
+    a, b = out.logits[0], base.logits[0]  # the prefill's logits: the same prefix
+    assert ((a - b).norm() / b.norm()).item() < 0.02
+
+
+def test_copied_rows_copy_their_blocks_scales():
+    """Copies of one prompt (num_return_sequences) share its blocks; the partly filled last
+    one is copied when each copy writes its first new token, and its scales go with it: the
+    copies' logits stay within INT8's rounding of float pools'. Planted: block copies
+    leaving the scales behind: failed (the copied block's keys read as zeros)."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9], 9)  # 9 tokens in blocks of 4: the last block is shared, partly
+    sampled = {**GREEDY, "do_sample": True, "top_k": 1, "num_return_sequences": 3}
+    torch.manual_seed(0)
+    with patched(model, block_size=4), torch.no_grad():
+        base = model.generate(**inputs, max_new_tokens=4, **sampled)
+    torch.manual_seed(0)
+    with patched(model, block_size=4, kv_dtype="int8"), torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=4, **sampled)
+    assert _close_while_tokens_agree(out, base, 9, 0.02) >= 2
