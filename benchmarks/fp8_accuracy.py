@@ -1,9 +1,11 @@
-"""FP8 KV cache accuracy on SmolLM2-135M (the shipped model): FP8 K/V against float32 K/V.
+"""8-bit KV cache accuracy on SmolLM2-135M (the shipped model): FP8 and INT8 K/V against
+float32 K/V.
 
-Against the unpatched model (float32 K/V), for float32 pools (the control) and each FP8
-scale policy (a fixed scale of 1.0, vLLM's default without calibrated scales; a
-static per-(layer, KV head) scale calibrated from the first prefill's amax with headroom
-1x / 2x / 4x), on a fixed text of >= 2k tokens (benchmarks/data/fp8_text.txt):
+Against the unpatched model (float32 K/V), for float32 pools (the control), each FP8 scale
+policy (a fixed scale of 1.0, vLLM's default without calibrated scales; a static per-(layer,
+KV head) scale calibrated from the first prefill's amax with headroom 1x / 2x / 4x) and INT8
+pools (scales per slot, nothing calibrated), on a fixed text of >= 2k tokens
+(benchmarks/data/fp8_text.txt):
 
 - teacher forced: the text's first ``--calib`` tokens are the prefill that calibrates the
   scales, the rest goes in chunks of ``--chunk`` tokens (each chunk reads the FP8 history
@@ -43,6 +45,7 @@ POLICIES = [
     ("fp8 calib 1x", "fp8_e4m3", None, 1.0),
     ("fp8 calib 2x", "fp8_e4m3", None, 2.0),
     ("fp8 calib 4x", "fp8_e4m3", None, 4.0),
+    ("int8", "int8", None, None),
 ]
 
 
@@ -90,7 +93,7 @@ def forced_logprobs(model, ids, kv_dtype, kv_scale, calib: int, chunk: int) -> t
 
 
 def nanoserve_kv_dtype(name):
-    return None if name is None else torch.float8_e4m3fn
+    return {None: None, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}[name]
 
 
 def stock_logprobs(model, ids) -> torch.Tensor:
