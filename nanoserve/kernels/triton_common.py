@@ -69,32 +69,3 @@ def dequantize_int8_tile(x, scales, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
     D_PAD // G_PAD channels) -> float32 [BLOCK_N, D_PAD], exact."""
     groups = tl.reshape(x.to(tl.float32), [BLOCK_N, G_PAD, D_PAD // G_PAD])
     return tl.reshape(groups * scales.to(tl.float32)[:, :, None], [BLOCK_N, D_PAD])
-
-
-@triton.jit
-def int8_to_float16(x, FAST: tl.constexpr):
-    """int8 tile -> float16, exact. FAST (CUDA only: the interpreter has no PTX): four values
-    a register in six integer / half2 instructions (bias each byte to unsigned, place it under
-    float16's exponent of 1024, subtract 1152) instead of one conversion-unit instruction
-    each."""
-    if FAST:
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 u, lo, hi, bias, high, magic;
-            mov.b32 bias, 0x80808080;
-            mov.b32 high, 0x64646464;
-            mov.b32 magic, 0x64806480;
-            xor.b32 u, $2, bias;
-            prmt.b32 lo, u, high, 0x4140;
-            prmt.b32 hi, u, high, 0x4342;
-            sub.f16x2 $0, lo, magic;
-            sub.f16x2 $1, hi, magic;
-            }""",
-            "=r,=r,r",
-            [x],
-            dtype=tl.float16,
-            is_pure=True,
-            pack=4,
-        )
-    else:
-        return x.to(tl.float16)

@@ -21,7 +21,6 @@ cost of small shapes (see benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -30,7 +29,7 @@ import triton.language as tl
 
 from nanoserve.kernels.dispatch import head_dim_pad, next_pow2, pdl_launch, sm_count, unit_stride
 from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_groups
-from nanoserve.kernels.triton_common import int8_to_float16, mma, pdl_enter, scores_to_log2
+from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
 
 MAX_SPLITS = 64
 # Balanced launch below this many (row, KV head) programs per SM (see benchmarks/RESULTS.md).
@@ -80,7 +79,6 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
     k_scale=None, v_scale=None, FP8: tl.constexpr = False,
     INT8: tl.constexpr = False, K_GROUPS: tl.constexpr = 1, K_GW: tl.constexpr = 16,
-    FAST_I2F: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(PDL)  # (the merge kernel's launch then starts while this one runs)
     # one grid axis for (work, KV head): axis 1 of a CUDA grid stops at 65,535
@@ -128,12 +126,11 @@ def _decode_kernel(
     row_mask = (g < GROUP)[:, None] & d_mask[None, :]
     q_rows = query + seq * stride_qs + heads[:, None] * stride_qh
     q = tl.load(q_rows + d[None, :], mask=row_mask)
-    if (FP8 or INT8) and not FP32:
-        # e4m3 (and int8) convert to float16 in one instruction (a few for four), to bfloat16
-        # only through more: the tiles meet in float16. The query joins them divided by a
-        # power of two that puts its largest entry in [2^13, 2^14): no overflow, and every
-        # entry down to 2^-27 of the largest keeps all of bfloat16's bits; the scores take the
-        # power back in the scale.
+    if FP8 and not FP32:
+        # e4m3 converts to float16 in one instruction, to bfloat16 only through more: the
+        # tiles meet in float16. The query joins them divided by a power of two that puts its
+        # largest entry in [2^13, 2^14): no overflow, and every entry down to 2^-27 of the
+        # largest keeps all of bfloat16's bits; the scores take the power back in the scale.
         q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
         exponent = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
         q_pow = (tl.maximum(exponent - 13, 1) << 23).to(tl.float32, bitcast=True)
@@ -164,23 +161,10 @@ def _decode_kernel(
                 k_g = tl.load(key_cache + rows[:, None] + c[None, :],
                               mask=valid[:, None] & c_mask[None, :], other=0)  # fmt: skip
                 q_g = tl.load(q_rows + c[None, :], mask=(g < GROUP)[:, None] & c_mask[None, :])
-                if FP32:
-                    k_g = k_g.to(tl.float32)
-                else:  # the query in float16 as above
-                    q_g = (q_g.to(tl.float32) / q_pow).to(tl.float16)
-                    k_g = int8_to_float16(k_g, FAST_I2F)
                 k_mul = tl.load(k_scale + slot_head * K_GROUPS + gi, mask=valid, other=0.0)
-                s += mma(q_g, tl.trans(k_g), FP32) * k_mul.to(tl.float32)[None, :]
+                s += mma(q_g, tl.trans(k_g.to(q.dtype)), FP32) * k_mul.to(tl.float32)[None, :]
             v_token = tl.load(v_scale + slot_head, mask=valid, other=0.0).to(tl.float32)
-            if FP32:
-                v = v.to(tl.float32)
-            else:
-                # weights times the tile's value scales over their largest: in [0, 1], which
-                # float16 holds whatever the scales' magnitude; the largest multiplies after
-                v_top = tl.max(v_token, 0)
-                v_top = tl.where(v_top > 0.0, v_top, 1.0)
-                v_token = v_token / v_top
-                v = int8_to_float16(v, FAST_I2F)
+            v = v.to(q.dtype)
         else:
             k = tl.load(key_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
             k, v = k.to(q.dtype), v.to(q.dtype)  # fp8 tiles: exact in float16 and float32
@@ -191,10 +175,8 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if INT8 and FP32:
+        if INT8:
             acc = acc * alpha[:, None] + mma(p * v_token[None, :], v, FP32)
-        elif INT8:
-            acc = acc * alpha[:, None] + mma(p * v_token[None, :], v, FP32) * v_top
         else:
             acc = acc * alpha[:, None] + mma(p, v, FP32)
         m_i = m_new
@@ -293,17 +275,6 @@ def _merge_items_kernel(
     merged = (tl.zeros([D_PAD], tl.int32) + to_merge) > 1
     total_w = tl.where(total_w > 0.0, total_w, 1.0)  # nothing merged: nothing stored
     tl.store(dst, (acc / total_w).to(out.dtype.element_ty), mask=(d < HEAD_DIM) & merged)
-
-
-def fast_int8_conversion(query: torch.Tensor) -> bool:
-    """Convert INT8 tiles with ``int8_to_float16``'s PTX: on CUDA (not ROCm, not the
-    interpreter), for 16-bit queries."""
-    return (
-        query.device.type == "cuda"
-        and torch.version.hip is None
-        and query.dtype != torch.float32
-        and os.environ.get("TRITON_INTERPRET") != "1"
-    )
 
 
 def decode_config(head_dim: int, block_size: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -512,7 +483,6 @@ def paged_decode_attention_triton(
         FP32=query.dtype == torch.float32, PDL=pdl,
         k_scale=k_scale, v_scale=v_scale, FP8=key_cache.dtype == FP8_DTYPE,
         INT8=int8, K_GROUPS=int8_groups(head_dim, INT8_K_GROUP), K_GW=INT8_K_GROUP,
-        FAST_I2F=fast_int8_conversion(query),
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch, **registers,
     )  # fmt: skip
     if balanced:
