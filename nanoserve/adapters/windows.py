@@ -9,22 +9,46 @@ change to either after patching would make the paged attention differ from stock
 
 from __future__ import annotations
 
+import sys
+
 from nanoserve.adapters.family import KVLayout
 from nanoserve.adapters.module_attrs import module_attr
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.tensor_parallel import local_layout
 
 _NONE = object()
+# What transformers' modeling modules import when their forward builds sliding-window masks.
+SLIDING_MASK = "create_sliding_window_causal_mask"
+
+
+def stock_slides(model) -> bool:
+    """Whether the transformers modeling module behind ``model``'s class (its own, or the
+    nearest in its bases, for a user's subclass) builds sliding-window masks; True when no
+    transformers module is found (the windows then stay as the config gives them)."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers.models."):
+            module = sys.modules.get(cls.__module__)
+            return module is None or hasattr(module, SLIDING_MASK)
+    return True
 
 
 def check_windows(model, layout: KVLayout) -> None:
     """ValueError naming ``config.sliding_window`` (or ``layer_types``) when the windows of
     ``model`` are not ones its paged pools were laid out for (``layout``, from
-    ``patch_model``; a window every layer shares may narrow), or when an attention module
-    holds a window or layer type other than the config's, which stock's masks follow."""
+    ``patch_model``; a window every layer shares may narrow), when an attention module
+    holds a window or layer type other than the config's, which stock's masks follow, or
+    when the config gives a window that the model's attention ignores (``stock_slides``)."""
     config = model.config
     family = family_for(config)
     now = local_layout(family.layout(config), model)
+    if (now.sliding_window is not None or now.layer_groups) and not stock_slides(model):
+        raise ValueError(
+            f"config.sliding_window: {config.sliding_window} on a {config.model_type} model, "
+            "whose attention ignores it; transformers' DynamicCache then keeps only the last "
+            "window of keys for the decode steps while the prefill sees every position, "
+            "which nanoserve does not reproduce; set model.config.sliding_window = None "
+            "(every step then attends to all positions, as the prefill does) and patch again"
+        )
     if not _fits(now, layout):
         raise ValueError(
             "config.sliding_window / config.layer_types: changed after patch_model (the "

@@ -324,15 +324,16 @@ def test_default_pool_of_all_sliding_rows_is_window_sized():
 
 
 def test_a_layer_wider_than_the_cache_window_is_an_error():
-    """A config whose sliding_window its attention ignores (a Llama config carrying one):
-    the cache would release blocks a layer reads, so the paged forward raises naming the
-    layer instead of computing on missing history."""
+    """A cache built by hand with a window that a layer's attention does not keep (a Llama
+    attends to every position): the cache would release blocks the layer reads, so the paged
+    forward raises naming the layer instead of computing on missing history. (A config whose
+    sliding_window the attention ignores is refused earlier, by patch_model: test_windows.)"""
     config = transformers.LlamaConfig(**SMALL)  # 2 layers
-    config.sliding_window = 6
     model = transformers.LlamaForCausalLM(config).eval()
+    paged = nanoserve.PagedKVCache(2, 16, 4, sliding_window=6)
     refused = pytest.raises(RuntimeError, match="layer 0 of LlamaAttention attends to all")
     with patched(model, block_size=4), torch.no_grad(), refused:
-        model.generate(**padded_batch([9], 9), max_new_tokens=3, **GREEDY)
+        model(**padded_batch([9], 9), past_key_values=nanoserve.PagedCache(paged), use_cache=True)
 
 
 # -- on a CUDA GPU, the Triton kernels and decode graphs: real head dims and widths, fewer
