@@ -267,13 +267,20 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
 
 def _poll(watch: ReadBack, rng, drain: bool) -> int | None:
     """``watch.poll(drain)``: the column count where every row has stopped, or None; a NaN
-    distribution read back raises stock's error with the random state from before it."""
+    distribution read back raises stock's error with the random state from before it, and
+    what a streamer raises is raised with the random state stock's loop leaves then."""
     try:
         return watch.poll(drain=drain)
     except InvalidDraw as error:
         # stock's multinomial raises before drawing: the random state from before it
         rng.restore(error.length - 1)
         raise RuntimeError(INVALID_PROBABILITIES) from None
+    except BaseException:
+        # Stock's loop hands each token to the streamer right after drawing it: the steps
+        # issued after the one whose tokens it raised on drew what stock never draws.
+        if rng is not None and watch.put_raised_at is not None:
+            rng.restore(watch.put_raised_at)
+        raise
 
 
 def _captures(model, device: torch.device) -> bool:

@@ -43,6 +43,8 @@ class ReadBack:
         self.pending: deque[tuple[int, int, list[int], bool]] = deque()
         self.next_slot = 0
         self.finished: set[int] = set()  # original rows known to have finished
+        # the sequence length of the step whose tokens the streamer's put raised on, if any
+        self.put_raised_at: int | None = None
 
     def push(self, length: int, unfinished, tokens, batch_rows: list[int], invalid=None) -> None:
         """The step that made the sequences ``length`` long: its ``unfinished`` [b] and
@@ -66,7 +68,8 @@ class ReadBack:
         """The sequence length at which every row had finished, once read back; else None.
         Feeds the streamer each step read (every row: the rows that left get the pad) and
         adds the rows read as finished to ``finished``. ``drain`` reads every pending step.
-        Raises ``InvalidDraw`` for a step read whose distribution held NaN."""
+        Raises ``InvalidDraw`` for a step read whose distribution held NaN, and what the
+        streamer's put raises (``put_raised_at`` then says for which step)."""
         while self.pending:
             length, slot, batch_rows, checked = self.pending[0]
             event = self.events[slot]
@@ -82,7 +85,12 @@ class ReadBack:
             if self.streamer is not None:
                 tokens = torch.full((self.tokens.shape[1],), self.pad_value, dtype=torch.long)
                 tokens[batch_rows] = self.tokens[slot, :width]
-                self.streamer.put(tokens)
+                try:
+                    self.streamer.put(tokens)
+                except BaseException:
+                    self.pending.clear()
+                    self.put_raised_at = length
+                    raise
             if self.has_eos:
                 flags = self.unfinished[slot, :width].tolist()
                 self.finished.update(row for row, f in zip(batch_rows, flags, strict=True) if not f)

@@ -706,3 +706,42 @@ def test_gpu_sampling_seed_reproduces():
     assert torch.equal(run(True), run(True))
     kept = dict(return_dict_in_generate=True)
     assert torch.equal(run(True, **kept), run(False, **kept))
+
+
+@pytest.mark.parametrize("raise_at", [2, 3, 6])
+def test_a_streamer_that_raises_leaves_stocks_random_state(raise_at):
+    """A streamer whose put raises mid-call (here on its ``raise_at``-th put; the first is
+    the prompt): the error reaches the caller, and the global random state is stock's, so
+    the next unseeded sampled call draws stock's tokens. The loop reads tokens back a few
+    steps late, so steps past the failing one had drawn already; their draws are given
+    back. (Found by a probe: the next call's tokens differed.) Planted: no restore on a
+    raising put: failed."""
+
+    class Boom(Exception):
+        pass
+
+    class Raising:
+        def __init__(self):
+            self.puts = 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == raise_at:
+                raise Boom
+
+        def end(self):
+            pass
+
+    model = tiny_model("llama", seed=3)
+    inputs = padded_batch([6, 4], 6)
+    results = []
+    for context in (nullcontext(), patched(model)):
+        with context, torch.no_grad():
+            torch.manual_seed(0)
+            with pytest.raises(Boom):
+                model.generate(**inputs, do_sample=True, max_new_tokens=10, streamer=Raising())
+            state = torch.get_rng_state()
+            after = model.generate(**inputs, do_sample=True, max_new_tokens=5)
+            results.append((state, after))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
