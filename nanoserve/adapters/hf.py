@@ -731,7 +731,12 @@ def _paged_generate(self, *args, **kwargs):
     _check_attention(self)
     check_windows(self, state.pool.layout)
     mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+    if isinstance(mask, torch.Tensor) and mask.dim() != 2:
+        raise ValueError(  # stock's check too, which the pool sizing below would pre-empt
+            f"attention_mask: passed to generate must be 2-D [batch, length], got shape "
+            f"{tuple(mask.shape)}"
+        )
+    if isinstance(mask, torch.Tensor):
         check_left_padded(mask)
     pending_salt = None
     if state.prefix_sharing and hooks.rows is None and not option("prefill_chunk_size"):

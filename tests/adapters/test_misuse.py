@@ -628,3 +628,18 @@ def test_continuing_with_chunks_or_prompt_lookup(name):
             assert first.past_key_values.get_seq_length() == length
         else:
             assert torch.equal(continue_it(first), stock)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1, 6), (2, 1, 6), (6,)])
+def test_a_mask_that_is_not_2d_raises_naming_it(shape):
+    """generate takes a 2-D attention_mask, and stock says so (ValueError; for a 1-D mask it
+    fails first on an IndexError); a patched model raises a ValueError naming attention_mask,
+    before sizing its pool. (Found by a probe: the pool sizing's torch.cat raised a
+    RuntimeError first.)"""
+    model = tiny_model("llama")
+    inputs = padded_batch([6, 3], 6)
+    mask = torch.ones(shape, dtype=torch.long)
+    with pytest.raises(ValueError if len(shape) > 1 else IndexError):
+        model.generate(inputs["input_ids"], attention_mask=mask, max_new_tokens=2)
+    with patched(model), pytest.raises(ValueError, match="^attention_mask: .*2-D"):
+        model.generate(inputs["input_ids"], attention_mask=mask, max_new_tokens=2)
