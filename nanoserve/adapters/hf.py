@@ -123,8 +123,8 @@ def patch_model(
     where values saturate, and in subnormals); a fixed scale keeps a call's tokens
     independent of the calls before it. "int8" (or torch.int8) stores int8 values with
     float16 scales per slot (keys one per 16 channels of a head, values one per head),
-    computed as each token is written: 1.78-1.94x the tokens of 16-bit pools and much
-    closer to them than FP8 (README, "8-bit K/V").
+    computed as each token is written: 1.86-1.88x the tokens of 16-bit pools and much
+    closer to them than FP8 (README, "INT8 KV").
 
     Every argument is checked before anything changes: a failed call leaves the model as it
     was. Patching a patched model again replaces its options.
