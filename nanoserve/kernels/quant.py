@@ -39,11 +39,6 @@ KV_DTYPE_NAMES = {
 }
 
 
-def is_quantized(pool: torch.Tensor) -> bool:
-    """True when ``pool`` stores FP8 or INT8 values that need scales."""
-    return pool.dtype in (FP8_DTYPE, INT8_DTYPE)
-
-
 def int8_groups(head_dim: int, group: int | None) -> int:
     """Scales per (slot, KV head) of INT8 pools of ``head_dim`` with ``group`` channels a
     scale (None: the whole head, one scale)."""
