@@ -357,7 +357,10 @@ class PagedKVCache:
         larger = []
         if n == 0:
             return larger
-        for pools in (self.key_pools, self.value_pools):
+        lists = [self.key_pools, self.value_pools]
+        if self.kv_dtype == INT8_DTYPE:  # per-slot scales: indexed by block like the pools
+            lists += [self.key_scales, self.value_scales]
+        for pools in lists:
             for layer, pool in enumerate(pools):
                 if pool is not None:
                     copy = pool.new_zeros((pool.shape[0] + n, *pool.shape[1:]))
@@ -542,6 +545,11 @@ class PagedKVCache:
         if dtype == INT8_DTYPE:
             scales = self.key_scales[layer_idx]
             if scales is None or scales.shape != int8_scale_shape(shape, INT8_K_GROUP):
+                if scales is not None and (self._written[layer_idx] or self._attached):
+                    raise ValueError(  # new scales would misread every token stored
+                        f"key: layer {layer_idx}'s INT8 scales {tuple(scales.shape)} do not "
+                        f"fit its pool {tuple(shape)}"
+                    )
                 opts = dict(dtype=INT8_SCALE_DTYPE, device=like.device)
                 self.key_scales[layer_idx] = torch.zeros(
                     int8_scale_shape(shape, INT8_K_GROUP), **opts

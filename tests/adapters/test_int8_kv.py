@@ -132,3 +132,26 @@ def test_copied_rows_copy_their_blocks_scales():
     with patched(model, block_size=4, kv_dtype="int8"), torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=4, **sampled)
     assert _close_while_tokens_agree(out, base, 9, 0.02) >= 2
+
+
+def test_a_continued_cache_keeps_its_scales_when_its_pool_grows():
+    """A returned INT8 cache passed back to generate with more tokens to make grows its pool:
+    the scales are copied into the larger tensors with the values, so the continuation
+    stays within INT8's rounding of the same continuation over float pools. Planted
+    (found in review): growth copying the values only: the scales were then made anew as
+    zeros and the stored tokens read as zeros; failed."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 5], 9)
+    runs = []
+    for kv_dtype in (None, "int8"):
+        with patched(model, block_size=4, kv_dtype=kv_dtype), torch.no_grad():
+            first = model.generate(**inputs, max_new_tokens=3, **GREEDY)
+            blocks = first.past_key_values.paged.allocator.num_blocks
+            mask = torch.cat([inputs["attention_mask"], torch.ones(2, 3, dtype=torch.long)], 1)
+            more = model.generate(
+                input_ids=first.sequences, attention_mask=mask,
+                past_key_values=first.past_key_values, max_new_tokens=24, **GREEDY,
+            )  # fmt: skip
+            assert more.past_key_values.paged.allocator.num_blocks > blocks  # it grew
+        runs.append(more)
+    assert _close_while_tokens_agree(runs[1], runs[0], 12, 0.02) >= 2
