@@ -78,7 +78,8 @@ def error_rows(max_context: int) -> list[dict]:
         vs = value.abs().amax(dim=(0, 2)) / FP8_MAX
         kc, vc = quantize(key, ks).view(pools), quantize(value, vs).view(pools)
         fp8 = paged_decode_attention(q, kc, vc, bt, sl, k_scale=ks, v_scale=vs)
-        (k8, ks8), (v8, vs8) = quantize_int8(key.view(pools)), quantize_int8(value.view(pools))
+        k8, ks8 = quantize_int8(key.view(pools))
+        v8, vs8 = quantize_int8(value.view(pools), group=None)
         int8 = paged_decode_attention(q, k8, v8, bt, sl, k_scale=ks8, v_scale=vs8)
         rows.append(dict(context=ctx, fp8_err=f"{rel_err(fp8, ref):.2e}",
                          int8_err=f"{rel_err(int8, ref):.2e}",
@@ -105,6 +106,12 @@ def make_set(batch: int, ctx: int, hq: int, hkv: int) -> dict:
     vi, vis = quantize_int8(vc, group=None)
     return dict(q=q, kc=kc, vc=vc, k8=k8, v8=v8, ks=ks, vs=vs, bt=bt, sl=sl,
                 ki=ki, vi=vi, kis=kis, vis=vis)  # fmt: skip
+
+
+def int8_pool_bytes(batch: int, ctx: int, hkv: int) -> int:
+    """Bytes of INT8 K/V for ``batch`` rows of ``ctx`` tokens: the values, and float16 scales
+    per 16 key channels and one per value head."""
+    return batch * ctx * hkv * (2 * DIM + 2 * (-(-DIM // 16) + 1))
 
 
 def int8_decode(s: dict, config=None, splits=None):
@@ -153,7 +160,7 @@ def speed_rows(shapes) -> list[dict]:
     for batch, ctx, hq, hkv in shapes:
         bf16_bytes = batch * ctx * hkv * DIM * 2 * 2
         fp8_bytes = bf16_bytes // 2
-        int8_bytes = fp8_bytes + fp8_bytes // DIM * 2 * (DIM // 16)  # + float16 scales
+        int8_bytes = int8_pool_bytes(batch, ctx, hkv)
         torch.cuda.empty_cache()
         sets = [make_set(batch, ctx, hq, hkv) for _ in range(num_input_sets(fp8_bytes, 8))]
 
@@ -247,7 +254,7 @@ def sweep_int8_rows(shapes) -> list[dict]:
     rows = []
     configs = [None, (32, 4, 2), (64, 4, 2), (128, 4, 2), (128, 8, 2)]
     for batch, ctx, hq, hkv in shapes:
-        int8_bytes = batch * ctx * hkv * DIM * 2 * 9 // 8  # values + float16 scales
+        int8_bytes = int8_pool_bytes(batch, ctx, hkv)
         torch.cuda.empty_cache()
         sets = [make_set(batch, ctx, hq, hkv) for _ in range(num_input_sets(int8_bytes, 8))]
         for config in configs:

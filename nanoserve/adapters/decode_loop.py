@@ -277,8 +277,9 @@ def _poll(watch: ReadBack, rng, drain: bool) -> int | None:
         raise RuntimeError(INVALID_PROBABILITIES) from None
     except BaseException:
         # Stock's loop hands each token to the streamer right after drawing it: the steps
-        # issued after the one whose tokens it raised on drew what stock never draws.
-        if rng is not None and watch.put_raised_at is not None:
+        # issued after the one whose tokens it raised on drew what stock never draws (none
+        # did after the newest step, whose state was never saved: the state is stock's).
+        if rng is not None and watch.put_raised_at in rng.states:
             rng.restore(watch.put_raised_at)
         raise
 

@@ -533,7 +533,12 @@ class PagedKVCache:
         shape = (self.allocator.num_blocks, self.block_size, *like.shape[1:])
         dtype = self.kv_dtype or like.dtype
         pool = self.key_pools[layer_idx]
-        if pool is None or (pool.shape, pool.dtype, pool.device) != (shape, dtype, like.device):
+        kept = pool is not None and (pool.shape, pool.dtype, pool.device) == (
+            shape,
+            dtype,
+            like.device,
+        )
+        if not kept:
             if pool is not None and (self._written[layer_idx] or self._attached):
                 misfit = _misfit(layer_idx, pool, like, self.allocator.num_blocks, dtype)
                 raise ValueError(f"key: {misfit}")
@@ -542,20 +547,28 @@ class PagedKVCache:
             self.key_pools[layer_idx] = torch.zeros(shape, dtype=dtype, device=like.device)
             self.value_pools[layer_idx] = torch.zeros_like(self.key_pools[layer_idx])
             self.key_scales[layer_idx] = self.value_scales[layer_idx] = None
-        if dtype == INT8_DTYPE:
-            scales = self.key_scales[layer_idx]
-            if scales is None or scales.shape != int8_scale_shape(shape, INT8_K_GROUP):
-                if scales is not None and (self._written[layer_idx] or self._attached):
-                    raise ValueError(  # new scales would misread every token stored
-                        f"key: layer {layer_idx}'s INT8 scales {tuple(scales.shape)} do not "
-                        f"fit its pool {tuple(shape)}"
-                    )
-                opts = dict(dtype=INT8_SCALE_DTYPE, device=like.device)
-                self.key_scales[layer_idx] = torch.zeros(
-                    int8_scale_shape(shape, INT8_K_GROUP), **opts
-                )
-                self.value_scales[layer_idx] = torch.zeros(int8_scale_shape(shape, None), **opts)
+        if dtype == INT8_DTYPE and not self._int8_scales_fit(layer_idx, shape, like.device):
+            if kept:  # a pool given without fitting scales: what it holds cannot be read
+                if self._written[layer_idx] or self._attached:
+                    raise ValueError(f"key: layer {layer_idx}'s INT8 scales do not fit its pool")
+                self.allocator.clear_prefixes()
+            opts = dict(dtype=INT8_SCALE_DTYPE, device=like.device)
+            self.key_scales[layer_idx] = torch.zeros(int8_scale_shape(shape, INT8_K_GROUP), **opts)
+            self.value_scales[layer_idx] = torch.zeros(int8_scale_shape(shape, None), **opts)
         return self.key_pools[layer_idx], self.value_pools[layer_idx]
+
+    def _int8_scales_fit(self, layer_idx: int, shape: tuple, device: torch.device) -> bool:
+        """Whether layer ``layer_idx`` holds per-slot scales for INT8 pools of ``shape``."""
+        wanted = (
+            (self.key_scales[layer_idx], int8_scale_shape(shape, INT8_K_GROUP)),
+            (self.value_scales[layer_idx], int8_scale_shape(shape, None)),
+        )
+        return all(
+            scales is not None
+            and (tuple(scales.shape), scales.dtype, scales.device)
+            == (want, INT8_SCALE_DTYPE, device)
+            for scales, want in wanted
+        )
 
     def _first_scales(self, rows: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """float32 [Hkv] scales for a new FP8 pool from the first K (or V) rows written

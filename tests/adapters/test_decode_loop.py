@@ -708,14 +708,15 @@ def test_gpu_sampling_seed_reproduces():
     assert torch.equal(run(True, **kept), run(False, **kept))
 
 
-@pytest.mark.parametrize("raise_at", [2, 3, 6])
+@pytest.mark.parametrize("raise_at", [2, 3, 6, 11])
 def test_a_streamer_that_raises_leaves_stocks_random_state(raise_at):
     """A streamer whose put raises mid-call (here on its ``raise_at``-th put; the first is
     the prompt): the error reaches the caller, and the global random state is stock's, so
     the next unseeded sampled call draws stock's tokens. The loop reads tokens back a few
     steps late, so steps past the failing one had drawn already; their draws are given
-    back. (Found by a probe: the next call's tokens differed.) Planted: no restore on a
-    raising put: failed."""
+    back; on the last step (put 11 of 10 new tokens) none had, and the state is left as it
+    is. (Found by a probe: the next call's tokens differed; then in review: the last step's
+    raise became a KeyError.) Planted: no restore on a raising put: failed."""
 
     class Boom(Exception):
         pass
@@ -739,7 +740,10 @@ def test_a_streamer_that_raises_leaves_stocks_random_state(raise_at):
         with context, torch.no_grad():
             torch.manual_seed(0)
             with pytest.raises(Boom):
-                model.generate(**inputs, do_sample=True, max_new_tokens=10, streamer=Raising())
+                model.generate(
+                    **inputs, do_sample=True, max_new_tokens=10, eos_token_id=None,
+                    pad_token_id=0, streamer=Raising(),
+                )  # fmt: skip
             state = torch.get_rng_state()
             after = model.generate(**inputs, do_sample=True, max_new_tokens=5)
             results.append((state, after))

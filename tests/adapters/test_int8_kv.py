@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import BACKENDS, patched
 from test_families import padded_batch, tiny_model
@@ -34,14 +35,15 @@ def _close_while_tokens_agree(out, base, prompt_len, tolerance):
     return steps
 
 
+@pytest.mark.parametrize("head_dim", [16, 40])
 @BACKENDS
-def test_int8_generate_stays_close_to_float_pools(backend):
+def test_int8_generate_stays_close_to_float_pools(backend, head_dim):
     """Per-step logits over INT8 pools stay within INT8's rounding of float32 pools' (closer
     than FP8's 0.05); the pools are int8 with float16 per-slot scales; the Triton path gives
     the torch references' logits. Planted: attention not passing the layer's scales (the
     kernels then refuse the pools) and a scatter storing values without their scales (the
-    logits ran far off): both failed."""
-    model = tiny_model("llama")
+    logits ran far off): both failed. Head dim 40: three key groups, the last one partial."""
+    model = tiny_model("llama", head_dim=head_dim)
     inputs = padded_batch([9, 4, 7], 9)
     base, _, _ = _generate(model, inputs)
     out, cache, _ = _generate(model, inputs, kv_dtype="int8", backend=backend)
@@ -51,7 +53,8 @@ def test_int8_generate_stays_close_to_float_pools(backend):
         paged.key_pools, paged.key_scales, paged.value_scales, strict=True
     ):
         assert k_scale.dtype == v_scale.dtype == INT8_SCALE_DTYPE
-        assert k_scale.shape == (*pool.shape[:3], 1) == v_scale.shape  # head_dim 16: 1 group
+        assert k_scale.shape == (*pool.shape[:3], -(-head_dim // 16))
+        assert v_scale.shape == (*pool.shape[:3], 1)
     assert _close_while_tokens_agree(out, base, 9, 0.02) >= 1
     if backend == "triton":
         ref, _, _ = _generate(model, inputs, kv_dtype="int8", backend="torch")
