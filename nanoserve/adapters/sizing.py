@@ -17,6 +17,7 @@ from nanoserve.kernels.quant import (
     INT8_K_GROUP,
     INT8_SCALE_DTYPE,
     KV_DTYPE_NAMES,
+    QUANTIZED_DTYPES,
     int8_groups,
 )
 from nanoserve.kernels.validation import check_positive
@@ -110,7 +111,7 @@ def check_fp8_scale(value) -> None:
 def kv_dtype_of(value) -> torch.dtype | None:
     """patch_model's ``kv_dtype`` as a pool dtype: None (the model's dtype), "fp8_e4m3" /
     torch.float8_e4m3fn, or "int8" / torch.int8."""
-    if value is None or value in (FP8_DTYPE, INT8_DTYPE):
+    if value is None or value in QUANTIZED_DTYPES:
         return value
     if isinstance(value, str) and value in KV_DTYPE_NAMES:
         return KV_DTYPE_NAMES[value]

@@ -27,7 +27,7 @@ from nanoserve.cache.paged_cache import (
     grouped_metadata,
     step_device,
 )
-from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE
+from nanoserve.kernels.quant import QUANTIZED_DTYPES
 
 
 def check_layer_groups(
@@ -149,7 +149,7 @@ class GroupedKVCache:
         unless the pools are FP8 or INT8 (see ``PagedKVCache.scales_for``)."""
         if not isinstance(key_pool, torch.Tensor):
             raise ValueError(f"key_pool: expected a tensor, got {type(key_pool).__name__}")
-        if key_pool.dtype not in (FP8_DTYPE, INT8_DTYPE):
+        if key_pool.dtype not in QUANTIZED_DTYPES:
             return None, None
         for group in self._groups:
             if any(pool is key_pool for pool in group.key_pools):

@@ -58,6 +58,7 @@ from nanoserve.kernels.quant import (
     INT8_DTYPE,
     INT8_K_GROUP,
     INT8_SCALE_DTYPE,
+    QUANTIZED_DTYPES,
     int8_scale_shape,
 )
 from nanoserve.kernels.slot_scatter import slot_scatter
@@ -210,7 +211,7 @@ class PagedKVCache:
         only): None calibrates each layer's scales from its first write; a positive number
         fixes every scale to it."""
         check_backend(backend)
-        if kv_dtype not in (None, FP8_DTYPE, INT8_DTYPE):
+        if kv_dtype is not None and kv_dtype not in QUANTIZED_DTYPES:
             raise ValueError(
                 f"kv_dtype: expected None, torch.float8_e4m3fn or torch.int8, got {kv_dtype!r}"
             )
@@ -357,10 +358,7 @@ class PagedKVCache:
         larger = []
         if n == 0:
             return larger
-        lists = [self.key_pools, self.value_pools]
-        if self.kv_dtype == INT8_DTYPE:  # per-slot scales: indexed by block like the pools
-            lists += [self.key_scales, self.value_scales]
-        for pools in lists:
+        for pools in self._block_indexed():
             for layer, pool in enumerate(pools):
                 if pool is not None:
                     copy = pool.new_zeros((pool.shape[0] + n, *pool.shape[1:]))
@@ -509,7 +507,7 @@ class PagedKVCache:
             return
         host = torch.tensor(pairs, dtype=torch.int64)  # [n, 2]: (source, destination)
         per_device: dict[torch.device, torch.Tensor] = {}
-        for pool in (*self.key_pools, *self.value_pools, *self._slot_scales()):
+        for pool in itertools.chain(*self._block_indexed()):
             if pool is not None:
                 if pool.device not in per_device:
                     per_device[pool.device] = host.to(pool.device)
@@ -523,11 +521,13 @@ class PagedKVCache:
         """(key_pools, value_pools, key_scales, value_scales): what ``pools=`` takes back."""
         return self.key_pools, self.value_pools, self.key_scales, self.value_scales
 
-    def _slot_scales(self) -> list[torch.Tensor]:
-        """The INT8 pools' per-slot scales (indexed by block like the pools); [] otherwise."""
-        if self.kv_dtype != INT8_DTYPE:
-            return []
-        return [s for s in (*self.key_scales, *self.value_scales) if s is not None]
+    def _block_indexed(self) -> list[list[torch.Tensor | None]]:
+        """The per-layer lists of tensors indexed by block: the pools, and the INT8 pools'
+        per-slot scales (what a block copy, a growth or the byte count covers)."""
+        lists = [self.key_pools, self.value_pools]
+        if self.kv_dtype == INT8_DTYPE:
+            lists += [self.key_scales, self.value_scales]
+        return lists
 
     def _pools(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.allocator.num_blocks, self.block_size, *like.shape[1:])
@@ -589,7 +589,7 @@ class PagedKVCache:
     def scales_for(self, key_pool: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """(k_scale, v_scale) of the layer whose key pool is ``key_pool`` (what ``write``
         returned); (None, None) unless the pools are FP8 or INT8."""
-        if key_pool.dtype not in (FP8_DTYPE, INT8_DTYPE):
+        if key_pool.dtype not in QUANTIZED_DTYPES:
             return None, None
         for layer, pool in enumerate(self.key_pools):
             if pool is key_pool:
@@ -648,7 +648,7 @@ class PagedKVCache:
         slots_filled = filled_slots(self.tables, self.block_size)
         bytes_per_slot = sum(
             pool[0, 0].numel() * pool.element_size()
-            for pool in (*self.key_pools, *self.value_pools, *self._slot_scales())
+            for pool in itertools.chain(*self._block_indexed())
             if pool is not None
         )
         total_slots = self.allocator.num_blocks * self.block_size

@@ -31,6 +31,8 @@ INT8_SCALE_DTYPE = torch.float16
 # The smallest and largest INT8 scales: float16's least normal and its largest finite value.
 INT8_SCALE_MIN = 2.0**-14
 INT8_SCALE_MAX = 65504.0
+# The pool dtypes that store scaled values and need scales beside them.
+QUANTIZED_DTYPES = (FP8_DTYPE, INT8_DTYPE)
 # The pool dtypes a caller may ask for by name (patch_model's kv_dtype).
 KV_DTYPE_NAMES = {
     "fp8_e4m3": FP8_DTYPE,

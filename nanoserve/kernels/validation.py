@@ -14,17 +14,17 @@ import numbers
 import torch
 
 from nanoserve.kernels.quant import (
-    FP8_DTYPE,
     INT8_DTYPE,
     INT8_K_GROUP,
     INT8_SCALE_DTYPE,
+    QUANTIZED_DTYPES,
     int8_scale_shape,
 )
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # What the kernels compute in when the pools hold FP8 or INT8 (query, new K/V rows).
 FP8_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-POOL_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE, INT8_DTYPE)
+POOL_DTYPES = (*FLOAT_DTYPES, *QUANTIZED_DTYPES)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -123,7 +123,7 @@ def check_kv_scales(
     is refused)."""
     num_kv_heads = key_cache.shape[2]
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if key_cache.dtype not in (FP8_DTYPE, INT8_DTYPE):
+        if key_cache.dtype not in QUANTIZED_DTYPES:
             if scale is not None:
                 _fail(name, f"given for {key_cache.dtype} pools; only FP8/INT8 pools take scales")
             continue
@@ -154,8 +154,7 @@ def check_kv_scales(
 
 def compute_dtypes(key_cache: torch.Tensor) -> tuple[torch.dtype, ...]:
     """Dtypes a query or new K/V row may have for these pools."""
-    quantized = key_cache.dtype in (FP8_DTYPE, INT8_DTYPE)
-    return FP8_COMPUTE_DTYPES if quantized else (key_cache.dtype,)
+    return FP8_COMPUTE_DTYPES if key_cache.dtype in QUANTIZED_DTYPES else (key_cache.dtype,)
 
 
 def check_slot_scatter_args(
