@@ -179,8 +179,14 @@ class PagedCache(Cache):
         self.columns = 0
         self._pending = 0
 
-    def activate_past_recording(self) -> None:
-        pass  # the paged store keeps every token, so crop can always roll back
+    def activate_past_recording(self, **kwargs) -> None:
+        """The paged store keeps every token, so crop can always roll back; 5.25 passes
+        ``recurrent_states_to_keep``, for recurrent layers, which a paged cache has none of."""
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """Intermediate recurrent states to record (transformers 5.25): none, no layer of a
+        paged cache is recurrent."""
+        return 0
 
     # -- properties HF inspects ------------------------------------------------------------
 
