@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # The lowest transformers release nanoserve supports gets its own environment, so that
-# `make test` checks both ends of the supported range (pyproject: transformers>=5.17,<5.25, until 5.25 is adapted).
+# `make test` checks both ends of the supported range (pyproject: transformers>=5.17,<6).
 OLDEST_TRANSFORMERS := 5.17.0
 OLDEST_VENV := .venv-oldest
 

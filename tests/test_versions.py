@@ -17,7 +17,7 @@ from nanoserve.adapters.versions import (
 )
 
 
-@pytest.mark.parametrize("version", ["5.17.0", "5.24.0", "5.99.1"])
+@pytest.mark.parametrize("version", ["5.17.0", "5.24.0", "5.25.0", "5.99.1"])
 def test_inside_the_range(version):
     check_transformers_version(version)
 

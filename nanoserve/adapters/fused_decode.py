@@ -219,11 +219,8 @@ class FusedDecode:
         # ("rotary" | "residual", n) for the n-th rotary call or fused add of a step
         self.ran: set[tuple[str, int]] = set()
         attentions = [getattr(layer, "self_attn", None) for layer in layers]
-        self.rotary_modules = ()
-        if rotary:
-            self.rotary_modules = fused_rotary.rotary_modules(
-                [a for a in attentions if a is not None], family.rotary_attention_classes
-            )
+        self.rotary_attentions = [a for a in attentions if a is not None] if rotary else []
+        self.rotary_classes = family.rotary_attention_classes
         taken: set[int] = set()  # a module two layers share is swapped once, by the first
 
         def swap(modules, forwards, projection: bool) -> None:
@@ -264,6 +261,12 @@ class FusedDecode:
                 fused = _gated_mlp_forward(mlp, mlp.forward, classes, backend, self.ran, note)
                 swap([mlp], [fused], True)
 
+    @property
+    def rotary_modules(self) -> tuple:
+        """The modeling modules whose rotary embedding runs fused, looked up at each call
+        (``kernels.kernelize`` may have run since the last)."""
+        return fused_rotary.rotary_modules(self.rotary_attentions, self.rotary_classes)
+
     def counts(self) -> dict[str, int]:
         """Modules that have run fused in some step so far: {"attention": q/k/v groups,
         "mlp": gated MLPs, "norm": RMSNorms, "rotary": rotary calls and "residual": residual
@@ -288,8 +291,9 @@ class FusedDecode:
             self.ran.add(("rotary", next(calls)))
 
         rotary = contextlib.nullcontext()
-        if self.rotary_modules:
-            rotary = fused_rotary.swapped(self.rotary_modules, self.backend, rotary_fused)
+        modules = self.rotary_modules
+        if modules:
+            rotary = fused_rotary.swapped(modules, self.backend, rotary_fused)
         residual = self.residual.active() if self.residual is not None else None
         for module, forward in swapped:
             module.forward = forward

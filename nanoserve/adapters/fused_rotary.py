@@ -2,7 +2,11 @@
 
 The attention modules of the Llama and Gemma families call their modeling module's global
 ``apply_rotary_pos_emb(q, k, cos, sin)``: in eager about ten small kernels a layer (products
-on strided views, a negation and a concatenation for each of q and k, the sums). While
+on strided views, a negation and a concatenation for each of q and k, the sums). With the
+``kernels`` package installed (transformers 5.25 requires it) that global is a ``kernels``
+wrapper module around the same function, which an attention module routes to its own copy
+of the wrapper, and which ``kernels.kernelize`` can point at a Hub kernel; a modeling module
+whose attention modules hold a kernelized copy keeps its global. While
 ``swapped(...)`` is open that global is a stand-in that runs ``apply_rotary`` (one launch for
 q and k) in the threads inside it, and the original everywhere else; the original comes back
 when the last user leaves (a global someone else set meanwhile is left as they set it). The
@@ -34,11 +38,13 @@ _local = threading.local()  # .users: a stack of (module names, backend, on_fuse
 
 def _own_function(module: ModuleType) -> bool:
     """The module's global is its own ``apply_rotary_pos_emb`` (not one another library
-    installed, as Liger's kernels do, whose math may differ), or our stand-in of it."""
+    installed, as Liger's kernels do, whose math may differ), that function in a ``kernels``
+    wrapper no Hub kernel replaced, or our stand-in of it."""
     entry = _installed.get(module.__name__)
     function = getattr(module, NAME, None)
     if entry is not None and function is entry[1]:
         return True
+    function = _kernels_wrapped(function) if isinstance(function, torch.nn.Module) else function
     return (
         callable(function)
         and getattr(function, "__module__", None) == module.__name__
@@ -46,22 +52,49 @@ def _own_function(module: ModuleType) -> bool:
     )
 
 
+def _kernels_wrapped(wrapper: torch.nn.Module):
+    """The function a ``kernels`` function wrapper (``use_kernel_forward_from_hub`` on a
+    function) calls, or None when it is not one, or its forward was replaced."""
+    forward = getattr(type(wrapper), "forward", None)
+    if not hasattr(type(wrapper), "kernel_layer_name") or "forward" in wrapper.__dict__:
+        return None
+    try:
+        return inspect.getclosurevars(forward).nonlocals.get("func")
+    except (TypeError, ValueError):
+        return None
+
+
+def _kernelized(attention: torch.nn.Module) -> bool:
+    """The attention module's own ``kernels`` function wrappers (``use_kernelized_func``)
+    include one ``kernels.kernelize`` pointed at a Hub kernel."""
+    wrappers = attention.__dict__.get("_kernel_funcs")
+    if not isinstance(wrappers, dict):
+        return False
+    return any(
+        isinstance(w, torch.nn.Module) and _kernels_wrapped(w) is None for w in wrappers.values()
+    )
+
+
 def rotary_modules(attentions: Sequence[torch.nn.Module], classes: Sequence[str]):
     """The modeling modules whose global ``apply_rotary_pos_emb`` the forward of
     ``attentions`` of the family's ``classes`` calls (a class is trusted by its name to
     apply Llama's formula, as the family declares; its forward must name the global, and
-    the global must be the module's own function)."""
+    the global must be the module's own function). A module is left out when any of the
+    ``attentions`` it defines is kernelized (``kernels.kernelize``)."""
     found: dict[str, ModuleType] = {}
+    kernelized: set[str] = set()
     for attention in attentions:
         cls = type(attention)
         module = sys.modules.get(cls.__module__)
+        if _kernelized(attention):
+            kernelized.add(cls.__module__)
         if cls.__name__ not in classes or module is None or "forward" in attention.__dict__:
             continue
         forward = inspect.unwrap(cls.forward)
         code = getattr(forward, "__code__", None)
         if code is not None and NAME in code.co_names and _own_function(module):
             found[module.__name__] = module
-    return tuple(found.values())
+    return tuple(m for name, m in found.items() if name not in kernelized)
 
 
 def _stand_in(original: Callable, module_name: str) -> Callable:

@@ -448,6 +448,38 @@ def test_rotary_is_swapped_only_for_the_familys_attention():
 
 
 @NEEDS_INTERPRETER
+def test_a_kernelized_rotary_keeps_its_hub_kernel():
+    """With the ``kernels`` package (transformers 5.25 requires it) the modeling module's
+    global is a ``kernels`` wrapper, which fuses; once ``kernels.kernelize`` points an
+    attention's own wrapper at a Hub kernel, every rotary call of that module runs the
+    kernel, as unfused. Planted: the kernelized check dropped: failed."""
+    pytest.importorskip("kernels")
+    from types import MethodType
+
+    model = fp16_model()
+    module = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    inner = fused_rotary._kernels_wrapped(module.apply_rotary_pos_emb)
+    assert inner is not None and inner.__name__ == "apply_rotary_pos_emb"
+    inputs = padded_batch([5, 3], 5)
+    _, stats = run(model, inputs, steps=3)
+    assert stats["fused_decode"]["rotary"] == 2
+    calls = []
+
+    def hub_kernel(self, q, k, cos, sin, unsqueeze_dim=1):
+        calls.append(q.shape)
+        return inner(q, k, cos, sin, unsqueeze_dim)
+
+    wrapper = next(iter(model.model.layers[1].self_attn._kernel_funcs.values()))
+    wrapper.forward = MethodType(hub_kernel, wrapper)  # what kernelize does
+    plain, _ = run(model, inputs, fuse=False, steps=3)
+    unfused_calls, calls[:] = len(calls), []
+    fused, stats = run(model, inputs, steps=3)
+    assert stats["fused_decode"]["rotary"] == 0
+    assert unfused_calls >= 3 and len(calls) == unfused_calls
+    assert torch.equal(plain.sequences, fused.sequences)
+
+
+@NEEDS_INTERPRETER
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_residual_adds_with_their_norms_change_no_bit(name, monkeypatch):
     """A residual add run with the norm after it gives the bits of the add and of the norm
