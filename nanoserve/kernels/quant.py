@@ -70,7 +70,11 @@ def quantize_int8(
     head_dim = x.shape[-1]
     groups = _grouped(x.to(torch.float32), head_dim if group is None else group)
     amax = groups.abs().amax(dim=-1)
-    scale = (amax / INT8_MAX).clamp(INT8_SCALE_MIN, INT8_SCALE_MAX).to(INT8_SCALE_DTYPE)
+    # amax / 127 correctly rounded to float32, as the scatter kernel's division: torch on CUDA
+    # divides by a Python number through its reciprocal, whose extra rounding can land on a
+    # float16 tie and round the scale the other way (float64 cannot)
+    quotient = (amax.double() / INT8_MAX).to(torch.float32)
+    scale = quotient.clamp(INT8_SCALE_MIN, INT8_SCALE_MAX).to(INT8_SCALE_DTYPE)
     finite = torch.isfinite(groups).all(dim=-1)
     scale = torch.where(finite, scale, torch.nan)
     q = groups / scale.to(torch.float32)[..., None]

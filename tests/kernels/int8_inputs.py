@@ -8,6 +8,18 @@ from kernel_inputs import make_paged_kv
 
 from nanoserve.kernels.quant import INT8_K_GROUP, dequantize_int8, quantize_int8
 
+# amax / 127 lies just past a float16 midpoint; amax * (1 / 127) in float32 lands on it and
+# rounds to even, the other way (found on the GPU, where torch divides a tensor by a number so)
+NEAR_TIE_AMAXES = [4073.922119140625, 127.80615997314453, 255.61231994628906, 521462.03125]
+NEAR_TIE_AMAXES += [0.12481070309877396]
+
+
+def near_tie_group(amax: float) -> torch.Tensor:
+    """16 float32 channels whose amax is ``amax``."""
+    group = torch.linspace(-0.9, 0.9, 16) * amax
+    group[3] = -amax
+    return group
+
 
 def make_int8_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, device="cpu", **kwargs):
     """(key_cache, value_cache, k_scale, v_scale, key64, value64, block_tables, seq_lens).

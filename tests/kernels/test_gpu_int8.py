@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from int8_inputs import make_int8_paged_kv
+from int8_inputs import NEAR_TIE_AMAXES, make_int8_paged_kv, near_tie_group
 from kernel_inputs import row_errors
 
 from nanoserve.kernels import (
@@ -27,6 +27,18 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # per (sequence, head) row against float64 on the same dequantized values: the tiles meet the
 # query in its dtype, so bfloat16 rounds the dequantized K/V once more
 ROW_TOL = {BF16: 2e-2, FP16: 3e-3, FP32: 1e-4}
+
+
+def assert_rows_close(out, ref, unquantized, dtype):
+    """Every row of ``out`` within ROW_TOL of float64, or (rows whose large scores turn the
+    query dtype's rounding of K into a few percent, which the inputs' wide channel spread
+    makes in a long prefill now and then) within twice the error of the same kernel on
+    pools holding the dequantized values in the query's dtype; the mean row well inside."""
+    err, base = row_errors(out, ref), row_errors(unquantized, ref)
+    assert torch.isfinite(base).all()  # (an inf would lift the bound)
+    bound = max(ROW_TOL[dtype], 2 * base.max().item())
+    assert err.max().item() < bound, (err.max().item(), base.max().item())
+    assert err.mean().item() < ROW_TOL[dtype] / 4, err.mean().item()
 
 
 def _lens(num_seqs: int, max_len: int, seed: int) -> list[int]:
@@ -55,8 +67,8 @@ def test_int8_decode_real_shapes(case, poison_outputs):
     opts = dict(sliding_window=window, softcap=softcap)
     ref = paged_decode_attention_ref(q.double(), k64, v64, bt, sl, **opts)
     out = paged_decode_attention(q, kc, vc, bt, sl, **opts, k_scale=ks, v_scale=vs)
-    err = row_errors(out, ref).max().item()
-    assert err < ROW_TOL[dtype], err
+    base = paged_decode_attention(q, k64.to(dtype), v64.to(dtype), bt, sl, **opts)
+    assert_rows_close(out, ref, base, dtype)
 
 
 EXTEND = {
@@ -79,8 +91,10 @@ def test_int8_extend_real_shapes(case, poison_outputs):
     out = paged_extend_attention(
         q, kc, vc, bt, sl, cu, sliding_window=window, k_scale=ks, v_scale=vs
     )
-    err = row_errors(out, ref).max().item()
-    assert err < ROW_TOL[dtype], err
+    base = paged_extend_attention(
+        q, k64.to(dtype), v64.to(dtype), bt, sl, cu, sliding_window=window
+    )
+    assert_rows_close(out, ref, base, dtype)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
@@ -97,6 +111,8 @@ def test_int8_scatter_equals_reference(num_tokens, dim, dtype):
     v = torch.randn(num_tokens, 8, dim, device="cuda") * 20
     k[0, 0, :3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
     v[-1, 0, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 127.0, 3.5])
+    for i, amax in enumerate(NEAR_TIE_AMAXES[: dim // 16]):
+        k[0, 1, 16 * i : 16 * i + 16] = near_tie_group(amax)  # (token 0 is written)
     k, v = k.to(dtype), v.to(dtype)
     slots = torch.randperm(shape[0] * 16, device="cuda")[:num_tokens]
     slots[1::7] = -1

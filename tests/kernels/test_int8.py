@@ -8,9 +8,12 @@ test_gpu_int8.py).
 
 from __future__ import annotations
 
+from fractions import Fraction
+
+import numpy
 import pytest
 import torch
-from int8_inputs import make_int8_paged_kv
+from int8_inputs import NEAR_TIE_AMAXES, make_int8_paged_kv, near_tie_group
 from kernel_inputs import needs_interpreter, rel_err, row_errors
 
 from nanoserve.kernels import (
@@ -35,6 +38,29 @@ from nanoserve.kernels.triton_decode import paged_decode_attention_triton
 INT8_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
+def _nearest_float16(exact: Fraction) -> float:
+    """The float16 nearest to ``exact`` (no ties here: amax / 127 never ends in binary)."""
+    guess = numpy.float16(float(exact))
+    around = [numpy.nextafter(guess, numpy.float16(d)) for d in (-numpy.inf, numpy.inf)]
+    return float(min([guess, *around], key=lambda c: abs(Fraction(float(c)) - exact)))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_int8_scale_is_the_quotient_rounded_once(device):
+    """Each scale is the float16 nearest to amax / 127, on CPU and CUDA alike. Planted: the
+    scale as amax * (1 / 127) in float32 (torch's CUDA division by a number): failed."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    spread = 10 ** (torch.rand(2000, dtype=torch.float64) * 9 - 3)  # 1e-3 .. 1e6
+    amax = torch.cat([torch.tensor(NEAR_TIE_AMAXES), spread.float()])
+    amax = amax[(amax / 127 >= 2**-14) & (amax / 127 <= 65504)]  # (off the clamp)
+    x = torch.zeros(len(amax), 16)
+    x[:, 5] = -amax
+    _, scale = quantize_int8(x.to(device))
+    expected = [_nearest_float16(Fraction(float(a)) / 127) for a in amax.tolist()]
+    assert scale.flatten().tolist() == expected
+
+
 def _scatter_inputs(num_tokens, num_kv_heads, head_dim, block_size, dtype):
     num_blocks = num_tokens // block_size + 3
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -50,9 +76,13 @@ def _scatter_inputs(num_tokens, num_kv_heads, head_dim, block_size, dtype):
     # exact ties (x.5 after scaling): amax 127 makes the scale 1
     ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 127.0])
     key[min(1, num_tokens - 1), 0] = ties.repeat(head_dim // 7 + 1)[:head_dim]
+    # amaxes whose quotient by 127 a reciprocal product rounds onto a float16 tie
+    for i, amax in enumerate(NEAR_TIE_AMAXES[: head_dim // 16]):
+        key[-1, -1, 16 * i : 16 * i + 16] = near_tie_group(amax)
     slots = torch.randperm(num_blocks * block_size)[:num_tokens]
     skip = torch.rand(num_tokens) < 0.2
     skip[: min(2, num_tokens)] = False
+    skip[-1] = False
     slots[skip] = -1
     return key.to(dtype), value.to(dtype), key_cache, value_cache, slots, k_scale, v_scale
 
