@@ -160,12 +160,14 @@ def _fused(model, state: PatchState, rows: int):
 
 def memory_signature(model, cache) -> tuple:
     """What a captured decode step depends on besides the values it reads: the addresses,
-    dtypes and shapes of what it reads and writes in place (the cache's pools, the model's
-    weights and buffers), the model's structure (``prefix_salt.structure_key``: a swapped
-    activation, a changed eps or scaling, an adapter switched, none of which moves a
-    tensor) and torch's numeric settings (``numeric_modes``: autocast, matmul precision),
-    all of which a replay would run as captured."""
-    tensors = (*cache.paged.key_pools, *cache.paged.value_pools)
+    dtypes and shapes of what it reads and writes in place (the cache's pools and their
+    FP8 or INT8 scales, the model's weights and buffers), the model's structure
+    (``prefix_salt.structure_key``: a swapped activation, a changed eps or scaling, an
+    adapter switched, none of which moves a tensor) and torch's numeric settings
+    (``numeric_modes``: autocast, matmul precision), all of which a replay would run as
+    captured."""
+    paged = cache.paged
+    tensors = (*paged.key_pools, *paged.value_pools, *paged.key_scales, *paged.value_scales)
     walk = cache.walk if cache.walk is not None else ModelWalk(model)
     tensors += (*walk.parameters, *walk.buffers)
     addresses = tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in tensors if t is not None)

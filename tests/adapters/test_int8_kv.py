@@ -158,3 +158,22 @@ def test_a_continued_cache_keeps_its_scales_when_its_pool_grows():
             assert more.past_key_values.paged.allocator.num_blocks > blocks  # it grew
         runs.append(more)
     assert _close_while_tokens_agree(runs[1], runs[0], 12, 0.02) >= 2
+
+
+def test_the_decode_graphs_signature_covers_the_scales():
+    """A captured step reads the scales by address: a cache whose pools stay but whose scales
+    moved must not replay graphs captured over the old ones. Planted: the signature without
+    the scales: failed."""
+    from nanoserve.adapters.graph_forward import memory_signature
+
+    model = tiny_model("llama")
+    with patched(model, block_size=4, kv_dtype="int8"), torch.no_grad():
+        out = model.generate(**padded_batch([5, 3], 5), max_new_tokens=2, **GREEDY)
+        cache = out.past_key_values
+        before = memory_signature(model, cache)
+        assert memory_signature(model, cache) == before
+        for scales in (cache.paged.key_scales, cache.paged.value_scales):
+            kept = scales[1]
+            scales[1] = kept.clone()
+            assert memory_signature(model, cache) != before
+            scales[1] = kept
