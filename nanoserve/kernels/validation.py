@@ -114,12 +114,15 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_kv_scales(
-    key_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+    key_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    value_cache: torch.Tensor | None = None,
 ) -> None:
     """FP8 pools need float32 ``k_scale``/``v_scale`` [Hkv] on the pools' device, finite
     and positive; INT8 pools float16 per-slot scales (``quant.int8_scale_shape``: keys per
-    group of channels, values per head),
-    contiguous, not sharing memory; other pools take none (a scale that would be ignored
+    group of channels, values per head), contiguous, sharing no memory with each other or
+    (given ``value_cache``) the pools; other pools take none (a scale that would be ignored
     is refused)."""
     num_kv_heads = key_cache.shape[2]
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -150,6 +153,10 @@ def check_kv_scales(
             _fail(name, "must be finite and positive")
     if key_cache.dtype == INT8_DTYPE and _overlap(k_scale, v_scale):
         _fail("v_scale", "shares memory with k_scale: K and V need scales of their own")
+    if key_cache.dtype in QUANTIZED_DTYPES and value_cache is not None:
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if _overlap(scale, key_cache) or _overlap(scale, value_cache):
+                _fail(name, "shares memory with the pools: the scatter would overwrite it")
 
 
 def compute_dtypes(key_cache: torch.Tensor) -> tuple[torch.dtype, ...]:
@@ -168,7 +175,7 @@ def check_slot_scatter_args(
 ) -> None:
     """Validate slot-scatter arguments (see ``slot_scatter_ref`` for shapes)."""
     check_kv_pools(key_cache, value_cache)
-    check_kv_scales(key_cache, k_scale, v_scale)
+    check_kv_scales(key_cache, k_scale, v_scale, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     device = key_cache.device
     check_tensor("key", key, ndim=3, dtypes=compute_dtypes(key_cache), device=device)
@@ -206,7 +213,7 @@ def check_attention_args(
 ) -> None:
     """Validate paged attention arguments; ``cu_seqlens_q=None`` means decode (one token each)."""
     check_kv_pools(key_cache, value_cache)
-    check_kv_scales(key_cache, k_scale, v_scale)
+    check_kv_scales(key_cache, k_scale, v_scale, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     device = key_cache.device
     check_tensor("query", query, ndim=3, dtypes=compute_dtypes(key_cache), device=device)

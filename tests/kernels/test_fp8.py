@@ -269,6 +269,7 @@ def test_fp8_error_does_not_grow_with_length():
         ("k_scale", torch.tensor([1.0, float("nan")]), "positive"),
         ("k_scale", "meta", "on meta"),
         ("v_scale", "strided", "contiguous"),
+        ("v_scale", "in_value_pool", "shares memory with the pools"),
     ],
 )
 @pytest.mark.parametrize("op", ["scatter", "decode", "extend", "scatter_ref", "decode_ref"])
@@ -279,6 +280,10 @@ def test_bad_scales_raise_naming_the_argument(op, name, bad, match):
         bad = torch.ones(2, device="meta")
     elif bad == "strided":  # a column of a [Hkv, layers] table: the kernels read scale + head
         bad = torch.ones(2, 3)[:, 0]
+    elif bad == "in_value_pool":  # two float32 ones in the value pool's last bytes
+        tail = args["value_cache"].view(torch.uint8).view(-1)[-8:]
+        tail.copy_(torch.ones(2).view(torch.uint8))
+        bad = tail.view(torch.float32)
     args[name] = bad
     before = args["key_cache"].view(torch.uint8).clone()
     tables = torch.zeros(1, 1, dtype=torch.int32)

@@ -279,6 +279,8 @@ def test_int8_error_is_small_and_does_not_grow_with_length():
         ("k_scale", torch.ones(2, dtype=torch.float16), "dims"),
         ("v_scale", "strided", "contiguous"),
         ("v_scale", "same", "shares memory"),
+        ("k_scale", "in_key_pool", "shares memory with the pools"),
+        ("v_scale", "in_value_pool", "shares memory with the pools"),
     ],
 )
 @pytest.mark.parametrize("op", ["scatter", "decode", "extend", "scatter_ref", "decode_ref"])
@@ -292,8 +294,12 @@ def test_bad_int8_scales_raise_naming_the_argument(op, name, bad, match):
         bad = torch.ones(4, 16, 2, 2, dtype=torch.float16)[..., :1]
     elif bad == "same":  # the first entries of the key scales
         bad = args["k_scale"].view(-1)[: 4 * 16 * 2].view(4, 16, 2, 1)
+    elif bad in ("in_key_pool", "in_value_pool"):  # float16 views of a pool's last bytes
+        pool = args["key_cache" if bad == "in_key_pool" else "value_cache"].view(-1)
+        want = args[name].numel() * 2
+        bad = pool[-want:].view(torch.float16).view(args[name].shape)
     args[name] = bad
-    before = args["key_cache"].clone()
+    before = [args["key_cache"].clone(), args["value_cache"].clone()]
     tables = torch.zeros(1, 1, dtype=torch.int32)
     lens = torch.tensor([3], dtype=torch.int32)
     with pytest.raises(ValueError, match=f"^{name}: .*{match}"):
@@ -308,7 +314,8 @@ def test_bad_int8_scales_raise_naming_the_argument(op, name, bad, match):
             cu = torch.tensor([0, 3], dtype=torch.int32)
             paged_extend_attention(torch.randn(3, 4, 64), block_tables=tables, seq_lens=lens,
                                    cu_seqlens_q=cu, **args)  # fmt: skip
-    assert torch.equal(args["key_cache"], before)
+    assert torch.equal(args["key_cache"], before[0])
+    assert torch.equal(args["value_cache"], before[1])
 
 
 @needs_interpreter
