@@ -105,12 +105,11 @@ def check_kv_pools(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors share any byte of memory."""
+    """Whether two contiguous tensors (of any dtypes) share any byte of memory."""
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-    size = a.element_size()
-    a_lo, b_lo = a.storage_offset() * size, b.storage_offset() * size
-    return a_lo < b_lo + b.numel() * size and b_lo < a_lo + a.numel() * size
+    a_lo, b_lo = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
 
 
 def check_kv_scales(

@@ -205,3 +205,19 @@ def test_scatter_bad_input_writes_nothing(scatter, name, bad):
     with pytest.raises(ValueError, match=f"^{name}"):
         (slot_scatter if scatter == "triton" else slot_scatter_ref)(**args)
     assert torch.equal(pool, before)
+
+
+def test_memory_overlap_is_measured_in_each_tensors_own_bytes():
+    """Scales of another dtype carved from a pool's arena: refused where a byte is shared,
+    taken where none is. Planted: both extents in the first tensor's element size (the
+    check then missed an overlap at an offset and refused a neighbour): failed."""
+    from nanoserve.kernels.validation import _overlap
+
+    arena = torch.zeros(4096, dtype=torch.int8)
+    pool = arena[1000:2024]  # bytes [1000, 2024)
+    halves = arena.view(torch.float16)
+    assert _overlap(halves[500:564], pool) and _overlap(pool, halves[500:564])  # [1000, 1128)
+    assert _overlap(halves[1011:1020], pool)  # [2022, 2040): the pool's last two bytes
+    assert not _overlap(halves[1012:1100], pool) and not _overlap(pool, halves[1012:1100])
+    assert not _overlap(halves[:500], pool)  # [0, 1000)
+    assert _overlap(arena.view(torch.float32)[250:252], pool)  # [1000, 1008)
