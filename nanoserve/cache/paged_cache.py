@@ -253,6 +253,10 @@ class PagedKVCache:
         self.key_scales: list[torch.Tensor | None] = pools[2]
         self.value_scales: list[torch.Tensor | None] = pools[3]
         self._written = [False] * num_layers  # whether this cache has stored into the layer
+        # the dtype of the rows written into each layer: FP8/INT8 pools keep theirs whatever
+        # the model's dtype, so a write from another (model.half() under a held cache) is
+        # caught here
+        self._written_dtypes: list[torch.dtype | None] = [None] * num_layers
         self._attached = False  # whether a sequence took cached blocks from the allocator
         self.tables: list[BlockTable] = []
         self.step: StepMetadata | None = None
@@ -616,6 +620,13 @@ class PagedKVCache:
             raise RuntimeError("write() before begin_step(): the step boundary is missing")
         if key.dim() != 3:
             raise ValueError(f"key: expected [tokens, kv_heads, head_dim], got {tuple(key.shape)}")
+        written = self._written_dtypes[layer_idx]
+        if self.kv_dtype in QUANTIZED_DTYPES and written not in (None, key.dtype):
+            raise ValueError(
+                f"key: layer {layer_idx} already holds this cache's K/V written from {written} "
+                f"rows and cannot take {key.dtype} rows; mixing them would attend over keys of "
+                "two precisions. Start a new cache after changing the model's dtype."
+            )
         key_pool, value_pool = self._pools(layer_idx, key)
         step = self.step.to(key_pool.device)
         if self.kv_dtype == FP8_DTYPE and self.key_scales[layer_idx] is None:
@@ -628,6 +639,7 @@ class PagedKVCache:
             k_scale=k_scale, v_scale=v_scale, check=check, backend=backend or self.backend,
         )  # fmt: skip
         self._written[layer_idx] = True
+        self._written_dtypes[layer_idx] = key.dtype
         return key_pool, value_pool
 
     def _layer_index(self, layer_idx: object) -> int:

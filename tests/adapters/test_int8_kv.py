@@ -177,3 +177,37 @@ def test_the_decode_graphs_signature_covers_the_scales():
             scales[1] = kept.clone()
             assert memory_signature(model, cache) != before
             scales[1] = kept
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_a_returned_quantized_cache_refuses_rows_of_another_dtype(kv_dtype):
+    """INT8/FP8 pools keep their dtype whatever the model's, so ``model.half()`` under a
+    returned cache is caught by the dtype of the rows written: a clear error before any row
+    grows, and back in float32 the continuation gives what an untouched cache gives.
+    Planted: the check dropped (the half rows were stored beside the float32 ones): failed."""
+    from helpers import cache_name
+    from test_misuse import continued
+
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4], 9)
+    greedy = dict(do_sample=False, eos_token_id=None)
+    results = []
+    with patched(model, block_size=4, kv_dtype=kv_dtype), torch.no_grad():
+        for interrupt in (True, False):
+            first = model.generate(
+                **inputs, max_new_tokens=4, return_dict_in_generate=True, **greedy
+            )
+            cache = first.past_key_values
+            following = dict(
+                **continued(inputs, first.sequences), max_new_tokens=3,
+                **{cache_name(model): cache}, **greedy,
+            )  # fmt: skip
+            if interrupt:
+                lens, columns = cache.paged.seq_lens(), cache.get_seq_length()
+                model.half()
+                with pytest.raises(ValueError, match="^key: .*written from torch.float32 rows"):
+                    model.generate(**following)
+                assert cache.paged.seq_lens() == lens and cache.get_seq_length() == columns
+                model.float()
+            results.append(model.generate(**following))
+    assert torch.equal(results[0], results[1])
