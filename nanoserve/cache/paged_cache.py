@@ -630,6 +630,12 @@ class PagedKVCache:
         key_pool, value_pool = self._pools(layer_idx, key)
         step = self.step.to(key_pool.device)
         if self.kv_dtype == FP8_DTYPE and self.key_scales[layer_idx] is None:
+            if self._attached:  # (calibrating now would misread what the pool holds)
+                raise ValueError(
+                    f"key: layer {layer_idx}'s FP8 pool came without its scales, and the "
+                    "prefix attached from it was stored at scales this cache cannot know; "
+                    "pass the pools with their scales (pool_lists gives all four lists)"
+                )
             real = step.slot_mapping >= 0
             self.key_scales[layer_idx] = self._first_scales(key, real)
             self.value_scales[layer_idx] = self._first_scales(value, real)

@@ -78,6 +78,34 @@ def test_reused_pools_keep_their_scales_and_fixed_scale():
     assert all(torch.equal(s, torch.full((HEADS,), 0.25)) for s in fixed.scales(0))
 
 
+def test_a_pool_given_without_its_scales_refuses_its_attached_prefix():
+    """Two lists (keys, values) from a cache that published a prefix: the new cache cannot
+    know the scales the prefix was stored at, so its first write refuses rather than
+    calibrating anew (the prefix's keys then read back scaled wrong); given with its scales,
+    the prefix reads back as stored. Planted: the check dropped: failed."""
+    first = PagedKVCache(1, num_blocks=8, block_size=4, kv_dtype=FP8_DTYPE)
+    _write(first, torch.ones(1, 8, dtype=torch.bool), _rows(8) * 50, _rows(8))
+    digests = [b"a" * 16, b"b" * 16]
+    first.publish(0, digests)
+    stored = first.key_pools[0].clone()
+    first.reset()
+    for lists in ((first.key_pools, first.value_pools), first.pool_lists):
+        later = PagedKVCache(
+            1, num_blocks=8, block_size=4, kv_dtype=FP8_DTYPE,
+            pools=tuple(list(x) for x in lists), allocator=first.allocator,
+        )  # fmt: skip
+        later.add_sequences(1)
+        assert later.attach_prefix(0, digests) == 8
+        if len(lists) == 2:
+            with pytest.raises(ValueError, match="^key: layer 0's FP8 pool came without"):
+                _write(later, torch.ones(1, 1, dtype=torch.bool), _rows(1), _rows(1))
+            assert later.key_scales[0] is None
+            assert torch.equal(later.key_pools[0].view(torch.uint8), stored.view(torch.uint8))
+        else:
+            _write(later, torch.ones(1, 1, dtype=torch.bool), _rows(1), _rows(1))
+            assert later.scales(0)[0] is first.scales(0)[0]
+
+
 def test_fp8_pools_count_one_byte_an_element_and_attend():
     """stats count 1 byte per FP8 element (half of bfloat16); attention over the cache with
     its scales matches attention over the float K/V within FP8's rounding."""
