@@ -702,13 +702,17 @@ def _paged_generate(self, *args, **kwargs):
             _room_to_continue(state, passed, self, args, kwargs)
             passed.mask_checked = False
             passed.drops_out = dropout  # (training mode may have changed since)
-            columns = passed.get_seq_length()
+            # a failed call (OutOfBlocks, say) leaves the cache as given: its rows' blocks are
+            # held through the call, which beam reorders and windows would otherwise free
+            held = passed.hold()
             try:
                 with _generating(state, passed, hooks, self, walk):
-                    return stock(*args, **kwargs)
+                    out = stock(*args, **kwargs)
             except BaseException:
-                passed.crop(columns)  # a failed call (OutOfBlocks, say) leaves it as given
+                passed.restore(held)
                 raise
+            passed.release(held)
+            return out
     if passed is not None or option("use_cache") is False:
         why = "the caller's own cache" if passed is not None else "use_cache=False"
         _log.info("fallback: stock generate (%s)", why)

@@ -107,6 +107,21 @@ class PagedCache(Cache):
         self.paged.truncate_rows(before)
         self.paged.step = None
 
+    def hold(self):
+        """What ``restore`` puts back: the rows as they are now (``PagedKVCache.hold``: their
+        blocks are kept from being freed or overwritten meanwhile) and the columns."""
+        return self.paged.hold(), self.columns
+
+    def restore(self, held) -> None:
+        """The cache as ``hold`` found it (a failed generate call); ``release`` otherwise."""
+        tables, self.columns = held
+        self.paged.restore(tables)
+        self._pending = 0
+        self._lens_before = None
+
+    def release(self, held) -> None:
+        self.paged.release(held[0])
+
     @property
     def step(self) -> StepMetadata:
         return self.paged.step

@@ -232,6 +232,21 @@ class GroupedKVCache:
         for group in self._groups:
             group.truncate_rows(lengths)
 
+    def hold(self) -> list:
+        """``PagedKVCache.hold`` of every group."""
+        return [group.hold() for group in self._groups]
+
+    def restore(self, held: list) -> None:
+        """``PagedKVCache.restore`` of every group."""
+        for group, tables in zip(self._groups, held, strict=True):
+            group.restore(tables)
+        self._step = None
+
+    def release(self, held: list) -> None:
+        """``PagedKVCache.release`` of every group."""
+        for group, tables in zip(self._groups, held, strict=True):
+            group.release(tables)
+
     def reset(self) -> None:
         for group in self._groups:
             group.reset()

@@ -313,6 +313,25 @@ class PagedKVCache:
         for table, length in zip(self.tables, lengths, strict=True):
             table.truncate(length)
 
+    def hold(self) -> list[BlockTable]:
+        """A fork of every sequence's table, sharing its blocks by reference count: while
+        held, nothing done to the sequences (a beam reorder, a window's release, a crop)
+        frees what they held, and a write into a shared last block goes to a copy.
+        ``restore`` puts them back (a failed call), ``release`` lets them go."""
+        return [table.fork() for table in self.tables]
+
+    def restore(self, held: list[BlockTable]) -> None:
+        """The sequences as ``hold`` took them; what they became since is freed."""
+        for table in self.tables:
+            table.free()
+        self.tables = list(held)
+        self.step = None
+
+    def release(self, held: list[BlockTable]) -> None:
+        """Let go of what ``hold`` took (the sequences keep what they hold now)."""
+        for table in held:
+            table.free()
+
     def reset(self) -> None:
         """Free every sequence; the pools stay allocated for reuse."""
         for table in self.tables:

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 import transformers
-from helpers import cache_name, patched
+from helpers import cache_name, patched, sharpen
 from test_families import padded_batch, tiny_model
 
 import nanoserve
@@ -493,6 +493,38 @@ def test_out_of_blocks_while_continuing_leaves_the_cache_as_given():
         out = model.generate(**following, max_new_tokens=2, **GREEDY)
     assert torch.equal(first.sequences, stock.sequences)
     assert torch.equal(out, stock_next)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_a_failed_continuation_gives_back_reordered_and_dropped_blocks(name):
+    """A beam-search continuation (rows reordered) or a sliding window's (Mistral's tiny
+    config: blocks released) that runs out of blocks leaves every row's blocks and contents
+    as passed in: the same tables, and a forward of the caller's own gives an untouched
+    cache's logits. Planted: the rows not held (only the columns cropped, as before): rows
+    came back holding other rows' K/V (beams) and the released blocks stayed released."""
+    model = sharpen(tiny_model(name))
+    inputs = padded_batch([13, 6], 13)
+    beams = dict(num_beams=2) if name == "llama" else {}
+    opts = dict(max_new_tokens=4, return_dict_in_generate=True, **GREEDY, **beams)
+    with patched(model, block_size=4, num_blocks=20 if beams else 8), torch.no_grad():
+        first, untouched = (model.generate(**inputs, **opts) for _ in "ab")
+        cache = first.past_key_values
+        tables = [[t.block_ids for t in g.tables] for g in cache.paged.groups]
+        following = dict(**continued(inputs, first.sequences), **{cache_name(model): cache})
+        with pytest.raises(nanoserve.OutOfBlocks):
+            model.generate(**following, max_new_tokens=60, **GREEDY, **beams)
+        assert [[t.block_ids for t in g.tables] for g in cache.paged.groups] == tables
+        rows, columns = cache.paged.num_seqs, cache.get_seq_length()
+        mask = inputs["attention_mask"].repeat_interleave(rows // 2, 0)
+        mask = torch.cat([mask, torch.ones(rows, columns + 1 - 13, dtype=mask.dtype)], dim=1)
+        logits = [
+            model(
+                input_ids=torch.full((rows, 1), 7), attention_mask=mask,
+                **{cache_name(model): c.past_key_values},
+            ).logits
+            for c in (first, untouched)
+        ]  # fmt: skip
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_continuing_without_use_cache_or_with_other_rows_is_refused():

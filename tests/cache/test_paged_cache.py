@@ -481,3 +481,41 @@ def test_a_step_for_a_device_there_is_not_changes_nothing(device):
     assert cache.seq_lens() == lens and [list(t.block_ids) for t in cache.tables] == blocks
     cache.begin_step(torch.ones(2, 1, dtype=torch.bool), device="cpu")
     assert cache.seq_lens() == [6, 6]
+
+
+def test_held_rows_come_back_whole_and_no_block_leaks():
+    """``hold`` keeps the rows' blocks through a beam reorder, a window's release and new
+    tokens; ``restore`` gives back the same tables and contents, ``release`` the blocks the
+    hold kept: the free count returns to what each path leaves without a hold."""
+    cache = PagedKVCache(1, num_blocks=24, block_size=4, sliding_window=5)
+    cache.add_sequences(2)
+    step(cache, torch.ones(2, 10, dtype=torch.bool), 1)
+    tables = [t.block_ids for t in cache.tables]
+    kept = cache.key_pools[0].clone()
+    free = cache.allocator.num_free
+
+    def run_a_call():
+        cache.reorder([1, 1])
+        for _ in range(6):
+            step(cache, torch.ones(2, 1, dtype=torch.bool), 1)
+            cache.step = None
+
+    held = cache.hold()
+    run_a_call()
+    assert cache.tables[0].dropped > 0
+    cache.restore(held)
+    assert [t.block_ids for t in cache.tables] == tables
+    assert cache.allocator.num_free == free
+    rows = [i for t in tables for i in t if i >= 0]
+    assert torch.equal(cache.key_pools[0][rows], kept[rows])
+    held = cache.hold()
+    run_a_call()
+    after_call = [t.block_ids for t in cache.tables]
+    cache.release(held)
+    assert [t.block_ids for t in cache.tables] == after_call
+    released = cache
+    cache = PagedKVCache(1, num_blocks=24, block_size=4, sliding_window=5)  # no hold
+    cache.add_sequences(2)
+    step(cache, torch.ones(2, 10, dtype=torch.bool), 1)
+    run_a_call()
+    assert released.allocator.num_free == cache.allocator.num_free
