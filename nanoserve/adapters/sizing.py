@@ -355,9 +355,8 @@ def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) ->
     groups (``paged.groups``): each row grows by at most the columns not cached yet plus the
     new tokens, and may copy its last block. In a group that releases blocks past its window
     (``sliding_window``) a row holds at most that window's blocks, as ``_blocks_held`` bounds
-    a new pool's; the blocks its rows release make room only once no row holds them (rows
-    share the blocks of a common prompt), so that bound is set against the blocks the rows
-    hold between them, each counted once."""
+    a new pool's; the blocks the rows hold now make no room meanwhile (the call holds them,
+    to give them back should it fail: ``PagedCache.hold``)."""
     shape = call_shape(model, args, kwargs)
     extend = max(shape.width - columns, 0)
     grow = extend + shape.new_tokens
@@ -378,7 +377,7 @@ def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) ->
                 at_most += min(blocks - t.dropped, max(decode, first)) + 1 + shape.spare
         more = shape.copies * appended  # each copy of a row (beams, return sequences) grows
         if window is not None:
-            more = min(more, max(shape.copies * at_most - _held_by_rows_alone(group), 0))
+            more = min(more, shape.copies * at_most)
         need.append(more)
     return need
 
@@ -387,14 +386,3 @@ def row_growth(table, tokens: int, block_size: int) -> int:
     """Blocks a row (its ``BlockTable``) may take to append ``tokens``: those its tokens
     reach past the blocks it holds, and a copy of its last block (copy on write)."""
     return max(math.ceil((table.num_tokens + tokens) / block_size) - table.num_blocks, 0) + 1
-
-
-def _held_by_rows_alone(group) -> int:
-    """Distinct blocks ``group``'s rows hold that nothing else holds (no other cache's row):
-    the blocks their releases can free."""
-    owners: dict[int, int] = {}
-    for table in group.tables:
-        for block in table.block_ids[table.dropped :]:
-            owners[block] = owners.get(block, 0) + 1
-    allocator = group.allocator
-    return sum(1 for block, n in owners.items() if allocator.refcount(block) == n)

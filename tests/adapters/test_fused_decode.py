@@ -458,6 +458,8 @@ def test_a_kernelized_rotary_keeps_its_hub_kernel():
 
     model = fp16_model()
     module = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    if not isinstance(module.apply_rotary_pos_emb, torch.nn.Module):
+        pytest.skip("this transformers does not wrap apply_rotary_pos_emb (before 5.25)")
     inner = fused_rotary._kernels_wrapped(module.apply_rotary_pos_emb)
     assert inner is not None and inner.__name__ == "apply_rotary_pos_emb"
     inputs = padded_batch([5, 3], 5)
