@@ -252,10 +252,9 @@ class PagedKVCache:
         # INT8 pools' per-slot float16 scales
         self.key_scales: list[torch.Tensor | None] = pools[2]
         self.value_scales: list[torch.Tensor | None] = pools[3]
-        self._written = [False] * num_layers  # whether this cache has stored into the layer
-        # the dtype of the rows written into each layer: FP8/INT8 pools keep theirs whatever
-        # the model's dtype, so a write from another (model.half() under a held cache) is
-        # caught here
+        # the dtype of the rows this cache stored into each layer (None: not written yet);
+        # FP8/INT8 pools keep theirs whatever the model's dtype, so a write from another
+        # (model.half() under a held cache) is caught by this
         self._written_dtypes: list[torch.dtype | None] = [None] * num_layers
         self._attached = False  # whether a sequence took cached blocks from the allocator
         self.tables: list[BlockTable] = []
@@ -562,7 +561,7 @@ class PagedKVCache:
             like.device,
         )
         if not kept:
-            if pool is not None and (self._written[layer_idx] or self._attached):
+            if pool is not None and self._holds_tokens(layer_idx):
                 misfit = _misfit(layer_idx, pool, like, self.allocator.num_blocks, dtype)
                 raise ValueError(f"key: {misfit}")
             if pool is not None:  # the pool's cached prefixes go with its memory
@@ -572,13 +571,18 @@ class PagedKVCache:
             self.key_scales[layer_idx] = self.value_scales[layer_idx] = None
         if dtype == INT8_DTYPE and not self._int8_scales_fit(layer_idx, shape, like.device):
             if kept:  # a pool given without fitting scales: what it holds cannot be read
-                if self._written[layer_idx] or self._attached:
+                if self._holds_tokens(layer_idx):
                     raise ValueError(f"key: layer {layer_idx}'s INT8 scales do not fit its pool")
                 self.allocator.clear_prefixes()
             opts = dict(dtype=INT8_SCALE_DTYPE, device=like.device)
             self.key_scales[layer_idx] = torch.zeros(int8_scale_shape(shape, INT8_K_GROUP), **opts)
             self.value_scales[layer_idx] = torch.zeros(int8_scale_shape(shape, None), **opts)
         return self.key_pools[layer_idx], self.value_pools[layer_idx]
+
+    def _holds_tokens(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s pool holds tokens of this cache: written into, or
+        reached through a cached prefix attached from it."""
+        return self._written_dtypes[layer_idx] is not None or self._attached
 
     def _int8_scales_fit(self, layer_idx: int, shape: tuple, device: torch.device) -> bool:
         """Whether layer ``layer_idx`` holds per-slot scales for INT8 pools of ``shape``."""
@@ -663,7 +667,6 @@ class PagedKVCache:
             key, value, key_pool, value_pool, step.slot_mapping,
             k_scale=k_scale, v_scale=v_scale, check=check, backend=backend or self.backend,
         )  # fmt: skip
-        self._written[layer_idx] = True
         self._written_dtypes[layer_idx] = key.dtype
         return key_pool, value_pool
 

@@ -116,12 +116,12 @@ def check_kv_scales(
     key_cache: torch.Tensor,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
-    value_cache: torch.Tensor | None = None,
+    value_cache: torch.Tensor,
 ) -> None:
     """FP8 pools need float32 ``k_scale``/``v_scale`` [Hkv] on the pools' device, finite
     and positive; INT8 pools float16 per-slot scales (``quant.int8_scale_shape``: keys per
     group of channels, values per head), contiguous, sharing no memory with each other or
-    (given ``value_cache``) the pools; other pools take none (a scale that would be ignored
+    the pools; other pools take none (a scale that would be ignored
     is refused)."""
     num_kv_heads = key_cache.shape[2]
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -152,7 +152,7 @@ def check_kv_scales(
             _fail(name, "must be finite and positive")
     if key_cache.dtype == INT8_DTYPE and _overlap(k_scale, v_scale):
         _fail("v_scale", "shares memory with k_scale: K and V need scales of their own")
-    if key_cache.dtype in QUANTIZED_DTYPES and value_cache is not None:
+    if key_cache.dtype in QUANTIZED_DTYPES:
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if _overlap(scale, key_cache) or _overlap(scale, value_cache):
                 _fail(name, "shares memory with the pools: the scatter would overwrite it")
