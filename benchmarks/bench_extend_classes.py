@@ -2,8 +2,8 @@
 FlashInfer's paged prefill and a pure read of the same K/V bytes. It decides nothing: the
 table shows each candidate so the defaults can be picked from it: ``ROUTES`` (a fixed kernel
 and config per route key; each class's key is printed in its pure_read row),
-``CUDA_CONFIGS`` (what autotune tries), ``PACKED_MAX_QUERY_LEN``, ``FAST_TANH`` and
-``WARP_SPECIALIZE`` in
+``CUDA_CONFIGS`` (what autotune tries), ``PACKED_MAX_QUERY_LEN``, ``FAST_TANH``,
+``TILE_MAJOR_FAMILIES`` ("other-order" rows) and ``WARP_SPECIALIZE`` in
 triton_extend.py; ``packed_config``, ``PROGRAMS_PER_SM`` and ``PARTIALS_16BIT`` in
 triton_verify.py. "auto" is
 what the launcher does today (given max_query_len, as an adapter that knows it would pass).
@@ -16,7 +16,7 @@ FlashInfer 0.5.3's BatchPrefillWithPagedKVCacheWrapper (NHD, the same pools, cau
 and soft-cap as the class) is optional: when it does not import, its rows say why.
 Usage:
     python3 benchmarks/bench_extend_classes.py [--quick] [--check-only] [--classes verify,...]
-        [--extra 'window=tiles:128,64,8,3;verify=packed:64,64,4,3:6']
+        [--extra 'window=tiles:128,64,8,3;verify=packed:64,64,4,3:6'] [--kinds auto,tiles]
 Prints one table (class, candidate, µs, x FlashInfer, x read, err) and writes it to
 $OUT/extend_classes.csv when OUT is set. About 50 Triton compiles and 5 FlashInfer modules:
 split the classes over two runs (``--classes``) if one run must stay short.
@@ -59,6 +59,8 @@ MIB = 2**20
 MAX_SETS = 4
 COLUMNS = ["class", "candidate", "us", "x_flashinfer", "x_read", "err", "note"]
 EXTRA: dict[str, list[tuple]] = {}  # --extra candidates per class
+KINDS: set[str] = set()  # --kinds: the candidate kinds timed (all when empty)
+TILE_MAJOR = triton_extend.TILE_MAJOR_FAMILIES
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,9 @@ CLASSES = {
     "ragged": ExtendClass(28, 4, 128, (0, 0, 0, 0), (777, 1500, 2222, 3000)),
     # Gemma-2 attention (16 / 8 heads, head_dim 256, soft-cap 50)
     "d256-softcap": ExtendClass(16, 8, 256, (0, 0), (2048, 2048), softcap=50.0),
+    # head_dim 256 without a soft-cap (Gemma-3 4B: 8 / 4 heads): one long prefill, one chunk
+    "d256-long": ExtendClass(8, 4, 256, (0,), (8192,)),
+    "d256-chunked": ExtendClass(8, 4, 256, (3000,), (512,)),
     # Mistral-like (32 / 8 heads): window 4096 over an 8192-token prefill
     "window": ExtendClass(32, 8, 128, (0,), (8192,), window=4096),
     # Llama-3.2-1B (32 / 8 heads, head_dim 64)
@@ -148,9 +153,11 @@ def candidates(name: str, cls: ExtendClass, quick: bool) -> list[tuple]:
         out += [("packed", c, s) for c, s in PACKED[cls.dim]]
     if not few:
         out += [("warp-specialized", c) for c in TILES[cls.dim][1:2]]
+        out += [("other-order", c) for c in TILES[cls.dim]]
     if cls.softcap is not None:
         out += [("exact-tanh", TILES[cls.dim][0])]
-    return (out[:4] if quick else out) + EXTRA.get(name, [])
+    out = (out[:4] if quick else out) + EXTRA.get(name, [])
+    return [c for c in out if not KINDS or c[0] in KINDS]
 
 
 def label(candidate: tuple) -> str:
@@ -296,6 +303,10 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
             if candidate[0] == "warp-specialized":  # the tiles kernel, WARP_SPECIALIZE on
                 triton_extend.WARP_SPECIALIZE = True
                 candidate = ("tiles", candidate[1])
+            if candidate[0] == "other-order":  # the tiles kernel, the other program order
+                family = triton_extend.config_family(cls.dim, DTYPE)
+                triton_extend.TILE_MAJOR_FAMILIES = TILE_MAJOR ^ {family}
+                candidate = ("tiles", candidate[1])
             if candidate[0] == "packed-f32-partials":  # float32 split partials
                 triton_verify.PARTIALS_16BIT = False
                 candidate = ("packed", *candidate[1:])
@@ -307,6 +318,7 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
         finally:
             triton_extend.FAST_TANH = True
             triton_extend.WARP_SPECIALIZE = False
+            triton_extend.TILE_MAJOR_FAMILIES = TILE_MAJOR
             triton_verify.PARTIALS_16BIT = True
         picks = [f"{c}" for k, c in triton_extend.autotune_picks().items()
                  if k not in picked_before]  # fmt: skip
@@ -336,7 +348,9 @@ def main() -> None:
         default="",
         help="more candidates: 'window=tiles:128,64,8,3;verify=packed:64,64,4,3:6'",
     )
+    parser.add_argument("--kinds", default="", help="candidate kinds timed, e.g. auto,tiles")
     args = parser.parse_args()
+    KINDS.update(filter(None, args.kinds.split(",")))
     names = args.classes.split(",")
     try:
         EXTRA.update(parse_extra(args.extra))

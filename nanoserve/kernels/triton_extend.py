@@ -5,7 +5,9 @@ grid is (query tiles, query heads) and sized from shapes alone (no host sync): s
 the tile ids from ``cu_seqlens_q[i] // BLOCK_M + i`` on, which is strictly increasing in i, so
 a program finds its sequence by binary search over ``cu_seqlens_q`` and exits early when its
 tile lies past that sequence's new tokens. Tiles run in reverse order (the latest query rows,
-which see the most keys, start first) so the short causal tiles fill the last wave.
+which see the most keys, start first) so the short causal tiles fill the last wave; for the
+families in ``TILE_MAJOR_FAMILIES`` the grid is one dimension, tile-major, so that this holds
+across heads too.
 
 Each program walks its keys in up to three runs: key tiles wholly below the diagonal (and,
 with a sliding window, wholly inside every row's window) take no mask at all; the diagonal
@@ -135,14 +137,19 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, NUM_Q_HEADS: tl.constexpr, HEADS_INNER: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
     FAST_TANH: tl.constexpr, WARP_SPEC: tl.constexpr,
     k_scale=None, v_scale=None, FP8: tl.constexpr = False,
     INT8: tl.constexpr = False, K_GROUPS: tl.constexpr = 1, G_PAD: tl.constexpr = 1,
 ):  # fmt: skip
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # latest (longest) tiles first
-    head = tl.program_id(1)
+    if HEADS_INNER:  # one 1-D grid, every head of a tile before the next tile
+        tiles = tl.num_programs(0) // NUM_Q_HEADS
+        tile = tiles - 1 - tl.program_id(0) // NUM_Q_HEADS  # latest (longest) tiles first
+        head = tl.program_id(0) % NUM_Q_HEADS
+    else:
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        head = tl.program_id(1)
     # Largest i with cu[i] // BLOCK_M + i <= tile, in num_seqs.bit_length() steps: one more
     # than needed at powers of two, and one for a single sequence, which keeps one code path
     # (skipping the search for batch 1 made those prefills slower; see RESULTS.md).
@@ -237,7 +244,8 @@ CUDA_CONFIGS: dict[str, list[tuple[int, int, int, int]]] = {
         (128, 128, 8, 2),
         (64, 32, 4, 2),
     ],
-    "16bit-d256": [(64, 32, 8, 3)],
+    # 4 warps keep the 256-wide rows in registers; 64 keys a tile win when the grid is short
+    "16bit-d256": [(64, 32, 4, 2), (64, 64, 4, 2)],
     "fp32": [(64, 64, 4, 3)],
     "fp32-d256": [(64, 32, 8, 3)],
 }
@@ -260,6 +268,11 @@ ROUTES: dict[tuple[str, int], tuple] = {
 # Warp-specialize the extend kernel's unmasked key loop (Triton's automatic warp
 # specialization); off until the class benchmark shows it pays.
 WARP_SPECIALIZE = False
+# Families whose programs run tile-major (all query heads of the latest tile first, one 1-D
+# grid): with few programs resident per SM (head_dim 256), the (tile, head) grid starts the last
+# heads' longest tiles in the last wave and waits for them; with head_dim up to 128 the class
+# benchmark found tile-major no faster, and slower on chunked prefill (benchmarks/RESULTS.md).
+TILE_MAJOR_FAMILIES = frozenset({"16bit-d256"})
 # Soft-capping through tanh.approx on CUDA for 16-bit queries (see ``fast_tanh``).
 FAST_TANH = True
 # Autotune buckets: a grid under this many waves of BLOCK_M=128 tiles counts as small.
@@ -426,6 +439,7 @@ def paged_extend_attention_triton(
     meta = dict(
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=head_dim_pad(head_dim),
         BLOCK_SIZE=block_size, SEARCH_STEPS=max(1, num_seqs.bit_length()),
+        NUM_Q_HEADS=num_q_heads, HEADS_INNER=family in TILE_MAJOR_FAMILIES,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32, FAST_TANH=fast_tanh(query),
         WARP_SPEC=WARP_SPECIALIZE and query.device.type == "cuda",
@@ -435,14 +449,15 @@ def paged_extend_attention_triton(
     )  # fmt: skip
 
     def grid(m: dict) -> tuple[int, int]:
-        return (total_q // m["BLOCK_M"] + num_seqs, num_q_heads)
+        tiles = total_q // m["BLOCK_M"] + num_seqs
+        return (tiles * num_q_heads, 1) if m["HEADS_INNER"] else (tiles, num_q_heads)
 
     picked_key = (family, head_dim, tune_key, query.dtype, key_cache.dtype)
     if config is None:
         config = _PICKED.get(picked_key)
     if config is not None:
         block_m, block_n, num_warps, num_stages = config
-        _extend_kernel[grid({"BLOCK_M": block_m})](
+        _extend_kernel[grid({"BLOCK_M": block_m, **meta})](
             *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip

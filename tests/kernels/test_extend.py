@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_inputs import TOLERANCE, make_paged_kv, needs_interpreter, poison_hidden, rel_err
 
-from nanoserve.kernels import paged_extend_attention, paged_extend_attention_ref
+from nanoserve.kernels import paged_extend_attention, paged_extend_attention_ref, triton_extend
 from nanoserve.kernels.triton_extend import paged_extend_attention_triton
 
 pytestmark = needs_interpreter
@@ -104,16 +104,20 @@ def test_extend_masked_unmasked_split(tiles, head_dim, window, softcap, poison_o
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("tile_major", [False, True], ids=["tile-head-grid", "tile-major"])
 @pytest.mark.parametrize("num_seqs", [1, 2, 7, 8, 9])
-def test_extend_finds_each_tiles_sequence(num_seqs, poison_outputs):
-    """The grid's tiles map to their sequences for batch sizes at and around powers of two."""
+def test_extend_finds_each_tiles_sequence(num_seqs, tile_major, poison_outputs, monkeypatch):
+    """The grid's tiles map to their sequences and heads for batch sizes at and around powers
+    of two, in either program order."""
+    families = frozenset({"fp32"}) if tile_major else frozenset()
+    monkeypatch.setattr(triton_extend, "TILE_MAJOR_FAMILIES", families)
     new = torch.randint(0, 40, (num_seqs,)).tolist()
     new[0] = max(new[0], 1)
     history = torch.randint(1, 30, (num_seqs,)).tolist()
     lens = [h + n for h, n in zip(history, new, strict=True)]
     key_cache, value_cache, tables, seq_lens = make_paged_kv(lens, 1, 64, 16, torch.float32)
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
-    query = torch.randn(int(cu[-1]), 2, 64)
+    query = torch.randn(int(cu[-1]), 6, 64)
     ref = paged_extend_attention_ref(
         query.double(), key_cache.double(), value_cache.double(), tables, seq_lens, cu
     )

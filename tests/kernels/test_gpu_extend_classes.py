@@ -77,6 +77,20 @@ def test_d256_softcap_prefill(config, fast_tanh, monkeypatch, poison_outputs):
     _check_rows(out, ref, BF16)
 
 
+@pytest.mark.parametrize("window", [None, 200], ids=["causal", "window"])
+def test_d256_prefill_autotuned(window, poison_outputs):
+    """Gemma-3 shapes (8 / 4 heads, head_dim 256, no soft-cap): the tile-major grid under the
+    family's autotuned configs, a ragged prefill with a chunk over history."""
+    args = _inputs([0, 300, 5], [777, 129, 64], 4, 2, 256, 16, BF16)
+    ref = paged_extend_attention_ref(
+        *(a.double() if a.is_floating_point() else a for a in args), sliding_window=window
+    )
+    out = triton_extend.paged_extend_attention_triton(
+        *args, scale=256**-0.5, sliding_window=window, softcap=None
+    )
+    _check_rows(out, ref, BF16)
+
+
 def test_packed_cuda_graph(poison_outputs):
     """paged_extend_attention with check=False and a small max_query_len (the packed,
     split path with its scratch) captured once and replayed on new queries."""
