@@ -352,13 +352,18 @@ def _blocks_held(
 def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) -> list[int]:
     """Blocks a generate call that continues ``paged`` (a returned cache passed back, which
     has seen ``columns`` columns) may need beyond those its rows hold, in each of its layer
-    groups (``paged.groups``): each row grows by at most the columns not cached yet plus the
-    new tokens, and may copy its last block. In a group that releases blocks past its window
-    (``sliding_window``) a row holds at most that window's blocks, as ``_blocks_held`` bounds
-    a new pool's; the blocks the rows hold now make no room meanwhile (the call holds them,
-    to give them back should it fail: ``PagedCache.hold``)."""
+    groups (``paged.groups``): each row grows by at most the columns not cached yet (all of
+    them for assisted and prompt-lookup calls) plus the new tokens, and may copy its last
+    block. In a group that releases blocks past its window (``sliding_window``) a row holds
+    at most that window's blocks, as ``_blocks_held`` bounds a new pool's; the blocks the rows
+    hold now make no room meanwhile (the call holds them, to give them back should it fail:
+    ``PagedCache.hold``)."""
     shape = call_shape(model, args, kwargs)
     extend = max(shape.width - columns, 0)
+    if shape.multi_token_steps:
+        # assisted and prompt-lookup calls: transformers' first forward feeds every column
+        # again on top of the cache (5.25 does), not only those it has not seen
+        extend = shape.width
     grow = extend + shape.new_tokens
     bs = paged.block_size
     need = []

@@ -662,6 +662,37 @@ def test_continuing_with_chunks_or_prompt_lookup(name):
             assert torch.equal(continue_it(first), stock)
 
 
+@pytest.mark.parametrize("kind", ["prompt_lookup", "assistant"])
+def test_continuing_with_draft_tokens_grows_for_the_whole_input(kind):
+    """transformers' first assisted / prompt-lookup forward feeds every column of a
+    continuation again on top of the returned cache (5.25 does), not only the new ones: the
+    pool grows for that and the tokens are stock's (found by a probe: OutOfBlocks, the pool
+    grown only for the columns the cache had not seen)."""
+    from nanoserve.adapters.versions import transformers_before
+
+    if kind == "prompt_lookup" and transformers_before("5.24"):
+        pytest.skip("before 5.24 continuing with prompt lookup is refused (test above)")
+    model, draft = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
+    pattern = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(4))
+    ids, extra = pattern.repeat(1, 10), pattern.repeat(1, 8)
+    draft_opts = {"prompt_lookup_num_tokens": 20} if kind == "prompt_lookup" else {}
+    draft_opts |= {"assistant_model": draft} if kind == "assistant" else {}
+
+    def continue_it():
+        first = stock_generate(
+            model, input_ids=ids, max_new_tokens=4, return_dict_in_generate=True, **GREEDY
+        )
+        longer = torch.cat([first.sequences, extra], dim=1)
+        return stock_generate(
+            model, input_ids=longer, attention_mask=torch.ones_like(longer), max_new_tokens=8,
+            **draft_opts, **{cache_name(model): first.past_key_values}, **GREEDY,
+        )  # fmt: skip
+
+    stock = continue_it()
+    with patched(model):
+        assert torch.equal(continue_it(), stock)
+
+
 @pytest.mark.parametrize("shape", [(2, 1, 1, 6), (2, 1, 6), (6,)])
 def test_a_mask_that_is_not_2d_raises_naming_it(shape):
     """generate takes a 2-D attention_mask, and stock says so (ValueError; for a 1-D mask it
