@@ -26,7 +26,6 @@ from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.model_walk import ModelWalk
 from nanoserve.adapters.pool_memory import check_pool_fits
 from nanoserve.adapters.prefix_salt import begin_prefix_salt, finish_prefix_salt
-from nanoserve.adapters.read_back import READ_BACK_LAG
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.sample_hook import hook, unhook
 from nanoserve.adapters.shared_rows import first_forward
@@ -38,6 +37,7 @@ from nanoserve.adapters.sizing import (
     generate_option,
     pool_size,
     row_growth,
+    window_slack,
 )
 from nanoserve.adapters.step import (
     CACHE_KWARGS,
@@ -634,9 +634,10 @@ def _grow_to(state: PatchState, paged, need: list[int], model) -> None:
         _grow(paged, more)
 
 
-def _new_store(state: PatchState, size: PoolSize, num_blocks, pools, allocators):
+def _new_store(state: PatchState, size: PoolSize, num_blocks, pools, allocators, slack: int):
     """This call's store: a ``PagedKVCache``, or a ``GroupedKVCache`` for a layout of layer
-    groups; ``num_blocks``, ``pools`` and ``allocators`` give one entry per group."""
+    groups; ``num_blocks``, ``pools`` and ``allocators`` give one entry per group; ``slack``:
+    the tokens a windowed layer keeps past its window (``sizing.window_slack``)."""
     layout = state.pool.layout
     if layout.layer_groups is not None:
         return GroupedKVCache(
@@ -647,7 +648,7 @@ def _new_store(state: PatchState, size: PoolSize, num_blocks, pools, allocators)
             pools=pools,
             backend=state.backend,
             allocators=allocators,
-            window_slack=READ_BACK_LAG,
+            window_slack=slack,
             kv_dtype=state.pool.kv_dtype,
             kv_scale=state.pool.kv_scale,
         )
@@ -660,7 +661,7 @@ def _new_store(state: PatchState, size: PoolSize, num_blocks, pools, allocators)
         backend=state.backend,
         allocator=allocators[0],
         sliding_window=layout.sliding_window,
-        window_slack=READ_BACK_LAG,  # the decode loop crops the steps it ran past a stop
+        window_slack=slack,
         kv_dtype=state.pool.kv_dtype,
         kv_scale=state.pool.kv_scale,
     )
@@ -699,6 +700,8 @@ def _paged_generate(self, *args, **kwargs):
             _check_attention(self)
             check_windows(self, state.pool.layout)
             _check_continuation(self, passed, args, kwargs)
+            # (before the growth below, which counts the blocks a window keeps)
+            passed.paged.keep_past_window(window_slack(self, kwargs))
             _room_to_continue(state, passed, self, args, kwargs)
             passed.mask_checked = False
             passed.drops_out = dropout  # (training mode may have changed since)
@@ -763,7 +766,8 @@ def _paged_generate(self, *args, **kwargs):
         check_pool_fits(size, state.pool, self, reclaimable, walk.parameters)
         pool_dtype = state.pool.pool_dtype(self.dtype)
         num_blocks, pools, allocators = _pools_for(state, size, pool_dtype)
-        paged = _new_store(state, size, num_blocks, pools, allocators)
+        slack = window_slack(self, kwargs)
+        paged = _new_store(state, size, num_blocks, pools, allocators, slack)
         cache = PagedCache(paged)
         cache.drops_out = dropout
         salt = None

@@ -188,6 +188,19 @@ class CallShape:
     # Assisted generation and prompt lookup verify several tokens per step, as many as their
     # schedule grows to: a windowed pool is then sized as if it kept every token.
     multi_token_steps: bool = False
+    window_slack: int = READ_BACK_LAG  # tokens a windowed pool keeps past the window
+
+
+def window_slack(model, kwargs: dict, new_tokens: int | None = None) -> int:
+    """Tokens past its window that a windowed pool keeps for a later crop: the decode steps
+    nanoserve's loop runs past a stop before it reads the stop back, and on an assistant
+    model's drafting call (transformers marks its generation config ``is_assistant``) its
+    drafts, which the main model may reject: the next drafting call crops them first.
+    ``new_tokens``: the call's, when ``max_new_tokens`` is unset."""
+    if not generate_option(model, kwargs, "is_assistant"):
+        return READ_BACK_LAG
+    drafts = generate_option(model, kwargs, "max_new_tokens")
+    return READ_BACK_LAG + int(drafts if drafts is not None else new_tokens or 0)
 
 
 def generate_option(model, kwargs: dict, name: str):
@@ -242,7 +255,8 @@ def call_shape(model, args: tuple, kwargs: dict) -> CallShape:
         for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
     )
     spare = 1 if beams > 1 else 0
-    return CallShape(prompt_lens, width, new_tokens, copies, spare, groups, multi)
+    slack = window_slack(model, kwargs, new_tokens)
+    return CallShape(prompt_lens, width, new_tokens, copies, spare, groups, multi, slack)
 
 
 def _groups(inputs, mask, batch: int) -> list[tuple[int, int]]:
@@ -337,7 +351,7 @@ def _blocks_held(
         held = math.ceil((n + new) / bs)
         if window is not None and not shape.multi_token_steps:
             # past its first forward a row holds its window's blocks
-            slack = max(bs, READ_BACK_LAG)  # as the cache keeps (hf.py's window_slack)
+            slack = max(bs, shape.window_slack)  # as the cache keeps (hf.py's window_slack)
             decode = math.ceil((window + slack) / bs) + 1
             bound = max(math.ceil(n / bs), decode)  # the whole prompt, then a window
             if chunk and chunk < n:  # each chunk is stored past its window's blocks only

@@ -144,6 +144,12 @@ class GroupedKVCache:
     def groups(self) -> tuple[PagedKVCache, ...]:
         return self._groups
 
+    def keep_past_window(self, tokens: int) -> None:
+        """Every group's ``PagedKVCache.keep_past_window``."""
+        for group in self._groups:
+            group.keep_past_window(tokens)
+        self.window_slack = self._groups[0].window_slack
+
     def scales_for(self, key_pool: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """(k_scale, v_scale) of the layer whose key pool is ``key_pool``; (None, None)
         unless the pools are FP8 or INT8 (see ``PagedKVCache.scales_for``)."""

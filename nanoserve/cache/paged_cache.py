@@ -297,6 +297,12 @@ class PagedKVCache:
             table.free()
         self.tables = new_tables
 
+    def keep_past_window(self, tokens: int) -> None:
+        """From the next step on, keep at least ``tokens`` past the window before releasing
+        blocks (raises ``window_slack``, never lowers it): a later ``drop_last`` of up to that
+        many tokens can still continue. Blocks released before stay released."""
+        self.window_slack = max(as_index(tokens, "tokens", minimum=0), self.window_slack)
+
     def drop_last(self, n: int) -> None:
         """Forget the last ``n`` tokens of every sequence (assisted decoding's rejected
         candidates); a sequence with fewer keeps none. Under a sliding window, a sequence cut

@@ -43,9 +43,13 @@ def is_patched(model) -> bool:
 
 
 def assert_same(out, stock):
+    """Stock's tokens, and each step's logits within 1e-5 of that step's largest stock logit
+    (paged attention sums in another order: a rotary scaled by 1.7 gave 1.3e-5 beside a
+    largest logit above 1 on an AMD EPYC CPU; stale K/V move logits by 0.26 or more)."""
     assert torch.equal(out.sequences, stock.sequences)
     for ours, theirs in zip(out.logits, stock.logits, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+        bound = 1e-5 * max(theirs.abs().max().item(), 1.0)
+        torch.testing.assert_close(ours, theirs, atol=bound, rtol=0.0)
 
 
 def check_change_invalidates(model, call, change, backend="auto"):

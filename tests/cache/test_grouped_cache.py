@@ -246,6 +246,9 @@ def test_same_public_surface_as_one_pool_or_a_clear_error():
     for _ in range(8):
         grouped.begin_step(mask, "cpu")
     assert grouped.blocks_dropped == sum(g.blocks_dropped for g in grouped.groups) > 0
+    grouped.keep_past_window(3 * BLOCK)  # every group keeps it
+    assert [g.window_slack for g in grouped.groups] == [3 * BLOCK] * len(grouped.groups)
+    assert grouped.window_slack == 3 * BLOCK
     for name in ("tables", "allocator", "pool_lists"):
         with pytest.raises(AttributeError, match=rf"groups\[g\]\.{name}"):
             getattr(grouped, name)

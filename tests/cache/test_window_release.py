@@ -132,6 +132,31 @@ def test_a_sequence_cut_back_past_its_window_takes_no_new_tokens():
     assert cache.allocator.num_used == 0
 
 
+@pytest.mark.parametrize("kept", [None, 12])
+def test_keep_past_window_lets_a_deeper_crop_continue(kept):
+    """``keep_past_window(n)`` (an assistant model's drafting call: its rejected drafts are
+    cropped before the next call) keeps n tokens past the window from the next step on, so a
+    ``drop_last`` of n still continues; without it the same crop refuses new tokens. It
+    never lowers the slack, and names its argument when it is not an index."""
+    cache = PagedKVCache(1, num_blocks=64, block_size=BLOCK, sliding_window=6)
+    run_steps(cache, [10], decode_steps=10)  # 20 tokens
+    if kept is not None:
+        cache.keep_past_window(kept)
+        cache.keep_past_window(2)
+        assert cache.window_slack == kept
+    run_steps(cache, [1], decode_steps=11)  # 12 drafts: 32 tokens
+    cache.drop_last(12)  # back to 20: the next query sees from 15
+    step = torch.tensor([[True]])
+    if kept is None:
+        with pytest.raises(ValueError, match=r"^new_token_mask: sequence 0 was cut back"):
+            cache.begin_step(step, "cpu")
+    else:
+        cache.begin_step(step, "cpu")
+        assert cache.seq_lens() == [21]
+    with pytest.raises(ValueError, match="^tokens: must be >= 0"):
+        cache.keep_past_window(-1)
+
+
 def test_forks_publish_and_reset_release_every_block():
     """Beam-style reorders share the held blocks (released entries stay released in every
     fork); publish skips released entries; a reset leaves no block in use."""
