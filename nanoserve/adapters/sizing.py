@@ -191,16 +191,15 @@ class CallShape:
     window_slack: int = READ_BACK_LAG  # tokens a windowed pool keeps past the window
 
 
-def window_slack(model, kwargs: dict, new_tokens: int | None = None) -> int:
+def window_slack(model, kwargs: dict) -> int:
     """Tokens past its window that a windowed pool keeps for a later crop: the decode steps
     nanoserve's loop runs past a stop before it reads the stop back, and on an assistant
-    model's drafting call (transformers marks its generation config ``is_assistant``) its
-    drafts, which the main model may reject: the next drafting call crops them first.
-    ``new_tokens``: the call's, when ``max_new_tokens`` is unset."""
+    model's drafting call (transformers marks its generation config ``is_assistant`` and
+    passes the drafts' ``max_new_tokens``) its drafts, which the main model may reject: the
+    next drafting call crops them first."""
     if not generate_option(model, kwargs, "is_assistant"):
         return READ_BACK_LAG
-    drafts = generate_option(model, kwargs, "max_new_tokens")
-    return READ_BACK_LAG + int(drafts if drafts is not None else new_tokens or 0)
+    return READ_BACK_LAG + int(generate_option(model, kwargs, "max_new_tokens") or 0)
 
 
 def generate_option(model, kwargs: dict, name: str):
@@ -255,7 +254,7 @@ def call_shape(model, args: tuple, kwargs: dict) -> CallShape:
         for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
     )
     spare = 1 if beams > 1 else 0
-    slack = window_slack(model, kwargs, new_tokens)
+    slack = window_slack(model, kwargs)
     return CallShape(prompt_lens, width, new_tokens, copies, spare, groups, multi, slack)
 
 
@@ -373,11 +372,9 @@ def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) ->
     hold now make no room meanwhile (the call holds them, to give them back should it fail:
     ``PagedCache.hold``)."""
     shape = call_shape(model, args, kwargs)
-    extend = max(shape.width - columns, 0)
-    if shape.multi_token_steps:
-        # assisted and prompt-lookup calls: transformers' first forward feeds every column
-        # again on top of the cache (5.25 does), not only those it has not seen
-        extend = shape.width
+    # assisted and prompt-lookup calls: transformers' first forward feeds every column again
+    # on top of the cache (5.25 does), not only those it has not seen
+    extend = shape.width if shape.multi_token_steps else max(shape.width - columns, 0)
     grow = extend + shape.new_tokens
     bs = paged.block_size
     need = []

@@ -136,7 +136,6 @@ class GroupedKVCache:
         self.backend = backend
         self.kv_dtype = self._groups[0].kv_dtype
         self.kv_scale = self._groups[0].kv_scale
-        self.window_slack = self._groups[0].window_slack
         self.sliding_window = None  # per group: see layer_window
         self._step: StepMetadata | None = None
 
@@ -148,7 +147,11 @@ class GroupedKVCache:
         """Every group's ``PagedKVCache.keep_past_window``."""
         for group in self._groups:
             group.keep_past_window(tokens)
-        self.window_slack = self._groups[0].window_slack
+
+    @property
+    def window_slack(self) -> int:
+        """Tokens every group keeps past its window (``PagedKVCache.window_slack``)."""
+        return self._groups[0].window_slack
 
     def scales_for(self, key_pool: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """(k_scale, v_scale) of the layer whose key pool is ``key_pool``; (None, None)
