@@ -103,9 +103,9 @@ CLASSES = {
 # the GQA-packed split-KV kernel (splits None: its default). "auto" (the launcher's own
 # routing and autotune, given max_query_len) is always run first.
 TILES = {
-    64: [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+    64: [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 2), (128, 128, 8, 2, 128)],
     128: [(64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2)],
-    256: [(64, 32, 8, 3), (64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
+    256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 8, 3)],
 }
 PACKED = {
     64: [((128, 64, 8, 3), None), ((128, 128, 8, 3), None)],
@@ -119,17 +119,17 @@ VERIFY = [((64, 64, 4, 3), None), ((64, 64, 4, 2), 4), ((64, 64, 4, 3), 8), ((64
 
 def parse_extra(text: str) -> dict[str, list[tuple]]:
     """``--extra`` -> {class: [candidate]}: entries split by ";", each
-    ``class=tiles:M,N,W,S`` or ``class=packed:M,N,W,S[:splits]``."""
+    ``class=tiles:M,N,W,S[,R]`` (R: a register cap) or ``class=packed:M,N,W,S[:splits]``."""
     extra: dict[str, list[tuple]] = {}
     for entry in filter(None, text.split(";")):
         try:
             name, spec = entry.split("=")
             kind, config, *splits = spec.split(":")
-            m, n, w, st = (int(x) for x in config.split(","))
-            if kind == "tiles" and not splits:
-                candidate: tuple = ("tiles", (m, n, w, st))
-            elif kind == "packed" and len(splits) <= 1:
-                candidate = ("packed", (m, n, w, st), int(splits[0]) if splits else None)
+            numbers = tuple(int(x) for x in config.split(","))
+            if kind == "tiles" and not splits and len(numbers) in (4, 5):
+                candidate: tuple = ("tiles", numbers)
+            elif kind == "packed" and len(splits) <= 1 and len(numbers) == 4:
+                candidate = ("packed", numbers, int(splits[0]) if splits else None)
             else:
                 raise ValueError(kind)
         except ValueError as e:

@@ -226,17 +226,20 @@ def _extend_kernel(
     tl.store(dst, o.to(out.dtype.element_ty), mask=q_mask)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per family on CUDA; autotune picks among them.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages[, max registers per thread]) per family on CUDA;
+# autotune picks among them. A register cap (Triton's ``maxnreg``) lets two 8-warp programs
+# share an SM where the compiler's own choice fits one.
 # From the sweeps (bench_extend.py --sweep; see RESULTS.md): each is best on some shape;
 # (64, 32, 4, 2) is there for the short-sequence bucket. For head_dim 128, (64, 64, 4, 2)
 # replaced (64, 64, 4, 3), which was slower yet sometimes won the autotune's timing.
-CUDA_CONFIGS: dict[str, list[tuple[int, int, int, int]]] = {
+CUDA_CONFIGS: dict[str, list[tuple[int, ...]]] = {
     "16bit-d64": [
         (128, 64, 8, 3),
         (128, 128, 8, 3),
         (64, 64, 4, 3),
         (64, 64, 4, 2),
         (64, 32, 4, 2),
+        (128, 128, 8, 2, 128),
     ],
     "16bit-d128": [
         (64, 64, 4, 2),
@@ -244,8 +247,9 @@ CUDA_CONFIGS: dict[str, list[tuple[int, int, int, int]]] = {
         (128, 128, 8, 2),
         (64, 32, 4, 2),
     ],
-    # 4 warps keep the 256-wide rows in registers; 64 keys a tile win when the grid is short
-    "16bit-d256": [(64, 32, 4, 2), (64, 64, 4, 2)],
+    # 4-warp tiles of 64 rows win when the grid is short (a chunk over history); 128 rows
+    # over 8 warps, one program per SM, halve the K/V each query row waits on otherwise
+    "16bit-d256": [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2)],
     "fp32": [(64, 64, 4, 3)],
     "fp32-d256": [(64, 32, 8, 3)],
 }
@@ -260,10 +264,11 @@ PACKED_MAX_QUERY_LEN = 16
 # few new tokens, takes the packed kernel's defaults).
 # bench_extend_classes.py prints each class's key beside its candidates.
 ROUTES: dict[tuple[str, int], tuple] = {
-    # head_dim 256 with a soft-cap, any grid: the smallest tile that keeps the 256-wide rows in
-    # registers; autotune's timing picked an 8-warp tile that ran twice as long in the class
-    # benchmark (benchmarks/RESULTS.md).
-    **{("16bit-d256", bucket): ("tiles", (64, 32, 4, 2)) for bucket in (8, 9, 10, 11)},
+    # head_dim 256 with a soft-cap: autotune's timing once picked a tile that ran twice as
+    # long in the class benchmark, so these are fixed: 128-row tiles where the grid is full
+    # and the sequences long, the smallest 4-warp tile elsewhere (benchmarks/RESULTS.md).
+    **{("16bit-d256", bucket): ("tiles", (64, 32, 4, 2)) for bucket in (8, 9, 11)},
+    ("16bit-d256", 10): ("tiles", (128, 64, 8, 2)),
 }
 # Warp-specialize the extend kernel's unmasked key loop (Triton's automatic warp
 # specialization); off until the class benchmark shows it pays.
@@ -341,15 +346,22 @@ def extend_route(key: tuple[str, int]) -> tuple:
     return ("packed", None, None) if key[1] & 16 else ("autotune",)
 
 
+def register_cap(config: tuple[int, ...], query: torch.Tensor) -> dict[str, int]:
+    """Launch options for a config's register cap (its fifth entry): Triton's ``maxnreg``,
+    an NVIDIA-backend option, so none on other devices."""
+    nvidia = query.device.type == "cuda" and torch.version.hip is None
+    return {"maxnreg": config[4]} if len(config) > 4 and nvidia else {}
+
+
 _TUNED: dict[str, object] = {}
 # What autotune chose, by (family, head_dim, bucket, dtypes): later calls launch the
 # kernel with it directly, skipping the autotuner's per-call Python (a launch-bound cost).
-_PICKED: dict[tuple, tuple[int, int, int, int]] = {}
+_PICKED: dict[tuple, tuple[int, ...]] = {}
 
 
-def autotune_picks() -> dict[tuple, tuple[int, int, int, int]]:
+def autotune_picks() -> dict[tuple, tuple[int, ...]]:
     """What autotune chose so far: (family, head_dim, tune_key, query dtype, cache dtype) ->
-    (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg])."""
     return dict(_PICKED)
 
 
@@ -366,8 +378,13 @@ def _graph_bench(kernel_call, quantiles):
 def _tuned_kernel(family: str):
     if family not in _TUNED:
         configs = [
-            triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-            for m, n, w, s in CUDA_CONFIGS[family]
+            triton.Config(
+                {"BLOCK_M": c[0], "BLOCK_N": c[1]},
+                num_warps=c[2],
+                num_stages=c[3],
+                maxnreg=c[4] if len(c) > 4 else None,
+            )
+            for c in CUDA_CONFIGS[family]
         ]
         _TUNED[family] = triton.autotune(
             configs, key=["HEAD_DIM", "tune_key"], do_bench=_graph_bench
@@ -386,7 +403,7 @@ def paged_extend_attention_triton(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     max_query_len: int | None = None,
@@ -395,7 +412,7 @@ def paged_extend_attention_triton(
     FP8 pools come with float32 ``k_scale``/``v_scale`` [Hkv], INT8 pools with their float16
     per-slot scales.
 
-    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) bypasses routing and autotuning
+    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) bypasses routing and autotuning
     (tests, sweeps). Otherwise ``extend_route`` picks the kernel: on CUDA the first call for a
     (head dim, bucket, dtype) not in ``ROUTES`` autotunes: warm up before capturing a CUDA
     graph. ``max_query_len``: a host-known bound on the new tokens of every sequence, or None;
@@ -456,20 +473,16 @@ def paged_extend_attention_triton(
     if config is None:
         config = _PICKED.get(picked_key)
     if config is not None:
-        block_m, block_n, num_warps, num_stages = config
+        block_m, block_n, num_warps, num_stages = config[:4]
         _extend_kernel[grid({"BLOCK_M": block_m, **meta})](
             *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, **register_cap(config, query),
         )  # fmt: skip
         return out
     tuner = _tuned_kernel(family)
     tuner[grid](*args, **meta)
     best = getattr(tuner, "best_config", None)
     if best is not None:
-        _PICKED[picked_key] = (
-            best.kwargs["BLOCK_M"],
-            best.kwargs["BLOCK_N"],
-            best.num_warps,
-            best.num_stages,
-        )
+        picked = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+        _PICKED[picked_key] = picked + ((best.maxnreg,) if best.maxnreg else ())
     return out

@@ -160,7 +160,7 @@ def _window_edge_tiles() -> list[tuple[int, int, int, int]]:
     and one stage suffice under the interpreter."""
     from nanoserve.kernels.triton_extend import CUDA_CONFIGS, INTERPRETER_CONFIG
 
-    tiles = [(m, n) for family in CUDA_CONFIGS.values() for m, n, _, _ in family]
+    tiles = [config[:2] for family in CUDA_CONFIGS.values() for config in family]
     tiles.append(INTERPRETER_CONFIG[:2])
     smallest_m = {n: min(m for m, n2 in tiles if n2 == n) for _, n in tiles}
     return [(m, n, 4, 1) for n, m in sorted(smallest_m.items())]

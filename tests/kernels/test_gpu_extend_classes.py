@@ -61,8 +61,40 @@ def test_packed_real_shapes(case, poison_outputs):
         _check_rows(out, ref, dtype)
 
 
+# (family, head dim): one head dim per 16-bit family, padded where the family pads
+FAMILY_DIMS = {"16bit-d64": 48, "16bit-d128": 80, "16bit-d256": 256}
+AUTOTUNE_CASES = [
+    (family, config)
+    for family, dim in FAMILY_DIMS.items()
+    for config in triton_extend.CUDA_CONFIGS[family]
+]
+
+
+@pytest.mark.parametrize("window", [None, 100], ids=["causal", "window"])
+@pytest.mark.parametrize(("family", "config"), AUTOTUNE_CASES, ids=str)
+def test_every_autotune_config_is_exact(family, config, window, poison_outputs):
+    """Each config autotune may pick (register-capped ones included) at a padded head dim of
+    its family, on sequences of 1, BLOCK_M - 1, BLOCK_M + 1 and 300 new tokens over cached
+    history: autotune times its configs, it does not check them.
+
+    Planted bug: 128-row tiles ending one key early (``q_end`` one short for BLOCK_M 128)
+    failed every 128-row config here and passed the others."""
+    dim = FAMILY_DIMS[family]
+    block_m = config[0]
+    args = _inputs([0, 40, 17, 300], [1, block_m - 1, block_m + 1, 300], 2, 4, dim, 16, BF16)
+    ref = paged_extend_attention_ref(
+        *(a.double() if a.is_floating_point() else a for a in args), sliding_window=window
+    )
+    out = triton_extend.paged_extend_attention_triton(
+        *args, scale=dim**-0.5, sliding_window=window, softcap=None, config=config
+    )
+    _check_rows(out, ref, BF16)
+
+
 @pytest.mark.parametrize("fast_tanh", [True, False], ids=["tanh-approx", "exact-tanh"])
-@pytest.mark.parametrize("config", [None, (64, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2)], ids=str)
+@pytest.mark.parametrize(
+    "config", [None, (64, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 64, 8, 2)], ids=str
+)
 def test_d256_softcap_prefill(config, fast_tanh, monkeypatch, poison_outputs):
     """Gemma-2 shapes (16 / 8 heads, head_dim 256, soft-cap 50): a ragged prefill with a
     chunk over history, in the tile configs the class benchmark tries."""
