@@ -13,12 +13,12 @@ Each program walks its keys in up to three runs: key tiles wholly below the diag
 with a sliding window, wholly inside every row's window) take no mask at all; the diagonal
 tiles (and the window's lower edge) take the causal / window / length mask.
 
-On CUDA the tile shape, warps and pipeline depth come from ``ROUTES`` (fixed picks per
-``route_key``: head-dim family, whether the grid fills the GPU, whether the sequences are
-short, window, soft-cap) or else from ``triton.autotune`` over a small grid per family; off
-GPU (the interpreter) one small fixed tile keeps the tests quick. Calls with few new tokens
-per sequence (a host-known ``max_query_len``), or routed so, take the GQA-packed split-KV
-kernel of triton_verify.py instead.
+On CUDA the tile shape, warps, pipeline depth (and a register cap) come from ``ROUTES``
+(fixed picks per ``route_key``: head-dim family, whether the grid fills the GPU, whether the
+sequences are short, window, soft-cap) or else from ``triton.autotune`` over a small grid
+per family; off GPU (the interpreter) one small fixed tile keeps the tests quick. Calls with
+few new tokens per sequence (a host-known ``max_query_len``), or routed so, take the
+GQA-packed split-KV kernel of triton_verify.py instead.
 """
 
 from __future__ import annotations
@@ -382,7 +382,7 @@ def _tuned_kernel(family: str):
                 {"BLOCK_M": c[0], "BLOCK_N": c[1]},
                 num_warps=c[2],
                 num_stages=c[3],
-                maxnreg=c[4] if len(c) > 4 else None,
+                maxnreg=c[4] if len(c) > 4 and torch.version.hip is None else None,
             )
             for c in CUDA_CONFIGS[family]
         ]
