@@ -247,8 +247,8 @@ CUDA_CONFIGS: dict[str, list[tuple[int, ...]]] = {
         (128, 128, 8, 2),
         (64, 32, 4, 2),
     ],
-    # 4-warp tiles of 64 rows win when the grid is short (a chunk over history); 128 rows
-    # over 8 warps, one program per SM, halve the K/V each query row waits on otherwise
+    # 4-warp tiles of 64 rows won where the grid is short (a chunk over history), 8-warp
+    # tiles of 128 rows (one program per SM) on full grids (benchmarks/RESULTS.md)
     "16bit-d256": [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2)],
     "fp32": [(64, 64, 4, 3)],
     "fp32-d256": [(64, 32, 8, 3)],
