@@ -28,6 +28,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from nanoserve.kernels.dispatch import head_dim_pad, next_pow2, sm_count, unit_stride
 from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_groups
@@ -353,6 +354,10 @@ def register_cap(config: tuple[int, ...], query: torch.Tensor) -> dict[str, int]
     return {"maxnreg": config[4]} if len(config) > 4 and nvidia else {}
 
 
+# Fixed ROUTES tiles a device could not launch (Triton's OutOfResources: a tile picked on an
+# H200 can need more shared memory than another GPU has), by (device, config): those calls
+# take the family's autotune instead, which skips the configs that do not fit.
+_UNFIT: set[tuple[torch.device, tuple[int, ...]]] = set()
 _TUNED: dict[str, object] = {}
 # What autotune chose, by (family, head_dim, bucket, dtypes): later calls launch the
 # kernel with it directly, skipping the autotuner's per-call Python (a launch-bound cost).
@@ -422,6 +427,7 @@ def paged_extend_attention_triton(
     total_q, num_q_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
     key = route_key(query, num_seqs, sliding_window, softcap, max_query_len)
+    routed = False
     if config is None:
         route = extend_route(key)
         # The packed kernel reads pools in the query's dtype only (no FP8 or INT8 scales yet).
@@ -433,8 +439,8 @@ def paged_extend_attention_triton(
                 scale=scale, sliding_window=sliding_window, softcap=softcap,
                 max_query_len=max_query_len, config=route[1], num_splits=route[2],
             )  # fmt: skip
-        if route[0] == "tiles":
-            config = route[1]
+        if route[0] == "tiles" and (query.device, route[1]) not in _UNFIT:
+            config, routed = route[1], True
     if config is None and query.device.type != "cuda":
         config = INTERPRETER_CONFIG
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -469,15 +475,25 @@ def paged_extend_attention_triton(
         tiles = total_q // m["BLOCK_M"] + num_seqs
         return (tiles * num_q_heads, 1) if m["HEADS_INNER"] else (tiles, num_q_heads)
 
-    picked_key = (family, head_dim, tune_key, query.dtype, key_cache.dtype)
-    if config is None:
-        config = _PICKED.get(picked_key)
-    if config is not None:
+    def launch(config: tuple[int, ...]) -> None:
         block_m, block_n, num_warps, num_stages = config[:4]
         _extend_kernel[grid({"BLOCK_M": block_m, **meta})](
             *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps, num_stages=num_stages, **register_cap(config, query),
         )  # fmt: skip
+
+    if routed:
+        try:
+            launch(config)
+            return out
+        except OutOfResources:  # raised before anything runs: nothing written yet
+            _UNFIT.add((query.device, config))
+            config = INTERPRETER_CONFIG if query.device.type != "cuda" else None
+    picked_key = (family, head_dim, tune_key, query.dtype, key_cache.dtype)
+    if config is None:
+        config = _PICKED.get(picked_key)
+    if config is not None:
+        launch(config)
         return out
     tuner = _tuned_kernel(family)
     tuner[grid](*args, **meta)

@@ -213,3 +213,45 @@ def test_extend_window_edge_on_every_residue(tile, poison_outputs):
         f"token {worst} (sequence {seq}, edge residue {edges[seq] % block_n}): "
         f"relative error {row_err.max():.2e}"
     )
+
+
+def test_a_routed_tile_the_device_cannot_hold_falls_back(monkeypatch, poison_outputs):
+    """A fixed ROUTES tile that the device cannot launch (Triton's OutOfResources before
+    anything runs: a tile picked on an H200 needs more shared memory than another GPU has)
+    gives the call to what an unrouted call takes, and is not tried again on that device.
+
+    Planted bugs: without the fallback the call raised OutOfResources; without remembering
+    the tile, each call tried it again (the launches below were [32, 16, 32, 16])."""
+    from triton.runtime.errors import OutOfResources
+
+    history, new = [0, 20], [33, 5]
+    lens = [h + n for h, n in zip(history, new, strict=True)]
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(lens, 2, 64, 16, torch.float32)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), 4, 64)
+    args = (query, key_cache, value_cache, tables, seq_lens, cu)
+    ref = paged_extend_attention_ref(*(a.double() if a.is_floating_point() else a for a in args))
+    routed = (32, 16, 4, 1)
+    key = triton_extend.route_key(query, len(new), None, None)
+    monkeypatch.setitem(triton_extend.ROUTES, key, ("tiles", routed))
+    monkeypatch.setattr(triton_extend, "_UNFIT", set())
+    real, launched = triton_extend._extend_kernel, []
+
+    class TooBigForThisDevice:
+        def __getitem__(self, grid):
+            def run(*a, **meta):
+                launched.append(meta["BLOCK_M"])
+                if meta["BLOCK_M"] == routed[0]:
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+                return real[grid](*a, **meta)
+
+            return run
+
+    monkeypatch.setattr(triton_extend, "_extend_kernel", TooBigForThisDevice())
+    for _ in range(2):
+        out = paged_extend_attention_triton(
+            *args, scale=64**-0.5, sliding_window=None, softcap=None
+        )
+        assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    fallback = triton_extend.INTERPRETER_CONFIG[0]
+    assert launched == [routed[0], fallback, fallback]
