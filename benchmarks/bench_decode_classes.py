@@ -3,7 +3,8 @@ batches, batch 1 at long context with 4 or 8 KV heads, mid-sized K/V, large unif
 
 bf16, block 16, blocks scattered at random, NaN in every unused slot of the pools (a leak shows
 as a non-finite error). Per class: nanoserve's default launch (balanced work items), its
-balanced launch at other targets (``--sweep``), the fixed-split launch it used before, FlashInfer
+balanced launch at other targets (``--sweep``), the fixed-split launch it used before, the launch
+with block ids loaded a step ahead (``TABLE_AHEAD``, three and four stages), FlashInfer
 0.5.3's paged decode with tensor cores over the same pools (when it imports), and a pure read of
 the K/V bytes the rows hold. Timed with ``triton.testing.do_bench_cudagraph`` rotating over
 input sets; errors against the float32 reference over every row. Usage:
@@ -30,7 +31,7 @@ import triton  # noqa: E402
 from bench_decode import flashinfer_or_reason  # noqa: E402
 from harness import ceiling, num_input_sets, rel_err, show_table, time_graph, versions  # noqa: E402
 
-from nanoserve.kernels import paged_decode_attention_ref  # noqa: E402
+from nanoserve.kernels import paged_decode_attention_ref, triton_decode  # noqa: E402
 from nanoserve.kernels.dispatch import sm_count  # noqa: E402
 from nanoserve.kernels.triton_decode import (  # noqa: E402
     choose_num_splits,
@@ -132,6 +133,21 @@ def nanoserve_fn(s: dict, **launch):
     return run
 
 
+def table_ahead_fn(s: dict, **launch):
+    """nanoserve's launch with ``triton_decode.TABLE_AHEAD`` on while it plans and launches
+    (a graph captured from it keeps that kernel)."""
+    inner = nanoserve_fn(s, **launch)
+
+    def run():
+        triton_decode.TABLE_AHEAD = True
+        try:
+            return inner()
+        finally:
+            triton_decode.TABLE_AHEAD = False
+
+    return run
+
+
 def reference(s: dict) -> torch.Tensor:
     return paged_decode_attention_ref(
         s["q"].float(), s["kc"].float(), s["vc"].float(), s["bt"], s["sl"], check=False
@@ -147,6 +163,9 @@ def candidates(s: dict, flashinfer, sweep: bool) -> dict:
     out = {
         "nanoserve": nanoserve_fn(s),
         f"fixed_splits_{old_splits}": nanoserve_fn(s, num_splits=old_splits),
+        # block ids a step ahead: the plan's own choices (three stages), then a fourth stage
+        "table_ahead": table_ahead_fn(s),
+        "table_ahead_4_stages": table_ahead_fn(s, config=(plan.block_n, plan.num_warps, 4)),
     }
     if sweep:
         for splits in (1, 2, 4):

@@ -49,6 +49,12 @@ MERGE_ITEMS_STEP = 64
 # own choice holds both converted 16-bit tiles at once and fits two programs per SM; capped,
 # four fit (a few registers spill), which hides more of the conversion's latency.
 FP8_TILE_REGISTERS = 128
+# Load each K/V tile's block ids one step ahead, as a value carried by the loop. Triton's
+# pipeliner otherwise gives the block-table load a stage of its own and keeps one K/V buffer,
+# so a program's next loads wait for its current tile; with the ids ahead, a third stage is a
+# second K/V buffer filled while the current tile computes. Off until the class benchmark
+# shows it pays (see benchmarks/RESULTS.md).
+TABLE_AHEAD = False
 
 
 @triton.jit
@@ -79,6 +85,7 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
     k_scale=None, v_scale=None, FP8: tl.constexpr = False,
     INT8: tl.constexpr = False, K_GROUPS: tl.constexpr = 1, K_GW: tl.constexpr = 16,
+    TABLE_AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(PDL)  # (the merge kernel's launch then starts while this one runs)
     # one grid axis for (work, KV head): axis 1 of a CUDA grid stops at 65,535
@@ -143,10 +150,21 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     table = block_tables + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch
+    ahead_ids = tl.zeros([BLOCK_N], tl.int32)  # (Triton wants loop values defined before)
+    if TABLE_AHEAD:
+        ahead = lo + tl.arange(0, BLOCK_N)
+        ahead_ids = tl.load(table + ahead // BLOCK_SIZE, mask=(ahead < hi) & (ahead >= kv_start),
+                            other=0)  # fmt: skip
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = (pos < hi) & (pos >= kv_start)
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        if TABLE_AHEAD:
+            block = ahead_ids.to(tl.int64)
+            ahead = pos + BLOCK_N
+            ahead_ids = tl.load(table + ahead // BLOCK_SIZE,
+                                mask=(ahead < hi) & (ahead >= kv_start), other=0)  # fmt: skip
+        else:
+            block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + head_off
         kv_mask = valid[:, None] & d_mask[None, :]
         v = tl.load(value_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -355,7 +373,8 @@ class DecodePlan(NamedTuple):
     """How one decode launch runs: tile, warps, stages, and either ``num_splits`` fixed splits
     per row (``work_items`` 0) or the balanced plan (``num_splits`` 0): rows cut into items of
     about total_tokens / ``work_items`` tokens, at least one item per row. ``max_registers``
-    caps the split kernel's registers per thread (0: the compiler's choice)."""
+    caps the split kernel's registers per thread (0: the compiler's choice); ``table_ahead``
+    loads block ids a step ahead (``TABLE_AHEAD``)."""
 
     block_n: int
     num_warps: int
@@ -363,6 +382,7 @@ class DecodePlan(NamedTuple):
     num_splits: int
     work_items: int
     max_registers: int = 0
+    table_ahead: bool = False
 
 
 def decode_plan(
@@ -408,11 +428,12 @@ def decode_plan(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, block_n, query.device)
         if many_long:
             num_splits = max(num_splits, 2)
-    if config is None and not fp8_tiles and (balanced or num_splits > 1):
+    if config is None and not fp8_tiles and (balanced or num_splits > 1) and not TABLE_AHEAD:
         # A split launch pipelines two stages deep: a third stage costs this grid's split
-        # kernel registers, hence occupancy, and ran slower (see RESULTS.md).
+        # kernel registers, hence occupancy, and ran slower (see RESULTS.md); it was a stage
+        # for the block-table load, which TABLE_AHEAD takes out of the pipeline.
         num_stages = min(num_stages, 2)
-    return DecodePlan(block_n, num_warps, num_stages, num_splits, items, max_registers)
+    return DecodePlan(block_n, num_warps, num_stages, num_splits, items, max_registers, TABLE_AHEAD)
 
 
 def paged_decode_attention_triton(
@@ -483,6 +504,7 @@ def paged_decode_attention_triton(
         FP32=query.dtype == torch.float32, PDL=pdl,
         k_scale=k_scale, v_scale=v_scale, FP8=key_cache.dtype == FP8_DTYPE,
         INT8=int8, K_GROUPS=int8_groups(head_dim, INT8_K_GROUP), K_GW=INT8_K_GROUP,
+        TABLE_AHEAD=plan.table_ahead,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch, **registers,
     )  # fmt: skip
     if balanced:

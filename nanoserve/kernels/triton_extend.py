@@ -67,7 +67,7 @@ def _attend_tiles(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
     FAST_TANH: tl.constexpr, WARP_SPEC: tl.constexpr,
     k_scale=None, v_scale=None, INT8: tl.constexpr = False, K_GROUPS: tl.constexpr = 1,
-    G_PAD: tl.constexpr = 1,
+    G_PAD: tl.constexpr = 1, TABLE_AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     """Online softmax over key tiles [lo, hi) (lo a multiple of BLOCK_N).
 
@@ -76,14 +76,23 @@ def _attend_tiles(
     are not loaded, and the causal (and window) test applies per row. WARP_SPEC asks Triton
     to warp-specialize the loop (loads and matmuls in separate warps). INT8 pools come with
     their per-slot scales (``k_scale``/``v_scale``): keys are dequantized tile by tile (G_PAD
-    groups of channels), a value's scale folds into its softmax weight.
+    groups of channels), a value's scale folds into its softmax weight. TABLE_AHEAD (unmasked
+    runs) loads the next tile's block ids a step ahead (see ``TABLE_AHEAD``).
     """
     d = tl.arange(0, D_PAD)
+    ahead_ids = tl.zeros([BLOCK_N], tl.int32)  # (Triton wants loop values defined before)
+    if TABLE_AHEAD and not MASKED:
+        ahead = lo + tl.arange(0, BLOCK_N)
+        ahead_ids = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < hi, other=0)
     for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         pos = start + tl.arange(0, BLOCK_N)
         if MASKED:
             valid = (pos < kv_hi) & (pos >= kv_lo)
             block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
+        elif TABLE_AHEAD:
+            block = ahead_ids
+            ahead = pos + BLOCK_N
+            ahead_ids = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < hi, other=0)
         else:
             block = tl.load(table + pos // BLOCK_SIZE)
         rows = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + head_off
@@ -143,6 +152,7 @@ def _extend_kernel(
     FAST_TANH: tl.constexpr, WARP_SPEC: tl.constexpr,
     k_scale=None, v_scale=None, FP8: tl.constexpr = False,
     INT8: tl.constexpr = False, K_GROUPS: tl.constexpr = 1, G_PAD: tl.constexpr = 1,
+    TABLE_AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     if HEADS_INNER:  # one 1-D grid, every head of a tile before the next tile
         tiles = tl.num_programs(0) // NUM_Q_HEADS
@@ -211,7 +221,7 @@ def _extend_kernel(
         acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
         full_lo, diag, kv_lo, kv_hi, qk_scale, scale, softcap, window,
         HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
-        WARP_SPEC, k_scale, v_scale, INT8, K_GROUPS, G_PAD,
+        WARP_SPEC, k_scale, v_scale, INT8, K_GROUPS, G_PAD, TABLE_AHEAD,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
@@ -274,6 +284,12 @@ ROUTES: dict[tuple[str, int], tuple] = {
 # Warp-specialize the extend kernel's unmasked key loop (Triton's automatic warp
 # specialization); off until the class benchmark shows it pays.
 WARP_SPECIALIZE = False
+# Load the unmasked run's block ids a step ahead (a value carried by the loop): Triton's
+# pipeliner otherwise spends a stage on the block-table load, so that up to four stages keep
+# one K/V tile in flight, issued after the tile before it computed; with the ids ahead, three
+# stages fill a K/V buffer while the tile before it computes. Off until the class benchmark
+# shows it pays (see benchmarks/RESULTS.md).
+TABLE_AHEAD = False
 # Families whose programs run tile-major (all query heads of the latest tile first, one 1-D
 # grid): with few programs resident per SM (head_dim 256), the (tile, head) grid starts the last
 # heads' longest tiles in the last wave and waits for them; with head_dim up to 128 the class
@@ -465,7 +481,7 @@ def paged_extend_attention_triton(
         NUM_Q_HEADS=num_q_heads, HEADS_INNER=family in TILE_MAJOR_FAMILIES,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32, FAST_TANH=fast_tanh(query),
-        WARP_SPEC=WARP_SPECIALIZE and query.device.type == "cuda",
+        WARP_SPEC=WARP_SPECIALIZE and query.device.type == "cuda", TABLE_AHEAD=TABLE_AHEAD,
         k_scale=k_scale, v_scale=v_scale, FP8=key_cache.dtype == FP8_DTYPE,
         INT8=key_cache.dtype == INT8_DTYPE, K_GROUPS=int8_groups(head_dim, INT8_K_GROUP),
         G_PAD=head_dim_pad(head_dim) // INT8_K_GROUP,
