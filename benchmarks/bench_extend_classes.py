@@ -3,7 +3,8 @@ FlashInfer's paged prefill and a pure read of the same K/V bytes. It decides not
 table shows each candidate so the defaults can be picked from it: ``ROUTES`` (a fixed kernel
 and config per route key; each class's key is printed in its pure_read row),
 ``CUDA_CONFIGS`` (what autotune tries), ``PACKED_MAX_QUERY_LEN``, ``FAST_TANH``,
-``TILE_MAJOR_FAMILIES`` ("other-order" rows) and ``WARP_SPECIALIZE`` in
+``TILE_MAJOR_FAMILIES`` ("other-order" rows), ``TABLE_AHEAD`` ("table-ahead" rows) and
+``WARP_SPECIALIZE`` in
 triton_extend.py; ``packed_config``, ``PROGRAMS_PER_SM`` and ``PARTIALS_16BIT`` in
 triton_verify.py. "auto" is
 what the launcher does today (given max_query_len, as an adapter that knows it would pass).
@@ -96,6 +97,12 @@ CLASSES = {
     "window": ExtendClass(32, 8, 128, (0,), (8192,), window=4096),
     # Llama-3.2-1B (32 / 8 heads, head_dim 64)
     "d64": ExtendClass(32, 8, 64, (0,) * 8, (2048,) * 8),
+    # more of the routes' buckets (Llama-3-8B heads; Gemma-3 12B: 16 / 8, head_dim 256): two
+    # chunks over unequal history, one short prompt, a window over two prompts, a short chunk
+    "chunked-2x256": ExtendClass(32, 8, 128, (6000, 1500), (256, 256)),
+    "short-400": ExtendClass(32, 8, 128, (0,), (400,)),
+    "window-2x4096": ExtendClass(32, 8, 128, (0, 0), (4096, 4096), window=2048),
+    "d256-chunked-256": ExtendClass(16, 8, 256, (5000,), (256,)),
 }
 
 # nanoserve candidates per head-dim family: ("tiles", (BLOCK_M, BLOCK_N, warps, stages)) is
@@ -111,6 +118,13 @@ PACKED = {
     64: [((128, 64, 8, 3), None), ((128, 128, 8, 3), None)],
     128: [((128, 64, 8, 3), None), ((64, 64, 4, 3), None), ((128, 64, 8, 3), 2)],
     256: [((64, 32, 4, 2), None), ((64, 64, 8, 2), None), ((128, 32, 8, 2), None)],
+}
+# block ids a step ahead (TABLE_AHEAD): three stages are then a second K/V buffer (sizes from
+# extend_resources.py: two or three programs per SM)
+TABLE_AHEAD_TILES = {
+    64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3, 128)],
+    128: [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3, 128)],
+    256: [(64, 32, 4, 3), (128, 32, 8, 3)],
 }
 # the few-token case: packed tiles of 64 rows, over split counts
 VERIFY = [((64, 64, 4, 3), None), ((64, 64, 4, 2), 4), ((64, 64, 4, 3), 8), ((64, 128, 8, 3), 8),
@@ -154,6 +168,7 @@ def candidates(name: str, cls: ExtendClass, quick: bool) -> list[tuple]:
     if not few:
         out += [("warp-specialized", c) for c in TILES[cls.dim][1:2]]
         out += [("other-order", c) for c in TILES[cls.dim]]
+        out += [("table-ahead", c) for c in TABLE_AHEAD_TILES[cls.dim]]
     if cls.softcap is not None:
         out += [("exact-tanh", TILES[cls.dim][0])]
     out = (out[:4] if quick else out) + EXTRA.get(name, [])
@@ -303,6 +318,9 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
             if candidate[0] == "warp-specialized":  # the tiles kernel, WARP_SPECIALIZE on
                 triton_extend.WARP_SPECIALIZE = True
                 candidate = ("tiles", candidate[1])
+            if candidate[0] == "table-ahead":  # the tiles kernel, block ids a step ahead
+                triton_extend.TABLE_AHEAD = True
+                candidate = ("tiles", candidate[1])
             if candidate[0] == "other-order":  # the tiles kernel, the other program order
                 family = triton_extend.config_family(cls.dim, DTYPE)
                 triton_extend.TILE_MAJOR_FAMILIES = TILE_MAJOR ^ {family}
@@ -318,6 +336,7 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
         finally:
             triton_extend.FAST_TANH = True
             triton_extend.WARP_SPECIALIZE = False
+            triton_extend.TABLE_AHEAD = False
             triton_extend.TILE_MAJOR_FAMILIES = TILE_MAJOR
             triton_verify.PARTIALS_16BIT = True
         picks = [f"{c}" for k, c in triton_extend.autotune_picks().items()

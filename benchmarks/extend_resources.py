@@ -7,7 +7,7 @@ The installed Triton compiles: its code generation may differ from the device's 
 (the H200 has triton 3.6; ``pip install triton==3.6.0`` into a separate environment matches
 it). Usage:
     python benchmarks/extend_resources.py [--configs 64,64,4,2;128,64,8,2,128]
-        [--head-dims 64,128,256] [--arch 90] [--window] [--softcap]
+        [--head-dims 64,128,256] [--arch 90] [--window] [--softcap] [--table-ahead]
 Prints one row per (head dim, config): registers a thread, local memory (spills), shared
 memory, and programs per SM by registers and by shared memory (H100/H200: 64K registers,
 227 KiB of shared memory a block may use, 228 KiB an SM).
@@ -44,7 +44,7 @@ ALIGNED = ("stride_qt", "stride_qh", "stride_cb", "stride_ct", "stride_ch", "str
 
 
 def compile_extend(config: tuple[int, ...], head_dim: int, arch: int, window: bool,
-                   softcap: bool):  # fmt: skip
+                   softcap: bool, table_ahead: bool = False):  # fmt: skip
     """The compiled ``_extend_kernel`` for bf16 pools at ``config`` (BLOCK_M, BLOCK_N,
     warps, stages[, maxnreg]), 28 query / 4 KV heads, block size 16."""
     fn = triton_extend._extend_kernel
@@ -54,7 +54,7 @@ def compile_extend(config: tuple[int, ...], head_dim: int, arch: int, window: bo
         BLOCK_M=block_m, BLOCK_N=block_n, SEARCH_STEPS=3, NUM_Q_HEADS=28,
         HEADS_INNER=head_dim > 128, HAS_WINDOW=window, HAS_SOFTCAP=softcap, FP32=False,
         FAST_TANH=softcap, WARP_SPEC=False, k_scale=None, v_scale=None, FP8=False,
-        INT8=False, K_GROUPS=1, G_PAD=1,
+        INT8=False, K_GROUPS=1, G_PAD=1, TABLE_AHEAD=table_ahead,
     )  # fmt: skip
     signature, hints = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
     parser.add_argument("--window", action="store_true", help="with a sliding window")
     parser.add_argument("--softcap", action="store_true", help="with a soft-cap")
+    parser.add_argument("--table-ahead", action="store_true", help="TABLE_AHEAD on")
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_{args.arch}")
     print("| head dim | config | registers | spill bytes | shared KiB | programs/SM |")
@@ -108,7 +109,10 @@ def main() -> None:
         family = triton_extend.config_family(head_dim, torch.bfloat16)
         configs = parse_configs(args.configs) or triton_extend.CUDA_CONFIGS[family]
         for config in configs:
-            r = resources(compile_extend(config, head_dim, args.arch, args.window, args.softcap))
+            kernel = compile_extend(
+                config, head_dim, args.arch, args.window, args.softcap, args.table_ahead
+            )
+            r = resources(kernel)
             # registers are allocated 8 a thread at a time
             by_registers = REGISTERS_PER_SM // (-(-r["registers"] // 8) * 8 * 32 * config[2])
             by_shared = SHARED_PER_SM // max(r["shared"] + 1024, 1)

@@ -67,7 +67,7 @@ def _attend_tiles(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr,
     FAST_TANH: tl.constexpr, WARP_SPEC: tl.constexpr,
     k_scale=None, v_scale=None, INT8: tl.constexpr = False, K_GROUPS: tl.constexpr = 1,
-    G_PAD: tl.constexpr = 1,
+    G_PAD: tl.constexpr = 1, TABLE_AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     """Online softmax over key tiles [lo, hi) (lo a multiple of BLOCK_N).
 
@@ -76,14 +76,23 @@ def _attend_tiles(
     are not loaded, and the causal (and window) test applies per row. WARP_SPEC asks Triton
     to warp-specialize the loop (loads and matmuls in separate warps). INT8 pools come with
     their per-slot scales (``k_scale``/``v_scale``): keys are dequantized tile by tile (G_PAD
-    groups of channels), a value's scale folds into its softmax weight.
+    groups of channels), a value's scale folds into its softmax weight. TABLE_AHEAD (unmasked
+    runs) loads the next tile's block ids a step ahead (see ``TABLE_AHEAD``).
     """
     d = tl.arange(0, D_PAD)
+    ahead_ids = tl.zeros([BLOCK_N], tl.int32)  # (Triton wants loop values defined before)
+    if TABLE_AHEAD and not MASKED:
+        ahead = lo + tl.arange(0, BLOCK_N)
+        ahead_ids = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < hi, other=0)
     for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         pos = start + tl.arange(0, BLOCK_N)
         if MASKED:
             valid = (pos < kv_hi) & (pos >= kv_lo)
             block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
+        elif TABLE_AHEAD:
+            block = ahead_ids
+            ahead = pos + BLOCK_N
+            ahead_ids = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < hi, other=0)
         else:
             block = tl.load(table + pos // BLOCK_SIZE)
         rows = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + head_off
@@ -143,6 +152,7 @@ def _extend_kernel(
     FAST_TANH: tl.constexpr, WARP_SPEC: tl.constexpr,
     k_scale=None, v_scale=None, FP8: tl.constexpr = False,
     INT8: tl.constexpr = False, K_GROUPS: tl.constexpr = 1, G_PAD: tl.constexpr = 1,
+    TABLE_AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     if HEADS_INNER:  # one 1-D grid, every head of a tile before the next tile
         tiles = tl.num_programs(0) // NUM_Q_HEADS
@@ -211,7 +221,7 @@ def _extend_kernel(
         acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
         full_lo, diag, kv_lo, kv_hi, qk_scale, scale, softcap, window,
         HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
-        WARP_SPEC, k_scale, v_scale, INT8, K_GROUPS, G_PAD,
+        WARP_SPEC, k_scale, v_scale, INT8, K_GROUPS, G_PAD, TABLE_AHEAD,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
@@ -260,7 +270,8 @@ INTERPRETER_CONFIG = (16, 32, 4, 1)
 # (memory-bound like decode) unless ROUTES says otherwise.
 PACKED_MAX_QUERY_LEN = 16
 # Fixed picks per route_key (family, bucket), bypassing autotune: ("tiles", (BLOCK_M,
-# BLOCK_N, num_warps, num_stages)) for the extend kernel here, ("packed", config or None,
+# BLOCK_N, num_warps, num_stages[, maxnreg])) for the extend kernel here, "tiles-ahead" for
+# it with the block ids loaded a step ahead (``TABLE_AHEAD``), ("packed", config or None,
 # splits or None) for the GQA-packed split-KV kernel; a key not listed autotunes (or, for
 # few new tokens, takes the packed kernel's defaults).
 # bench_extend_classes.py prints each class's key beside its candidates.
@@ -270,10 +281,24 @@ ROUTES: dict[tuple[str, int], tuple] = {
     # and the sequences long, the smallest 4-warp tile elsewhere (benchmarks/RESULTS.md).
     **{("16bit-d256", bucket): ("tiles", (64, 32, 4, 2)) for bucket in (8, 9, 11)},
     ("16bit-d256", 10): ("tiles", (128, 64, 8, 2)),
+    # Chunks over history (a short grid of short sequences) and windowed prefill over a full
+    # grid: three stages with the ids ahead (a second K/V buffer) beat every autotune config
+    # in the class benchmark; elsewhere they lost (benchmarks/RESULTS.md).
+    ("16bit-d128", 1): ("tiles-ahead", (64, 64, 4, 3)),
+    ("16bit-d128", 6): ("tiles-ahead", (128, 32, 8, 3, 128)),
+    ("16bit-d256", 1): ("tiles-ahead", (64, 32, 4, 3)),
 }
+# Route kinds that launch the extend kernel here at a fixed config.
+TILE_ROUTES = ("tiles", "tiles-ahead")
 # Warp-specialize the extend kernel's unmasked key loop (Triton's automatic warp
 # specialization); off until the class benchmark shows it pays.
 WARP_SPECIALIZE = False
+# Load the unmasked run's block ids a step ahead (a value carried by the loop): Triton's
+# pipeliner otherwise spends a stage on the block-table load, so that up to four stages keep
+# one K/V tile in flight, issued after the tile before it computed; with the ids ahead, three
+# stages fill a K/V buffer while the tile before it computes. "tiles-ahead" routes turn it
+# on for their calls; this turns it on for every call (benchmarks, tests).
+TABLE_AHEAD = False
 # Families whose programs run tile-major (all query heads of the latest tile first, one 1-D
 # grid): with few programs resident per SM (head_dim 256), the (tile, head) grid starts the last
 # heads' longest tiles in the last wave and waits for them; with head_dim up to 128 the class
@@ -427,7 +452,7 @@ def paged_extend_attention_triton(
     total_q, num_q_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
     key = route_key(query, num_seqs, sliding_window, softcap, max_query_len)
-    routed = False
+    routed, table_ahead = False, TABLE_AHEAD
     if config is None:
         route = extend_route(key)
         # The packed kernel reads pools in the query's dtype only (no FP8 or INT8 scales yet).
@@ -439,8 +464,9 @@ def paged_extend_attention_triton(
                 scale=scale, sliding_window=sliding_window, softcap=softcap,
                 max_query_len=max_query_len, config=route[1], num_splits=route[2],
             )  # fmt: skip
-        if route[0] == "tiles" and (query.device, route[1]) not in _UNFIT:
+        if route[0] in TILE_ROUTES and (query.device, route[1]) not in _UNFIT:
             config, routed = route[1], True
+            table_ahead = table_ahead or route[0] == "tiles-ahead"
     if config is None and query.device.type != "cuda":
         config = INTERPRETER_CONFIG
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -465,7 +491,7 @@ def paged_extend_attention_triton(
         NUM_Q_HEADS=num_q_heads, HEADS_INNER=family in TILE_MAJOR_FAMILIES,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         FP32=query.dtype == torch.float32, FAST_TANH=fast_tanh(query),
-        WARP_SPEC=WARP_SPECIALIZE and query.device.type == "cuda",
+        WARP_SPEC=WARP_SPECIALIZE and query.device.type == "cuda", TABLE_AHEAD=table_ahead,
         k_scale=k_scale, v_scale=v_scale, FP8=key_cache.dtype == FP8_DTYPE,
         INT8=key_cache.dtype == INT8_DTYPE, K_GROUPS=int8_groups(head_dim, INT8_K_GROUP),
         G_PAD=head_dim_pad(head_dim) // INT8_K_GROUP,
@@ -489,6 +515,7 @@ def paged_extend_attention_triton(
         except OutOfResources:  # raised before anything runs: nothing written yet
             _UNFIT.add((query.device, config))
             config = INTERPRETER_CONFIG if query.device.type != "cuda" else None
+            meta["TABLE_AHEAD"] = TABLE_AHEAD  # what an unrouted call takes
     picked_key = (family, head_dim, tune_key, query.dtype, key_cache.dtype)
     if config is None:
         config = _PICKED.get(picked_key)
