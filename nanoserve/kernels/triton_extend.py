@@ -13,10 +13,11 @@ Each program walks its keys in up to three runs: key tiles wholly below the diag
 with a sliding window, wholly inside every row's window) take no mask at all; the diagonal
 tiles (and the window's lower edge) take the causal / window / length mask.
 
-On CUDA the tile shape, warps, pipeline depth (and a register cap) come from ``ROUTES``
-(fixed picks per ``route_key``: head-dim family, whether the grid fills the GPU, whether the
-sequences are short, window, soft-cap) or else from ``triton.autotune`` over a small grid
-per family; off GPU (the interpreter) one small fixed tile keeps the tests quick. Calls with
+The tile shape, warps, pipeline depth (a register cap, and whether each tile's block ids
+load a step ahead) come from ``ROUTES`` (fixed picks per ``route_key``: head-dim family,
+whether the grid fills the GPU, whether the sequences are short, window, soft-cap), or else
+on CUDA from ``triton.autotune`` over a small grid per family, and off GPU (the
+interpreter) from one small fixed tile that keeps the tests quick. Calls with
 few new tokens per sequence (a host-known ``max_query_len``), or routed so, take the
 GQA-packed split-KV kernel of triton_verify.py instead.
 """
