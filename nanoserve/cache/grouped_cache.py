@@ -24,6 +24,7 @@ from nanoserve.cache.allocator import BlockAllocator, as_index
 from nanoserve.cache.paged_cache import (
     PagedKVCache,
     StepMetadata,
+    check_given_scales,
     grouped_metadata,
     step_device,
 )
@@ -106,6 +107,8 @@ class GroupedKVCache:
                     f"pools: entry {g} must be two (or four) lists of {len(layers)} entries "
                     "(the group's layers)"
                 )
+        for group_pools in pools:  # before any group's constructor frees its allocator
+            check_given_scales(group_pools, kv_scale)
         self.layer_groups = groups
         self._groups = tuple(
             PagedKVCache(

@@ -162,6 +162,26 @@ def _misfit(
     )
 
 
+def check_given_scales(pools: tuple[list, ...] | None, kv_scale: float | None) -> None:
+    """A fixed ``kv_scale`` must agree with the FP8 scales given with ``pools`` (four lists:
+    key pools, value pools, key scales [Hkv] float32, value scales): a layer that comes with
+    its scales keeps them (its K/V were stored at them), so a different ``kv_scale`` would go
+    unused. One device read per device, and only when both are given."""
+    if kv_scale is None or pools is None or len(pools) != 4:
+        return
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for scales in (*pools[2], *pools[3]):
+        if scales is not None:
+            by_device.setdefault(scales.device, []).append(scales.reshape(-1))
+    for parts in by_device.values():
+        if bool(torch.cat(parts).ne(kv_scale).any()):
+            raise ValueError(
+                f"kv_scale: the pools given come with FP8 scales other than {kv_scale}, and "
+                "keep them (their K/V were stored at those); pass kv_scale=None to keep "
+                "them, or new pools to store at kv_scale"
+            )
+
+
 class PagedKVCache:
     """K/V pools ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer, one block
     table per sequence, shared by all layers."""
@@ -209,7 +229,8 @@ class PagedKVCache:
         (INT8 pools with per-slot scales); ``pools`` may then be four lists: key pools, value
         pools, key scales, value scales, as ``pool_lists`` gives them. ``kv_scale`` (FP8
         only): None calibrates each layer's scales from its first write; a positive number
-        fixes every scale to it."""
+        fixes every scale to it, and must equal any scales ``pools`` comes with (a layer
+        given with its scales keeps them: ``ValueError`` naming ``kv_scale`` otherwise)."""
         check_backend(backend)
         if kv_dtype is not None and kv_dtype not in QUANTIZED_DTYPES:
             raise ValueError(
@@ -219,6 +240,7 @@ class PagedKVCache:
             if kv_dtype != FP8_DTYPE:
                 raise ValueError("kv_scale: only FP8 pools (kv_dtype) take a scale")
             check_positive("kv_scale", kv_scale)
+        check_given_scales(pools, kv_scale)
         self.kv_dtype = kv_dtype
         self.kv_scale = kv_scale
         if sliding_window is not None:

@@ -142,3 +142,40 @@ def test_fp8_pools_count_one_byte_an_element_and_attend():
 def test_bad_fp8_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PagedKVCache(1, num_blocks=4, block_size=4, **kwargs)
+
+
+def test_a_fixed_scale_other_than_the_given_pools_scales_is_refused():
+    """Pools given with their FP8 scales keep them (their K/V were stored at those): a
+    ``kv_scale`` that differs is refused, naming it, before the kept allocator's cached
+    prefix's allocator is released; the same scale, or none, is taken. A grouped cache refuses before
+    any group is made.
+
+    Planted bug: the check dropped: kv_scale=2.0 was taken and silently unused (the scales
+    stayed the calibrated ones); the check after the allocator's release: the blocks the
+    first cache held were freed by the refused call."""
+    from nanoserve.cache import BlockAllocator, GroupedKVCache
+
+    first = PagedKVCache(1, num_blocks=8, block_size=4, kv_dtype=FP8_DTYPE)
+    _write(first, torch.ones(1, 8, dtype=torch.bool), _rows(8), _rows(8))
+    digests = [b"a" * 16, b"b" * 16]
+    first.publish(0, digests)
+    lists = tuple(list(x) for x in first.pool_lists)
+    with pytest.raises(ValueError, match="^kv_scale: the pools given come with FP8 scales"):
+        PagedKVCache(1, 8, 4, pools=lists, allocator=first.allocator, kv_dtype=FP8_DTYPE,
+                     kv_scale=2.0)  # fmt: skip
+    assert first.allocator.num_free == 6  # the sequence's two blocks still held
+    kept = PagedKVCache(1, 8, 4, pools=lists, allocator=first.allocator, kv_dtype=FP8_DTYPE)
+    kept.add_sequences(1)
+    assert kept.attach_prefix(0, digests) == 8  # the prefix survived the refusal
+    fixed = PagedKVCache(1, num_blocks=8, block_size=4, kv_dtype=FP8_DTYPE, kv_scale=0.25)
+    _write(fixed, torch.ones(1, 2, dtype=torch.bool), _rows(2), _rows(2))
+    again = PagedKVCache(1, 8, 4, pools=fixed.pool_lists, kv_dtype=FP8_DTYPE, kv_scale=0.25)
+    assert again.scales(0)[0] is fixed.scales(0)[0]
+    groups = [([0], None), ([1], 64)]
+    allocator = BlockAllocator(8)
+    allocator.allocate(3)
+    with pytest.raises(ValueError, match="^kv_scale"):
+        GroupedKVCache(groups, num_blocks=[8, 8], block_size=4, kv_dtype=FP8_DTYPE,
+                       kv_scale=0.5, pools=[None, fixed.pool_lists],
+                       allocators=[allocator, None])  # fmt: skip
+    assert allocator.num_free == 5  # group 0's kept allocator was not released
