@@ -146,9 +146,9 @@ def test_bad_fp8_options(kwargs, match):
 
 def test_a_fixed_scale_other_than_the_given_pools_scales_is_refused():
     """Pools given with their FP8 scales keep them (their K/V were stored at those): a
-    ``kv_scale`` that differs is refused, naming it, before the kept allocator's cached
-    prefix's allocator is released; the same scale, or none, is taken. A grouped cache refuses before
-    any group is made.
+    ``kv_scale`` that differs is refused, naming it, before the kept allocator is released
+    (the blocks the first cache holds stay held, its prefix stays cached); the same scale,
+    or none, is taken. A grouped cache refuses before any group is made.
 
     Planted bug: the check dropped: kv_scale=2.0 was taken and silently unused (the scales
     stayed the calibrated ones); the check after the allocator's release: the blocks the
