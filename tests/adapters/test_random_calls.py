@@ -79,8 +79,9 @@ def random_prompts(rng: random.Random, vocab: int) -> dict:
     return dict(input_ids=ids, attention_mask=mask)
 
 
-def random_decoding(rng: random.Random, vocab: int) -> dict:
-    """generate's arguments; the per-step logits are always returned (see ``compare``)."""
+def random_decoding(rng: random.Random, vocab: int, width: int) -> dict:
+    """generate's arguments for prompts ``width`` columns wide; the per-step logits are always
+    returned (see ``compare``)."""
     kwargs = dict(
         max_new_tokens=rng.randint(1, 16),
         pad_token_id=0,
@@ -115,7 +116,7 @@ def random_decoding(rng: random.Random, vocab: int) -> dict:
     if kwargs["eos_token_id"] is not None and rng.random() < 0.3:
         kwargs["min_new_tokens"] = rng.randint(1, kwargs["max_new_tokens"])
     if rng.random() < 0.15:
-        kwargs["max_length"] = kwargs.pop("max_new_tokens") + 40
+        kwargs["max_length"] = kwargs.pop("max_new_tokens") + width
     return kwargs
 
 
@@ -211,7 +212,7 @@ def one_trial(seed: int) -> list[str]:
     try:
         for call in range(rng.randint(2, 4)):
             inputs = random_prompts(rng, vocab)
-            kwargs = random_decoding(rng, vocab)
+            kwargs = random_decoding(rng, vocab, inputs["input_ids"].shape[1])
             beams = kwargs.get("num_beams", 1) > 1
             continue_with = None
             one_row_each = kwargs.get("num_return_sequences", 1) == 1
