@@ -21,7 +21,7 @@ import test_more_families
 import test_new_families
 import torch
 import transformers
-from helpers import cache_name, sharpen
+from helpers import INTERPRETING, cache_name, sharpen
 
 import nanoserve
 from nanoserve.cache import OutOfBlocks
@@ -45,7 +45,10 @@ def random_model(rng: random.Random):
 
 
 def random_patch_options(rng: random.Random) -> dict:
+    """patch_model's options; the Triton kernels (under the interpreter on CPU) now and then."""
     options = {}
+    if INTERPRETING and rng.random() < 0.25:
+        options["backend"] = "triton"
     if rng.random() < 0.5:
         options["block_size"] = rng.choice([1, 2, 3, 5, 8])
     if rng.random() < 0.2:
