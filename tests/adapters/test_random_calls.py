@@ -1,11 +1,13 @@
 """Random sequences of generate calls on one patched model against an unpatched copy of it.
 
-Each call draws its prompts (left padded; rows repeated, sharing a prefix or their own), its
-decoding (greedy, sampling with HF's processors, beams, ``num_return_sequences``, one or two
-EOS ids, ``min_new_tokens``, a repetition penalty, ``max_length``, a streamer) and sometimes
-continues the cache it returned; each model draws its patch options (block size, a small
-pool, no kept pools, no prefix sharing, HF's loop). So what one call leaves behind (kept
-blocks, cached prefixes, graph buckets) meets the next call's other shape. The seed is fresh
+Each call draws its prompts (left padded; rows repeated, sharing a prefix with another row of
+the call or with an earlier call's, or their own), its decoding (greedy, sampling with HF's
+processors, beams, ``num_return_sequences``, one or two EOS ids, ``min_new_tokens``, a
+repetition penalty, ``max_length``, a streamer) and sometimes continues the cache it
+returned; each model draws its patch options (block size, a small pool, no kept pools, no
+prefix sharing, HF's loop, the Triton kernels), and between calls a weight may be updated in
+place or the model patched again. So what one call leaves behind (kept blocks, cached
+prefixes, graph buckets) meets the next call's other shape and weights. The seed is fresh
 each run and named in every failure; ``NANOSERVE_RANDOM_CALLS_SEED=<seed>`` replays it.
 """
 
@@ -59,10 +61,14 @@ def random_patch_options(rng: random.Random) -> dict:
     return options
 
 
-def random_prompts(rng: random.Random, vocab: int) -> dict:
+def random_prompts(rng: random.Random, vocab: int, earlier: list[list[int]]) -> dict:
     """Left-padded input_ids and attention_mask of 1-4 rows, some repeating or extending the
-    first row's tokens (what prefix sharing finds)."""
+    first row's tokens, which half the time begin with an ``earlier`` call's row (what prefix
+    sharing finds within a call and across calls). Appends the rows to ``earlier``."""
     first = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))]
+    if earlier and rng.random() < 0.5:
+        before = rng.choice(earlier)
+        first = before[: rng.randint(1, len(before))] + first[: rng.randint(0, 8)]
     rows = []
     for _ in range(rng.randint(1, 4)):
         draw = rng.random()
@@ -73,6 +79,7 @@ def random_prompts(rng: random.Random, vocab: int) -> dict:
             rows.append(first[: rng.randint(1, len(first))] + own)
         else:
             rows.append([rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))])
+    earlier.extend(rows)
     width = max(map(len, rows))
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -208,6 +215,27 @@ def compare(stock: dict, paged: dict, beams: bool) -> str | None:
     return None
 
 
+def between_calls(rng: random.Random, stock, paged, options: dict) -> dict:
+    """Now and then, what a program does between calls: a weight updated in place in both
+    models (a training step between rollouts), or ``paged`` patched again with other options.
+    Returns the options ``paged`` is patched with."""
+    draw = rng.random()
+    if draw < 0.15:
+        name = rng.choice([name for name, _ in stock.named_parameters()])
+        weight = dict(stock.named_parameters())[name]
+        step = torch.randn(
+            weight.shape, generator=torch.Generator().manual_seed(rng.randrange(1000))
+        )
+        step *= 0.3 * weight.detach().abs().mean()
+        with torch.no_grad():
+            for model in (stock, paged):
+                dict(model.named_parameters())[name].add_(step)
+    elif draw < 0.25:
+        options = random_patch_options(rng)
+        nanoserve.patch_model(paged, **options)
+    return options
+
+
 def one_trial(seed: int) -> list[str]:
     """Problems found in one random model's sequence of calls (empty: every call was stock's
     or refused for want of blocks)."""
@@ -216,10 +244,12 @@ def one_trial(seed: int) -> list[str]:
     vocab = stock.config.vocab_size
     options = random_patch_options(rng)
     nanoserve.patch_model(paged, **options)
-    problems = []
+    problems, earlier = [], []
     try:
         for call in range(rng.randint(2, 4)):
-            inputs = random_prompts(rng, vocab)
+            if call:
+                options = between_calls(rng, stock, paged, options)
+            inputs = random_prompts(rng, vocab, earlier)
             kwargs = random_decoding(rng, vocab, inputs["input_ids"].shape[1])
             beams = kwargs.get("num_beams", 1) > 1
             continue_with = None
