@@ -52,6 +52,19 @@ def stock_and_paged(model, seed: int | None = None, patch_options=None, **kwargs
     return stock, paged
 
 
+class RecordingStreamer:
+    """A streamer keeping a copy of every tensor generate puts, and whether it ended."""
+
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended = True
+
+
 class ForceTokens(transformers.LogitsProcessor):
     """Make generate pick ``target[:, L]`` at input length L (the raw logits stay as they are)."""
 

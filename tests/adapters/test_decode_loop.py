@@ -15,7 +15,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from helpers import patched, sharpen
+from helpers import RecordingStreamer, patched, sharpen
 from test_families import padded_batch, tiny_model
 from transformers import (
     LogitsProcessor,
@@ -139,19 +139,9 @@ def test_plain_tensor_output_and_streamer():
     puts in the same order as with stock (prompt, one tensor per step, then end).
     Planted: the read-back never feeding the streamer failed."""
 
-    class Record:
-        def __init__(self):
-            self.puts, self.ended = [], False
-
-        def put(self, value):
-            self.puts.append(value.clone())
-
-        def end(self):
-            self.ended = True
-
     model = eos_early(tiny_model("llama", seed=6), 3.0)  # EOS after 35 tokens
     inputs = padded_batch([6], 6)
-    records = [Record(), Record()]
+    records = [RecordingStreamer(), RecordingStreamer()]
     with torch.no_grad():
         stock = model.generate(**inputs, max_new_tokens=40, streamer=records[0])
         with patched(model):
@@ -292,20 +282,10 @@ def test_streamer_with_compaction(monkeypatch):
     """A streamer over a batch that compacts gets stock's puts (the rows that left: pads).
     Planted: the read-back putting the batch rows' tokens in the first columns failed."""
 
-    class Record:
-        def __init__(self):
-            self.puts = []
-
-        def put(self, value):
-            self.puts.append(value.clone())
-
-        def end(self):
-            pass
-
     model = eos_early(tiny_model("llama", seed=10), 3.0)
     inputs = padded_batch([13, 6, 2], 13)
     compactions = count_compactions(monkeypatch)
-    records = [Record(), Record()]
+    records = [RecordingStreamer(), RecordingStreamer()]
     with torch.no_grad():
         model.generate(**inputs, max_new_tokens=30, streamer=records[0])
         with patched(model):

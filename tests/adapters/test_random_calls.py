@@ -22,8 +22,7 @@ import test_families
 import test_more_families
 import test_new_families
 import torch
-import transformers
-from helpers import INTERPRETING, cache_name, sharpen
+from helpers import INTERPRETING, RecordingStreamer, cache_name, sharpen
 
 import nanoserve
 from nanoserve.cache import OutOfBlocks
@@ -130,26 +129,13 @@ def random_decoding(rng: random.Random, vocab: int, width: int) -> dict:
     return kwargs
 
 
-class Collect(transformers.generation.streamers.BaseStreamer):
-    """Every tensor generate streams, as lists."""
-
-    def __init__(self):
-        self.received = []
-
-    def put(self, value):
-        self.received.append(value.tolist())
-
-    def end(self):
-        self.received.append("end")
-
-
 def outputs(out, streamer) -> dict:
     """A generate output's sequences, per-step logits and scores, and streamed tokens."""
     result = dict(sequences=out.sequences, logits=torch.stack(out.logits))
     if out.scores is not None:
         result["scores"] = torch.stack(out.scores)
     if streamer is not None:
-        result["streamed"] = streamer.received
+        result["streamed"] = ([put.tolist() for put in streamer.puts], streamer.ended)
     return result
 
 
@@ -157,7 +143,7 @@ def run(model, inputs, kwargs, continue_with, stream: bool, seed: int) -> list[d
     """One call's ``outputs``; with ``continue_with`` (tokens of each row's next turn), also
     those of a second call on the cache the first returned."""
     torch.manual_seed(seed)
-    streamer = Collect() if stream else None
+    streamer = RecordingStreamer() if stream else None
     with torch.no_grad():
         out = model.generate(
             **inputs, **kwargs, streamer=None if continue_with is not None else streamer
