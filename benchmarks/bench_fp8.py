@@ -218,33 +218,46 @@ def speed_rows(shapes) -> list[dict]:
 
 
 def sweep_rows(shapes) -> list[dict]:
-    """FP8 decode over (BLOCK_N, num_warps, num_stages) and split counts: FP8 tiles are half
-    the bytes of bf16's, so the bf16-tuned tile may not be FP8's best."""
-    from nanoserve.kernels.triton_decode import decode_plan, paged_decode_attention_triton
+    """FP8 decode over (BLOCK_N, num_warps, num_stages), register caps and split counts: FP8
+    tiles are half the bytes of bf16's, so the bf16-tuned tile may not be FP8's best."""
+    from nanoserve.kernels import triton_decode
 
+    planned = triton_decode.decode_plan
     rows = []
-    configs = [None, (64, 4, 2), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2)]
+    configs = [None, (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2)]
     for batch, ctx, hq, hkv in shapes:
         fp8_bytes = batch * ctx * hkv * DIM * 2
         torch.cuda.empty_cache()
         sets = [make_set(batch, ctx, hq, hkv) for _ in range(num_input_sets(fp8_bytes, 8))]
-        default = decode_plan(sets[0]["q"], sets[0]["k8"], sets[0]["bt"])
+        default = planned(sets[0]["q"], sets[0]["k8"], sets[0]["bt"])
         for config in configs:
-            for splits in (None, 2, 4, 8):
+            for registers in (None,) if config is None else (0, 128):
+                for splits in (None, 2 * default.num_splits) if default.num_splits else (None,):
 
-                def fn(s, config=config, splits=splits):
-                    return lambda: paged_decode_attention_triton(
-                        s["q"], s["k8"], s["v8"], s["bt"], s["sl"], scale=DIM**-0.5,
-                        sliding_window=None, softcap=None, num_splits=splits, config=config,
-                        k_scale=s["ks"], v_scale=s["vs"],
-                    )  # fmt: skip
+                    def plan(*args, registers=registers, **kwargs):
+                        chosen = planned(*args, **kwargs)
+                        if registers is None:
+                            return chosen
+                        return chosen._replace(max_registers=registers)
 
-                us = time_graph([fn(s) for s in sets]).median
-                rows.append(dict(shape=f"{batch}x{ctx} {hq}/{hkv}", config=config or "default",
-                                 splits=splits or "auto", fp8_us=round(us, 1),
-                                 fp8_GBps=round(fp8_bytes / us / 1e3),
-                                 default_plan=str(default)))  # fmt: skip
-                print(rows[-1], flush=True)
+                    def fn(s, config=config, splits=splits):
+                        return lambda: triton_decode.paged_decode_attention_triton(
+                            s["q"], s["k8"], s["v8"], s["bt"], s["sl"], scale=DIM**-0.5,
+                            sliding_window=None, softcap=None, num_splits=splits,
+                            config=config, k_scale=s["ks"], v_scale=s["vs"],
+                        )  # fmt: skip
+
+                    triton_decode.decode_plan = plan
+                    try:
+                        us = time_graph([fn(s) for s in sets]).median
+                    finally:
+                        triton_decode.decode_plan = planned
+                    rows.append(dict(shape=f"{batch}x{ctx} {hq}/{hkv}",
+                                     config=config or "default", maxnreg=registers,
+                                     splits=splits or "auto", fp8_us=round(us, 1),
+                                     fp8_GBps=round(fp8_bytes / us / 1e3),
+                                     default_plan=str(default)))  # fmt: skip
+                    print(rows[-1], flush=True)
         del sets
     return rows
 
@@ -282,7 +295,7 @@ def main() -> None:
         show_table(sweep_int8_rows(SPEED_SHAPES[:3]), "int8_sweep.csv")
         return
     if args.sweep:
-        show_table(sweep_rows(SPEED_SHAPES), "fp8_sweep.csv")
+        show_table(sweep_rows(SPEED_SHAPES + [(8, 4096, 32, 8)]), "fp8_sweep.csv")
         return
     errors = [] if args.speed_only else error_rows(args.max_context)
     speed = [] if args.errors_only else speed_rows(SPEED_SHAPES)

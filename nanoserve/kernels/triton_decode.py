@@ -32,6 +32,10 @@ from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_gr
 from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
 
 MAX_SPLITS = 64
+# ... and up to this many for a few long rows, when each split keeps LONG_SPLIT_TILES tiles:
+# with four or fewer (row, KV head) pairs, 64 splits leave an SM about two programs.
+MAX_SPLITS_LONG = 128
+LONG_SPLIT_TILES = 4
 # Balanced launch below this many (row, KV head) programs per SM (see benchmarks/RESULTS.md).
 BALANCE_BELOW = 6
 # ... and only for block tables of more than this many tokens: rows that fit in such a table
@@ -313,12 +317,16 @@ def choose_num_splits(
     With fewer programs than SMs, about four programs per SM keep enough loads in flight;
     once one wave is full, two programs per SM are enough and more only adds merge traffic
     (the split sweeps are in benchmarks/RESULTS.md). Rounded down to a power of two so
-    power-of-two lengths cut into equal whole tiles. Never more splits than tiles in capacity.
+    power-of-two lengths cut into equal whole tiles. Never more splits than tiles in capacity,
+    nor more than MAX_SPLITS unless each split keeps LONG_SPLIT_TILES tiles (up to
+    MAX_SPLITS_LONG: a few long rows, see benchmarks/RESULTS.md).
     """
     programs = max(num_seqs * num_kv_heads, 1)
     sms = sm_count(device)
+    tiles = triton.cdiv(capacity, block_n)
     splits = triton.cdiv((2 if programs >= sms else 4) * sms, programs)
-    splits = min(splits, MAX_SPLITS, triton.cdiv(capacity, block_n))
+    most = max(MAX_SPLITS, min(MAX_SPLITS_LONG, tiles // LONG_SPLIT_TILES))
+    splits = min(splits, most, tiles)
     return 1 << (max(splits, 1).bit_length() - 1)
 
 

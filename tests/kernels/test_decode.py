@@ -30,6 +30,8 @@ CASES = {
     "window-softcap-4splits": (1, 4, 64, 8, [150, 5], 50, 10.0, 4),
     "bs128": (2, 2, 64, 128, [129, 300], None, None, None),
     "many-splits": (1, 4, 64, 16, [513], None, None, None),
+    # the most splits a few long rows take (MAX_SPLITS_LONG), many of them empty on the short row
+    "128-splits": (1, 4, 64, 16, [1500, 9000], None, None, 128),
     "window-longer-than-seq": (2, 2, 64, 16, [40, 3], 64, None, 2),
     # head_dim under tl.dot's least reduction of 16: the kernels pad it with masked lanes
     "d8-gqa4": (2, 4, 8, 16, [1, 17], None, None, 2),
@@ -257,6 +259,31 @@ def test_decode_balanced_few_rows_keep_to_their_programs(kind, num_kv_heads, mon
         items = sum(max(cdiv(n, chunk), 1) for n in lens)
         per_sm = decode.WORK_ITEMS_PER_SM_MANY_ROWS if rows >= decode.MANY_ROWS else 4
         assert items <= cdiv(per_sm * 132, num_kv_heads), (rows, lens, target, items)
+
+
+def test_decode_split_count_rule(monkeypatch):
+    """Fixed splits from shapes: about four programs per SM below one wave, never more
+    splits than tiles, and past MAX_SPLITS only while each split keeps LONG_SPLIT_TILES tiles
+    (a row of 32k tokens with four KV heads takes 128; with eight, or at 16k, 64). Planted
+    bug, reverted: the cap at MAX_SPLITS alone failed (32k tokens, four KV heads: 64)."""
+    from nanoserve.kernels import triton_decode as decode
+
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    cases = [  # (rows, KV heads, table tokens, BLOCK_N) -> splits
+        ((1, 4, 32768, 64), 128),
+        ((1, 8, 32768, 64), 64),
+        ((1, 4, 16384, 64), 64),
+        ((1, 2, 131072, 64), 128),
+        ((1, 4, 32768, 128), 64),
+        ((1, 1, 1024, 64), 16),
+        ((2, 2, 65536, 64), 128),
+        ((8, 8, 32768, 64), 8),
+        ((200, 8, 4096, 64), 1),
+    ]
+    for (rows, heads, tokens, block_n), splits in cases:
+        got = decode.choose_num_splits(rows, heads, tokens, block_n, cpu)
+        assert got == splits, (rows, heads, tokens, block_n, got)
 
 
 def test_programmatic_dependent_launch_only_on_nvidia(monkeypatch):
