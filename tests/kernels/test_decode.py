@@ -92,9 +92,11 @@ def test_decode_empty_rows_are_zero(splits, window, poison_outputs):
 @pytest.mark.parametrize(
     ("window", "splits", "items"),
     [(None, 1, None), (None, 3, None), (None, 4, None), (90, 3, None), (150, 4, None),
+     (None, 128, None), (90, 128, None),
      (None, None, None), (None, None, 10**6), (None, None, 3), (90, None, 10**6),
      (150, None, 5)],
     ids=["nowin-1split", "nowin-3splits", "nowin-4splits", "win90-3splits", "win150-4splits",
+         "nowin-128splits", "win90-128splits",
          "balanced-auto", "balanced-every-tile", "balanced-3items", "win90-balanced-every-tile",
          "win150-balanced-5items"],
 )  # fmt: skip

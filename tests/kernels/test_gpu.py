@@ -112,6 +112,31 @@ def test_decode_long_planted_keys(case, poison_outputs):
     )  # fmt: skip
 
 
+# (lens, KV heads, group, head dim): at most four (row, KV head) pairs over a long table, where
+# one row takes up to MAX_SPLITS_LONG fixed splits on a GPU of about 128 SMs or more (two rows
+# take the balanced launch)
+FEW_PAIRS_LONG = {
+    "gqa7-b1-32k": ([32768], 4, 7, 128),
+    "d256-1kv-b1-16k": ([16384], 1, 4, 256),
+    "2kv-b2-32k": ([32768, 30001], 2, 6, 128),
+}
+
+
+@pytest.mark.parametrize("case", list(FEW_PAIRS_LONG), ids=list(FEW_PAIRS_LONG))
+def test_decode_few_pairs_long_tables(case, poison_outputs):
+    """The launcher's own plan, then MAX_SPLITS_LONG splits forced with keys planted at the
+    newest and oldest positions and on both sides of three split boundaries: every
+    (sequence, head) row within the bf16 tolerance of the float64 reference."""
+    from nanoserve.kernels.triton_decode import MAX_SPLITS_LONG
+
+    lens, hkv, group, dim = FEW_PAIRS_LONG[case]
+    _check_decode(lens, hkv, group, dim, 16, BF16)
+    check_decode_planted(
+        lens[:1], hkv, group, dim, 16, BF16, device="cuda", num_splits=MAX_SPLITS_LONG,
+        max_bounds=3, row_tol=TOLERANCE[BF16],
+    )  # fmt: skip
+
+
 def _check_extend(history, new, hkv, group, dim, bs, dtype, window=None, softcap=None):
     lens = [h + n for h, n in zip(history, new, strict=True)]
     kc, vc, bt, sl = make_paged_kv(lens, hkv, dim, bs, dtype, device="cuda")
