@@ -17,7 +17,14 @@ NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 @pytest.mark.parametrize(
     "name",
-    ["bench_decode", "bench_extend", "bench_scatter", "bench_generate_batch", "bench_content_hash"],
+    [
+        "bench_decode",
+        "bench_extend",
+        "bench_scatter",
+        "bench_generate_batch",
+        "bench_content_hash",
+        "bench_decode_splits",
+    ],
 )
 def test_without_cuda_one_clear_line(name):
     result = subprocess.run(
