@@ -18,17 +18,15 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from extend_resources import compile_offline, cuobjdump, resources  # noqa: E402
 
 from nanoserve.kernels import triton_decode  # noqa: E402
 from nanoserve.kernels.dispatch import head_dim_pad  # noqa: E402
@@ -68,31 +66,11 @@ def compile_decode(pool: str, head_dim: int, group: int, config, maxnreg: int, a
         pointers.update(k_scale=SCALE_TYPES[pool], v_scale=SCALE_TYPES[pool])
     else:
         constants.update(k_scale=None, v_scale=None)
-    signature, hints = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in pointers:
-            signature[name] = pointers[name]
-        elif name in ("scale", "softcap"):
-            signature[name] = "fp32"
-        elif name in constants:
-            signature[name] = "constexpr"
-        else:
-            signature[name] = "i32"
-        if name in pointers or name.startswith("stride"):
-            hints[(i,)] = [["tt.divisibility", 16]]
     options = dict(num_warps=warps, num_stages=stages)
     if maxnreg:
         options["maxnreg"] = maxnreg
-    source = ASTSource(fn, signature, constants, hints)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-
-
-def cuobjdump(kernel, flag: str) -> str:
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True).stdout
+    aligned = [name for name in fn.arg_names if name.startswith("stride")]
+    return compile_offline(fn, pointers, constants, aligned, arch, options)
 
 
 def loop_mix(sass: str) -> tuple[int, int, collections.Counter]:
@@ -130,13 +108,12 @@ def main() -> None:
         config = tuple(int(x) for x in args.config.split(",")) if args.config else plan[:3]
         maxnreg = plan.max_registers if args.maxnreg is None else args.maxnreg
         kernel = compile_decode(pool, args.head_dim, args.group, config, maxnreg, args.arch)
-        usage = cuobjdump(kernel, "--dump-resource-usage")
-        registers = int(re.search(r"REG:(\d+)", usage).group(1))
-        local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+        used = resources(kernel)
         total, loop, opcodes = loop_mix(cuobjdump(kernel, "-sass"))
         top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(args.top))
         print(
-            f"| {pool} | {config} | {maxnreg} | {registers} | {local} | {total} | {loop} | {top} |"
+            f"| {pool} | {config} | {maxnreg} | {used['registers']} | {used['local']} | {total} | "
+            f"{loop} | {top} |"
         )
 
 

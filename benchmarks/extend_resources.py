@@ -56,34 +56,44 @@ def compile_extend(config: tuple[int, ...], head_dim: int, arch: int, window: bo
         FAST_TANH=softcap, WARP_SPEC=False, k_scale=None, v_scale=None, FP8=False,
         INT8=False, K_GROUPS=1, G_PAD=1, TABLE_AHEAD=table_ahead,
     )  # fmt: skip
+    options = dict(num_warps=warps, num_stages=stages)
+    if len(config) > 4:
+        options["maxnreg"] = config[4]
+    return compile_offline(fn, POINTERS, constants, ALIGNED, arch, options)
+
+
+def compile_offline(fn, pointers: dict, constants: dict, aligned, arch: int, options: dict):
+    """``fn`` compiled for sm_``arch`` without a GPU: ``pointers`` name -> pointer type,
+    ``constants`` the constexprs, FLOATS as fp32, every other argument i32; pointers and the
+    ``aligned`` arguments carry Triton's divisibility-by-16 hint."""
     signature, hints = {}, {}
     for i, name in enumerate(fn.arg_names):
-        if name in POINTERS:
-            signature[name] = POINTERS[name]
+        if name in pointers:
+            signature[name] = pointers[name]
         elif name in FLOATS:
             signature[name] = "fp32"
         elif name in constants:
             signature[name] = "constexpr"
         else:
             signature[name] = "i32"
-        if name in POINTERS or name in ALIGNED:
+        if name in pointers or name in aligned:
             hints[(i,)] = [["tt.divisibility", 16]]
-    options = dict(num_warps=warps, num_stages=stages)
-    if len(config) > 4:
-        options["maxnreg"] = config[4]
     source = ASTSource(fn, signature, constants, hints)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def resources(kernel) -> dict[str, int]:
-    """Registers and local memory a thread (cuobjdump's resource usage), shared memory."""
+def cuobjdump(kernel, flag: str) -> str:
+    """Triton's own cuobjdump run with ``flag`` over the kernel's cubin: its output."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        usage = subprocess.run(
-            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True
-        ).stdout
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True).stdout
+
+
+def resources(kernel) -> dict[str, int]:
+    """Registers and local memory a thread (cuobjdump's resource usage), shared memory."""
+    usage = cuobjdump(kernel, "--dump-resource-usage")
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
     return dict(registers=registers, local=local, shared=kernel.metadata.shared)
