@@ -32,10 +32,10 @@ from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_gr
 from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
 
 MAX_SPLITS = 64
-# ... and up to this many for a few long rows, when each split keeps LONG_SPLIT_TILES tiles:
+# ... and up to this many for a few long rows, when each split keeps LONG_SPLIT_TOKENS tokens:
 # with four or fewer (row, KV head) pairs, 64 splits leave an SM about two programs.
 MAX_SPLITS_LONG = 128
-LONG_SPLIT_TILES = 4
+LONG_SPLIT_TOKENS = 64
 # Balanced launch below this many (row, KV head) programs per SM (see benchmarks/RESULTS.md).
 BALANCE_BELOW = 6
 # ... and only for block tables of more than this many tokens: rows that fit in such a table
@@ -49,6 +49,10 @@ MANY_ROWS = 16
 # Most partial results the merge kernel reads per step: a row of up to this many items merges
 # in one step, since each step waits on its loads.
 MERGE_ITEMS_STEP = 64
+# The merge of fixed splits: most partial values (splits x head-dim lanes) a program reads,
+# and the fewest lanes a program takes when its lanes are cut across programs.
+REDUCE_TILE_ELEMENTS = 2048
+REDUCE_MIN_LANES = 16
 # Register cap for FP8 tiles of up to 128 tokens (4 warps, head dim <= 128): the compiler's
 # own choice holds both converted 16-bit tiles at once and fits two programs per SM; capped,
 # four fit (a few registers spill), which hides more of the conversion's latency.
@@ -217,15 +221,18 @@ def _decode_kernel(
 @triton.jit
 def _reduce_kernel(
     mid_o, mid_lse, out, stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """Merge the fixed splits of (row, query head) ``program_id(0, 1)``, head-dim lanes
+    [D_BLOCK * program_id(2), + D_BLOCK): mid_o [S, Hq, NUM_SPLITS, D_PAD] and mid_lse
+    [S, Hq, NUM_SPLITS] float32 -> out [S, Hq, HEAD_DIM]."""
     if PDL:
         tl.extra.cuda.gdc_wait()  # the split kernel has finished and its stores are visible
     seq = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, D_PAD)
+    d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
     row = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
     lse = tl.load(mid_lse + row + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
     # Empty splits carry lse = -1e30 and weigh 0 beside a split that saw keys; when every
@@ -318,14 +325,14 @@ def choose_num_splits(
     once one wave is full, two programs per SM are enough and more only adds merge traffic
     (the split sweeps are in benchmarks/RESULTS.md). Rounded down to a power of two so
     power-of-two lengths cut into equal whole tiles. Never more splits than tiles in capacity,
-    nor more than MAX_SPLITS unless each split keeps LONG_SPLIT_TILES tiles (up to
-    MAX_SPLITS_LONG: a few long rows, see benchmarks/RESULTS.md).
+    nor more than MAX_SPLITS unless each split keeps LONG_SPLIT_TOKENS tokens (up to
+    MAX_SPLITS_LONG: a few rows of 8k tokens or more, see benchmarks/RESULTS.md).
     """
     programs = max(num_seqs * num_kv_heads, 1)
     sms = sm_count(device)
     tiles = triton.cdiv(capacity, block_n)
     splits = triton.cdiv((2 if programs >= sms else 4) * sms, programs)
-    most = max(MAX_SPLITS, min(MAX_SPLITS_LONG, tiles // LONG_SPLIT_TILES))
+    most = max(MAX_SPLITS, min(MAX_SPLITS_LONG, capacity // LONG_SPLIT_TOKENS))
     splits = min(splits, most, tiles)
     return 1 << (max(splits, 1).bit_length() - 1)
 
@@ -357,6 +364,15 @@ def choose_work_items(num_seqs: int, num_kv_heads: int, device: torch.device) ->
     per_sm = WORK_ITEMS_PER_SM_MANY_ROWS if num_seqs >= MANY_ROWS else WORK_ITEMS_PER_SM
     target = triton.cdiv(per_sm * sm_count(device), num_kv_heads)
     return max(1, target if many else target - num_seqs)
+
+
+def reduce_lanes(num_splits: int, d_pad: int) -> int:
+    """Head-dim lanes per merge program: all of them unless a program would then hold more
+    than REDUCE_TILE_ELEMENTS partial values; past that (many splits) the lanes are cut
+    across programs, so that a row's few heads do not merge on a few SMs each reading its
+    splits alone (see benchmarks/RESULTS.md)."""
+    fit = max(REDUCE_TILE_ELEMENTS // next_pow2(num_splits), REDUCE_MIN_LANES)
+    return min(d_pad, 1 << (fit.bit_length() - 1))
 
 
 class DecodePlan(NamedTuple):
@@ -505,9 +521,10 @@ def paged_decode_attention_triton(
             **launch,
         )  # fmt: skip
     elif plan.num_splits > 1:
-        _reduce_kernel[(num_seqs, num_q_heads)](
+        d_block = reduce_lanes(plan.num_splits, d_pad)
+        _reduce_kernel[(num_seqs, num_q_heads, d_pad // d_block)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad,
+            HEAD_DIM=head_dim, D_PAD=d_pad, D_BLOCK=d_block,
             NUM_SPLITS=plan.num_splits, SPLITS_PAD=next_pow2(plan.num_splits), PDL=pdl,
             **launch,
         )  # fmt: skip

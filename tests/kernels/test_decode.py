@@ -32,6 +32,9 @@ CASES = {
     "many-splits": (1, 4, 64, 16, [513], None, None, None),
     # the most splits a few long rows take (MAX_SPLITS_LONG), many of them empty on the short row
     "128-splits": (1, 4, 64, 16, [1500, 9000], None, None, 128),
+    # many splits: the merge cuts the head-dim lanes across programs (the last chunks of
+    # head_dim 80 padded to 128 partly and wholly masked)
+    "d80-64-splits": (2, 2, 80, 16, [700, 1100], None, None, 64),
     "window-longer-than-seq": (2, 2, 64, 16, [40, 3], 64, None, 2),
     # head_dim under tl.dot's least reduction of 16: the kernels pad it with masked lanes
     "d8-gqa4": (2, 4, 8, 16, [1, 17], None, None, 2),
@@ -265,9 +268,11 @@ def test_decode_balanced_few_rows_keep_to_their_programs(kind, num_kv_heads, mon
 
 def test_decode_split_count_rule(monkeypatch):
     """Fixed splits from shapes: about four programs per SM below one wave, never more
-    splits than tiles, and past MAX_SPLITS only while each split keeps LONG_SPLIT_TILES tiles
-    (a row of 32k tokens with four KV heads takes 128; with eight, or at 16k, 64). Planted
-    bug, reverted: the cap at MAX_SPLITS alone failed (32k tokens, four KV heads: 64)."""
+    splits than tiles, and past MAX_SPLITS only while each split keeps LONG_SPLIT_TOKENS
+    tokens (a row of 8k tokens or more with four KV heads takes 128, if it has that many
+    tiles; with eight KV heads, or at 4k, 64). Planted bugs, reverted: the cap at MAX_SPLITS
+    alone failed (32k tokens, four KV heads: 64); the twenty-ninth session's four tiles a
+    split failed (8k and 16k tokens of 64-token tiles, 32k of 128-token tiles: 64)."""
     from nanoserve.kernels import triton_decode as decode
 
     monkeypatch.setattr(decode, "sm_count", lambda device: 132)
@@ -275,9 +280,15 @@ def test_decode_split_count_rule(monkeypatch):
     cases = [  # (rows, KV heads, table tokens, BLOCK_N) -> splits
         ((1, 4, 32768, 64), 128),
         ((1, 8, 32768, 64), 64),
-        ((1, 4, 16384, 64), 64),
+        ((1, 4, 16384, 64), 128),
+        ((1, 4, 8192, 64), 128),
+        ((1, 4, 4096, 64), 64),
         ((1, 2, 131072, 64), 128),
-        ((1, 4, 32768, 128), 64),
+        ((1, 4, 32768, 128), 128),
+        ((1, 2, 16384, 128), 128),
+        ((1, 4, 8192, 128), 64),
+        ((1, 1, 8192, 32), 128),
+        ((1, 1, 4096, 32), 64),
         ((1, 1, 1024, 64), 16),
         ((2, 2, 65536, 64), 128),
         ((8, 8, 32768, 64), 8),
@@ -286,6 +297,20 @@ def test_decode_split_count_rule(monkeypatch):
     for (rows, heads, tokens, block_n), splits in cases:
         got = decode.choose_num_splits(rows, heads, tokens, block_n, cpu)
         assert got == splits, (rows, heads, tokens, block_n, got)
+
+
+def test_merge_lanes_per_program():
+    """The fixed-split merge reads at most REDUCE_TILE_ELEMENTS partial values a program
+    (whole head dims for few splits, lanes cut across programs for many), never fewer than
+    REDUCE_MIN_LANES lanes, and the lanes divide the padded head dim."""
+    from nanoserve.kernels.triton_decode import REDUCE_TILE_ELEMENTS, reduce_lanes
+
+    cases = [((128, 128), 16), ((64, 128), 32), ((8, 64), 64), ((3, 128), 128), ((256, 256), 16),
+             ((16, 128), 128), ((32, 128), 64), ((2, 16), 16)]  # fmt: skip
+    for (splits, d_pad), lanes in cases:
+        got = reduce_lanes(splits, d_pad)
+        assert got == lanes and d_pad % got == 0, (splits, d_pad, got)
+        assert got == 16 or got == d_pad or got * splits <= REDUCE_TILE_ELEMENTS
 
 
 def test_programmatic_dependent_launch_only_on_nvidia(monkeypatch):

@@ -119,6 +119,10 @@ FEW_PAIRS_LONG = {
     "gqa7-b1-32k": ([32768], 4, 7, 128),
     "d256-1kv-b1-16k": ([16384], 1, 4, 256),
     "2kv-b2-32k": ([32768, 30001], 2, 6, 128),
+    # 128 splits from 8k tokens (one 64-token tile a split) and, with head dim 64, from 16k
+    # (one 128-token tile a split)
+    "gqa6-b1-8k": ([8192], 2, 6, 128),
+    "d64-4kv-b1-16k": ([16384], 4, 4, 64),
 }
 
 
