@@ -10,8 +10,13 @@ cell over 1e-2 is printed with its error.
 
     python3 benchmarks/bench_decode_splits.py [--lengths 16384,32768,65536]
         [--heads 28/4,12/2,16/1,32/8] [--head-dims 128] [--batches 1,2] [--fp8]
+        [--merge-elements whole,8192,4096,2048,1024]
 
-Prints one table; with $OUT set, writes decode_splits.csv there.
+``--merge-elements`` times the launcher's plan instead, with the split merge's
+``REDUCE_TILE_ELEMENTS`` set to each value in turn ("whole": every head-dim lane in one
+program), two interleaved rounds, the faster of the two.
+
+Prints one table; with $OUT set, writes decode_splits.csv (or decode_merge.csv) there.
 """
 
 from __future__ import annotations
@@ -98,6 +103,38 @@ def measure(batch: int, length: int, hq: int, hkv: int, dim: int, fp8: bool) -> 
     return row
 
 
+def merge_elements(value: str) -> int:
+    return 1 << 40 if value == "whole" else int(value)
+
+
+def measure_merge(batch, length, hq, hkv, dim, fp8, values: list[str]) -> dict:
+    """The launcher's plan with REDUCE_TILE_ELEMENTS at each of ``values``: µs (and errors)."""
+    nbytes = batch * length * hkv * dim * (2 if fp8 else 4)
+    sets = [make_set(batch, length, hq, hkv, dim, fp8) for _ in range(num_input_sets(nbytes))]
+    ref = host_reference(sets[0])
+    plan = triton_decode.decode_plan(sets[0]["q"], sets[0]["kc"], sets[0]["bt"])
+    shape = f"{batch} x {length}, {hq}/{hkv}, d{dim}{', fp8' if fp8 else ''}"
+    chosen = f"{plan.num_splits} splits" if plan.num_splits else f"balanced ({plan.work_items})"
+    row = dict(shape=shape, plan=chosen, read=round(ceiling(nbytes, len(sets), True).median, 1))
+    kept = triton_decode.REDUCE_TILE_ELEMENTS
+    times: dict[str, list[float]] = {v: [] for v in values}
+    errors = {}
+    try:
+        for _ in range(2):
+            for v in values:
+                triton_decode.REDUCE_TILE_ELEMENTS = merge_elements(v)
+                errors.setdefault(v, rel_err(launch(sets[0])().cpu(), ref))
+                times[v].append(time_graph([launch(s) for s in sets]).median)
+    finally:
+        triton_decode.REDUCE_TILE_ELEMENTS = kept
+    for v in values:
+        cell = f"{min(times[v]):.1f}"
+        row[f"merge {v}"] = cell + ("" if errors[v] < 1e-2 else f" (error {errors[v]:.1e})")
+    del sets
+    torch.cuda.empty_cache()
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="16384,32768,65536")
@@ -105,7 +142,12 @@ def main() -> None:
     parser.add_argument("--head-dims", default="128")
     parser.add_argument("--batches", default="1,2")
     parser.add_argument("--fp8", action="store_true", help="FP8 pools")
+    parser.add_argument("--merge-elements", help="e.g. whole,8192,4096,2048,1024")
     args = parser.parse_args()
+    values = args.merge_elements.split(",") if args.merge_elements else None
+    for v in values or []:
+        if v != "whole" and not v.isdigit():
+            parser.error(f"--merge-elements: {v!r} is neither 'whole' nor a count")
     print(versions())
     rows = []
     for dim in (int(d) for d in args.head_dims.split(",")):
@@ -113,9 +155,10 @@ def main() -> None:
             hq, hkv = (int(h) for h in heads.split("/"))
             for batch in (int(b) for b in args.batches.split(",")):
                 for length in (int(n) for n in args.lengths.split(",")):
-                    rows.append(measure(batch, length, hq, hkv, dim, args.fp8))
+                    shape = (batch, length, hq, hkv, dim, args.fp8)
+                    rows.append(measure_merge(*shape, values) if values else measure(*shape))
                     print(rows[-1], flush=True)
-    show_table(rows, "decode_splits.csv")
+    show_table(rows, "decode_merge.csv" if values else "decode_splits.csv")
 
 
 if __name__ == "__main__":
