@@ -121,6 +121,8 @@ DECODE_CASES = {
     "gqa8-d80-window": (1, 8, 80, 8, [7, 9, 130], 20, None, None),
     "mha-d96-softcap-3splits": (3, 1, 96, 16, [200, 33], None, 30.0, 3),
     "gqa4-d128-nosplit": (4, 4, 128, 32, [31, 33], None, None, 1),
+    # many splits: the merge cuts head-dim lanes across programs
+    "gqa4-d128-128splits": (1, 4, 128, 16, [1500, 9000], None, None, 128),
 }
 
 
