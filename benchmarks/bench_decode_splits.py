@@ -79,25 +79,40 @@ def launch(s: dict, num_splits=None, work_items=None):
     )  # fmt: skip
 
 
-def measure(batch: int, length: int, hq: int, hkv: int, dim: int, fp8: bool) -> dict:
+def prepare(batch: int, length: int, hq: int, hkv: int, dim: int, fp8: bool):
+    """(input sets rotated past the L2, float64 host reference of the first, the row's shape
+    and plan columns, and a ``read()`` that fills its pure-read column: called after the
+    errors, so that no timing runs before them)."""
     nbytes = batch * length * hkv * dim * (2 if fp8 else 4)
     sets = [make_set(batch, length, hq, hkv, dim, fp8) for _ in range(num_input_sets(nbytes))]
-    s0 = sets[0]
-    ref = host_reference(s0)
-    plan = triton_decode.decode_plan(s0["q"], s0["kc"], s0["bt"])
+    ref = host_reference(sets[0])
+    plan = triton_decode.decode_plan(sets[0]["q"], sets[0]["kc"], sets[0]["bt"])
+    shape = f"{batch} x {length}, {hq}/{hkv}, d{dim}{', fp8' if fp8 else ''}"
     chosen = f"{plan.num_splits} splits" if plan.num_splits else f"balanced ({plan.work_items})"
+    row = dict(shape=shape, plan=chosen, read=None)
+
+    def read() -> None:
+        row["read"] = round(ceiling(nbytes, len(sets), graph=True).median, 1)
+
+    return sets, ref, row, read
+
+
+def cell(us: float, error: float) -> str:
+    """A timing, with its error where that is over 1e-2."""
+    return f"{us:.1f}" + ("" if error < 1e-2 else f" (error {error:.1e})")
+
+
+def measure(batch: int, length: int, hq: int, hkv: int, dim: int, fp8: bool) -> dict:
+    sets, ref, row, read = prepare(batch, length, hq, hkv, dim, fp8)
     forms = {"launcher": {}}
     forms.update({str(n): dict(num_splits=n) for n in FIXED_SPLITS})
     if batch > 1:
-        items = triton_decode.choose_work_items(batch, hkv, s0["q"].device)
+        items = triton_decode.choose_work_items(batch, hkv, sets[0]["q"].device)
         forms["balanced"] = dict(work_items=items)
-    errors = {name: rel_err(launch(s0, **kw)().cpu(), ref) for name, kw in forms.items()}
-    shape = f"{batch} x {length}, {hq}/{hkv}, d{dim}{', fp8' if fp8 else ''}"
-    read = ceiling(nbytes, len(sets), graph=True).median
-    row = dict(shape=shape, plan=chosen, read=round(read, 1))
+    errors = {name: rel_err(launch(sets[0], **kw)().cpu(), ref) for name, kw in forms.items()}
+    read()
     for name, kw in forms.items():
-        us = time_graph([launch(s, **kw) for s in sets]).median
-        row[name] = f"{us:.1f}" + ("" if errors[name] < 1e-2 else f" (error {errors[name]:.1e})")
+        row[name] = cell(time_graph([launch(s, **kw) for s in sets]).median, errors[name])
     del sets
     torch.cuda.empty_cache()
     return row
@@ -109,13 +124,8 @@ def merge_elements(value: str) -> int:
 
 def measure_merge(batch, length, hq, hkv, dim, fp8, values: list[str]) -> dict:
     """The launcher's plan with REDUCE_TILE_ELEMENTS at each of ``values``: µs (and errors)."""
-    nbytes = batch * length * hkv * dim * (2 if fp8 else 4)
-    sets = [make_set(batch, length, hq, hkv, dim, fp8) for _ in range(num_input_sets(nbytes))]
-    ref = host_reference(sets[0])
-    plan = triton_decode.decode_plan(sets[0]["q"], sets[0]["kc"], sets[0]["bt"])
-    shape = f"{batch} x {length}, {hq}/{hkv}, d{dim}{', fp8' if fp8 else ''}"
-    chosen = f"{plan.num_splits} splits" if plan.num_splits else f"balanced ({plan.work_items})"
-    row = dict(shape=shape, plan=chosen, read=round(ceiling(nbytes, len(sets), True).median, 1))
+    sets, ref, row, read = prepare(batch, length, hq, hkv, dim, fp8)
+    read()
     kept = triton_decode.REDUCE_TILE_ELEMENTS
     times: dict[str, list[float]] = {v: [] for v in values}
     errors = {}
@@ -128,8 +138,7 @@ def measure_merge(batch, length, hq, hkv, dim, fp8, values: list[str]) -> dict:
     finally:
         triton_decode.REDUCE_TILE_ELEMENTS = kept
     for v in values:
-        cell = f"{min(times[v]):.1f}"
-        row[f"merge {v}"] = cell + ("" if errors[v] < 1e-2 else f" (error {errors[v]:.1e})")
+        row[f"merge {v}"] = cell(min(times[v]), errors[v])
     del sets
     torch.cuda.empty_cache()
     return row
