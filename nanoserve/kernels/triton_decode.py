@@ -49,6 +49,9 @@ MANY_ROWS = 16
 # Most partial results the merge kernel reads per step: a row of up to this many items merges
 # in one step, since each step waits on its loads.
 MERGE_ITEMS_STEP = 64
+# ... unless rows average at most this many items (many rows share the target): then one-warp
+# programs of this many items a step (see ``merge_items_launch``).
+MERGE_FEW_ITEMS = 8
 # The merge of fixed splits: most partial values (splits x head-dim lanes) a program reads,
 # and the fewest lanes a program takes when its lanes are cut across programs.
 REDUCE_TILE_ELEMENTS = 2048
@@ -366,6 +369,17 @@ def choose_work_items(num_seqs: int, num_kv_heads: int, device: torch.device) ->
     return max(1, target if many else target - num_seqs)
 
 
+def merge_items_launch(work_items: int, num_seqs: int, row_most: int) -> tuple[int, int]:
+    """(items a step, warps) of the balanced plan's merge, from the item target, the rows and
+    the most items a row can hold. Each program's merge is a short chain of dependent loads;
+    where rows hold few items each (``work_items`` at most MERGE_FEW_ITEMS a row), one-warp
+    programs of MERGE_FEW_ITEMS items a step ran it fastest, otherwise one step of up to
+    MERGE_ITEMS_STEP items a row (four warps) did (see benchmarks/RESULTS.md)."""
+    if work_items <= MERGE_FEW_ITEMS * num_seqs:
+        return MERGE_FEW_ITEMS, 1
+    return min(MERGE_ITEMS_STEP, max(16, next_pow2(row_most))), 4
+
+
 def reduce_lanes(num_splits: int, d_pad: int) -> int:
     """Head-dim lanes per merge program: all of them unless a program would then hold more
     than REDUCE_TILE_ELEMENTS partial values; past that (many splits) the lanes are cut
@@ -512,13 +526,13 @@ def paged_decode_attention_triton(
     if balanced:
         # a row holds at most work_items + 1 items, and never more than its tiles
         row_most = min(plan.work_items + 1, max(tiles, 1))
+        items_step, merge_warps = merge_items_launch(plan.work_items, num_seqs, row_most)
         _merge_items_kernel[(num_seqs, num_q_heads)](
             mid_o, mid_lse, out, seq_lens, num_seqs, window, plan.work_items,
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=s_pad, BLOCK_N=plan.block_n,
             HAS_WINDOW=sliding_window is not None,
-            ITEMS_STEP=min(MERGE_ITEMS_STEP, max(16, next_pow2(row_most))), PDL=pdl,
-            **launch,
+            ITEMS_STEP=items_step, PDL=pdl, num_warps=merge_warps, **launch,
         )  # fmt: skip
     elif plan.num_splits > 1:
         d_block = reduce_lanes(plan.num_splits, d_pad)

@@ -160,6 +160,36 @@ def test_decode_balanced_merge_over_many_items(poison_outputs):
     assert errors.max() < 1e-5, errors
 
 
+def test_decode_balanced_few_items_merge_over_many_steps(poison_outputs):
+    """Eight rows under a target of 40 items take the merge's few-items launch (8 items a
+    step, one warp); the long row's ~40 items still merge over several steps. Planted bug,
+    reverted: merging only the first step's items failed the long row here."""
+    from nanoserve.kernels.triton_decode import MERGE_FEW_ITEMS, merge_items_launch
+
+    assert merge_items_launch(40, 8, 41) == (MERGE_FEW_ITEMS, 1)
+    out, ref = _balanced_launch([64 * 40 + 5, 3, 65, 1, 17, 130, 16, 64], 1, 2, 40)
+    errors = row_errors(out, ref)
+    assert errors.max() < 1e-5, errors
+
+
+def test_merge_items_launch_rule():
+    """Rows of a few items each: one-warp programs of MERGE_FEW_ITEMS items a step; rows of
+    more: one step of up to MERGE_ITEMS_STEP items (at least 16), four warps."""
+    from nanoserve.kernels.triton_decode import (
+        MERGE_FEW_ITEMS,
+        MERGE_ITEMS_STEP,
+        merge_items_launch,
+    )
+
+    assert merge_items_launch(132, 32, 133) == (MERGE_FEW_ITEMS, 1)  # ~4 items a row
+    assert merge_items_launch(264, 64, 265) == (MERGE_FEW_ITEMS, 1)
+    assert merge_items_launch(8 * 16, 16, 129) == (MERGE_FEW_ITEMS, 1)  # exactly 8 a row
+    assert merge_items_launch(8 * 16 + 1, 16, 130) == (MERGE_ITEMS_STEP, 4)
+    assert merge_items_launch(124, 4, 125) == (MERGE_ITEMS_STEP, 4)  # ~31 items a row
+    assert merge_items_launch(10**6, 3, 71) == (MERGE_ITEMS_STEP, 4)
+    assert merge_items_launch(100, 2, 9) == (16, 4)  # no row holds more than its 9 tiles
+
+
 def test_decode_custom_scale_and_strided_query(poison_outputs):
     key_cache, value_cache, tables, seq_lens = make_paged_kv([37, 5], 2, 64, 16, torch.float32)
     query = torch.randn(4, 2, 64).transpose(0, 1)  # [2 seqs, 4 heads, 64], not contiguous
