@@ -57,6 +57,8 @@ CLASSES = {
     "ragged64-gqa7": (lengths("ragged", 64, 100, 8000), 28, 4, 128),
     "ragged256-d64": (lengths("ragged", 256, 10, 2000), 32, 8, 64),
     "ragged16-long": (lengths("ragged", 16, 1000, 32000), 32, 8, 128),
+    # one long row among short ones: most of the items are one row's
+    "ragged32-one-long": ([32000] + [300] * 31, 32, 8, 128),
     "b1-32k-gqa7": ([32768], 28, 4, 128),
     "b1-32k-gqa4": ([32768], 32, 8, 128),
     "b1-128k-gqa4": ([131072], 32, 8, 128),
