@@ -10,6 +10,7 @@ state all of that needs lives on the model instance (``step.PatchState``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import types
@@ -371,7 +372,7 @@ def _paged_forward(self, *args, **kwargs):
             cache.unshared_blocks = None
         new = new_token_mask(kwargs, cache.paged.seq_lens)
         if not cache.generating:
-            _room_for_forward(state, cache.paged, self, new)
+            _room_for_forward(state, cache, self, new)
         output = run_step(kwargs, new)
         cache.end_step()
         return output
@@ -594,9 +595,9 @@ def _check_continuation(model, cache: PagedCache, args: tuple, kwargs: dict) -> 
 
 def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs) -> None:
     """A returned cache passed back to generate grows its pool to fit the call, as stock's
-    cache would, unless the pool size was fixed (``num_blocks`` / ``max_memory``: then
-    ``OutOfBlocks`` says so)."""
-    if state.pool.fixed:
+    cache would, unless the patch that made the pool fixed its size (``num_blocks`` /
+    ``max_memory``: then ``OutOfBlocks`` says so)."""
+    if cache.pool_fixed:
         return
     paged = cache.paged
     _grow_to(
@@ -604,12 +605,13 @@ def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs)
     )
 
 
-def _room_for_forward(state: PatchState, paged, model, new: torch.Tensor) -> None:
+def _room_for_forward(state: PatchState, cache, model, new: torch.Tensor) -> None:
     """A forward of the caller's own on a returned cache grows its pool to fit the forward's
     new tokens (``new`` bool [B, q]), as stock's cache would, unless the pool size was fixed:
     each row may take the blocks its tokens reach plus a copy of its last one."""
     counts = new.sum(dim=1).tolist()
-    if state.pool.fixed or len(counts) != paged.num_seqs:
+    paged = cache.paged
+    if cache.pool_fixed or len(counts) != paged.num_seqs:
         return  # (a row count the step refuses itself)
     need = [
         sum(
@@ -630,7 +632,9 @@ def _grow_to(state: PatchState, paged, need: list[int], model) -> None:
         more = [max(0, n - f) for n, f in zip(need, free, strict=True)]
         grown = [g.allocator.num_blocks + m for g, m in zip(paged.groups, more, strict=True)]
         each = tuple(grown) if len(grown) > 1 else ()
-        check_pool_fits(PoolSize(sum(grown), paged.table_width, each), state.pool, model)
+        # (the memory check of an unfixed size, whatever the current patch fixed)
+        unfixed = dataclasses.replace(state.pool, num_blocks=None, max_memory=None)
+        check_pool_fits(PoolSize(sum(grown), paged.table_width, each), unfixed, model)
         _grow(paged, more)
 
 
@@ -769,6 +773,7 @@ def _paged_generate(self, *args, **kwargs):
         slack = window_slack(self, kwargs)
         paged = _new_store(state, size, num_blocks, pools, allocators, slack)
         cache = PagedCache(paged)
+        cache.pool_fixed = state.pool.fixed
         cache.drops_out = dropout
         salt = None
         if pending_salt is not None:

@@ -50,6 +50,9 @@ class PagedCache(Cache):
         # blocks this call needs unless its first forward shares copies (hf.py grows the
         # pool to it if that forward does not share); None when the pool needs no growth
         self.unshared_blocks: list[int] | None = None  # one entry per layer group
+        # whether the patch that made this pool fixed its size (num_blocks / max_memory): a
+        # pool made unfixed grows when passed back, even after a re-patch fixes the size
+        self.pool_fixed = False
         # why the model's forward is random (a module drops out in training mode), or None:
         # then no row takes another's prefill, no decode step replays a graph and HF's loop
         # runs (rows leaving the batch would shift the dropout draws)

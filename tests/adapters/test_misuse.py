@@ -495,6 +495,39 @@ def test_out_of_blocks_while_continuing_leaves_the_cache_as_given():
     assert torch.equal(out, stock_next)
 
 
+def test_a_cache_made_unfixed_grows_after_a_repatch_fixes_the_size():
+    """A cache returned by a patch of unfixed size is continued after a re-patch with
+    ``num_blocks``: its pool grows as it was made to (stock's tokens), and a cache made under
+    the fixed size still raises OutOfBlocks where it outgrows it. Planted, reverted: the
+    growth decided by the current patch's options: OutOfBlocks "Raise num_blocks" with
+    num_blocks=50 and the old pool of a few blocks full."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4, 6], 9)
+    opts = dict(max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
+    stock, stock_next = stock_and_continued(model, inputs, opts, 30)
+    try:
+        nanoserve.patch_model(model, block_size=4)
+        with torch.no_grad():
+            first = model.generate(**inputs, **opts)
+            nanoserve.patch_model(model, block_size=4, num_blocks=50)
+            following = continued(inputs, first.sequences)
+            out = model.generate(
+                **following, max_new_tokens=30, **{cache_name(model): first.past_key_values},
+                **GREEDY,
+            )  # fmt: skip
+            again = model.generate(**inputs, **opts)
+            assert again.past_key_values.pool_fixed
+            with pytest.raises(nanoserve.OutOfBlocks):
+                model.generate(
+                    **continued(inputs, again.sequences), max_new_tokens=200,
+                    **{cache_name(model): again.past_key_values}, **GREEDY,
+                )  # fmt: skip
+    finally:
+        nanoserve.unpatch_model(model)
+    assert torch.equal(first.sequences, stock.sequences)
+    assert torch.equal(out, stock_next)
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral"])
 def test_a_failed_continuation_gives_back_reordered_and_dropped_blocks(name):
     """A beam-search continuation (rows reordered) or a sliding window's (Mistral's tiny
