@@ -70,6 +70,9 @@ CLASSES = {
     "mid-8x4096": (lengths("uniform", 8, 0, 4096), 32, 8, 128),
     "mid-16x4096": (lengths("uniform", 16, 0, 4096), 32, 8, 128),
     "mid-4x8192-gqa7": (lengths("uniform", 4, 0, 8192), 28, 4, 128),
+    # equal rows where the balanced launch lost to the fixed splits (RESULTS.md, 2026-12-04)
+    "mid-16x8192-gqa7": (lengths("uniform", 16, 0, 8192), 28, 4, 128),
+    "b2-32k-2kv": (lengths("uniform", 2, 0, 32768), 12, 2, 128),
     "uniform-32x8192": (lengths("uniform", 32, 0, 8192), 32, 8, 128),
     "uniform-128x2048": (lengths("uniform", 128, 0, 2048), 32, 8, 128),
     "uniform-128x512": (lengths("uniform", 128, 0, 512), 32, 8, 128),
