@@ -40,6 +40,23 @@ def _check_inputs(inputs, vocab_size: int | None) -> None:
             )
 
 
+def _check_row_ends(config, kwargs: dict) -> None:
+    """ValueError naming ``stop_strings`` / ``stopping_criteria``: a row they end is padded
+    by generate up to the batch's last step, and those pads cannot be told from generated
+    tokens (transformers' own generate_batch ends a request at EOS or max_new_tokens only)."""
+    if getattr(config, "stop_strings", None):
+        name = "stop_strings"
+    elif kwargs.get("stopping_criteria"):
+        name = "stopping_criteria"
+    else:
+        return
+    raise ValueError(
+        f"{name}: generate_batch ends a request at EOS or max_new_tokens only (as transformers' "
+        "own does); nanoserve's runs one generate call, where a row that this ends early is "
+        "padded and its pads cannot be told from tokens: call model.generate for it"
+    )
+
+
 def vocab_size(model) -> int | None:
     """The model's vocabulary size from its (text) config, or None when it names none."""
     vocab = getattr(model.config.get_text_config(), "vocab_size", None)
@@ -106,6 +123,7 @@ def paged_generate_batch(
     config = copy.deepcopy(generation_config or model.generation_config)
     # the rows' copies, EOS and pad below must be the ones generate uses
     kwargs = config.update(**kwargs)
+    _check_row_ends(config, kwargs)
     logprobs = bool(getattr(continuous_batching_config, "return_logprobs", False))
     eos = eos_ids(config)
     # transformers' -1 ("disabled") and None mean no EOS; an empty list keeps generate from
@@ -126,6 +144,8 @@ def paged_generate_batch(
             "num_beams: beam search with no EOS id needs a pad_token_id other than 0 "
             "(transformers' beam search then reads eos_token_id[0]); give either"
         )
+    # with no EOS and no pad id, generate would take its pad from the empty EOS list
+    config.pad_token_id = pad
     _log.info("generate_batch: %d requests as one generate call on the paged pool", len(inputs))
 
     start = time.perf_counter()

@@ -210,3 +210,53 @@ def test_a_config_without_eos_runs_to_max_new_tokens(eos_token_id):
         alone, _ = stock_alone(model, prompt, max_new_tokens=20, do_sample=False, eos_token_id=[])
         assert eos in alone  # stock would have stopped there with the model's EOS
         assert results[f"req_{i}"].generated_tokens == alone
+
+
+def test_stop_strings_and_stopping_criteria_are_refused():
+    """A row ended by a stop string or a stopping criterion was padded by the one generate
+    call up to its last step, and those pads came back as generated tokens (with pad = EOS,
+    an EOS the model never produced). transformers' own generate_batch ends a request at EOS
+    or max_new_tokens only; here the call is refused, naming the argument, before any
+    forward. Planted, reverted: the check removed: no error (the stopped row came back with
+    pads as tokens, as a probe found)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class FirstRowAfterTwo(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            done[0] = input_ids.shape[1] >= 6
+            return done
+
+    model = tiny_model("llama")
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=2, pad_token_id=0)
+    criteria = StoppingCriteriaList([FirstRowAfterTwo()])
+    with patched(model):
+        with pytest.raises(ValueError, match="^stopping_criteria: generate_batch ends"):
+            model.generate_batch([[5, 6, 7, 8], [11, 12, 13]], config, stopping_criteria=criteria)
+        stops = GenerationConfig(max_new_tokens=6, eos_token_id=2, stop_strings=["a"])
+        with pytest.raises(ValueError, match="^stop_strings: generate_batch ends"):
+            model.generate_batch([[5, 6]], stops)
+        with pytest.raises(ValueError, match="^stop_strings"):
+            model.generate_batch([[5, 6]], config, stop_strings="a")
+        # an empty list of criteria ends nothing
+        out = model.generate_batch([[5, 6]], config, stopping_criteria=StoppingCriteriaList())
+    assert len(out["req_0"].generated_tokens) >= 1
+
+
+def test_no_eos_and_no_pad_id_runs_to_max_new_tokens():
+    """A model that names no pad id (a plain LlamaConfig, like Llama-3 checkpoints) with no
+    EOS: generate took its pad from the empty EOS list (IndexError); the requests now run to
+    max_new_tokens and equal stock generate on each prompt alone. Planted, reverted: the pad
+    left unset: the IndexError."""
+    model = tiny_model("llama", seed=3)
+    model.config.pad_token_id = None
+    model.generation_config.pad_token_id = None
+    prompts = [[5, 6, 7, 8], [11, 12, 13]]
+    for eos in (None, -1):
+        config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=eos)
+        with patched(model):
+            results = model.generate_batch(prompts, config)
+        for i, prompt in enumerate(prompts):
+            alone, _ = stock_alone(model, prompt, max_new_tokens=3, do_sample=False,
+                                   eos_token_id=[], pad_token_id=0)  # fmt: skip
+            assert results[f"req_{i}"].generated_tokens == alone
