@@ -26,6 +26,7 @@ from nanoserve.cache.paged_cache import (
     StepMetadata,
     check_given_scales,
     grouped_metadata,
+    int_list,
     step_device,
 )
 from nanoserve.kernels.quant import QUANTIZED_DTYPES
@@ -220,7 +221,7 @@ class GroupedKVCache:
 
     def reorder(self, indices: list[int]) -> None:
         """Row i becomes a fork of old row ``indices[i]`` in every group."""
-        indices = _int_list("indices", indices)  # checked before any group changes
+        indices = int_list("indices", indices)  # checked before any group changes
         for i in indices:
             if not 0 <= i < self.num_seqs:
                 raise ValueError(f"indices: {i} outside [0, {self.num_seqs})")
@@ -235,7 +236,7 @@ class GroupedKVCache:
 
     def truncate_rows(self, lengths: list[int]) -> None:
         """Cut row i back to ``lengths[i]`` tokens in every group."""
-        lengths = _int_list("lengths", lengths)  # checked before any group changes
+        lengths = int_list("lengths", lengths)  # checked before any group changes
         if len(lengths) != self.num_seqs:
             raise ValueError(f"lengths: {len(lengths)} entries for {self.num_seqs} rows")
         for i, (length, held) in enumerate(zip(lengths, self.seq_lens(), strict=True)):
@@ -424,17 +425,6 @@ def _per_group(name: str, values, count: int) -> list:
     if len(values) != count:
         raise ValueError(f"{name}: {len(values)} entries for {count} layer groups")
     return list(values)
-
-
-def _int_list(name: str, values) -> list[int]:
-    """``values`` (a sequence of ints, or a 1-d integer tensor) as a list of ints."""
-    if isinstance(values, torch.Tensor):
-        if values.dim() != 1 or values.is_floating_point() or values.dtype == torch.bool:
-            raise ValueError(f"{name}: expected a 1-d integer tensor, got {values!r}")
-        return [int(v) for v in values.tolist()]
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise ValueError(f"{name}: expected a sequence of ints, got {values!r}")
-    return [as_index(v, name) for v in values]
 
 
 def _digests(digests) -> list[bytes]:

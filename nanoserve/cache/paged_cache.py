@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -311,6 +312,7 @@ class PagedKVCache:
 
         Blocks are shared by reference count; a shared block is copied only when written.
         """
+        indices = int_list("indices", indices)  # checked before any fork
         for i in indices:
             if not 0 <= i < len(self.tables):
                 raise ValueError(f"indices: {i} outside [0, {len(self.tables)})")
@@ -336,7 +338,16 @@ class PagedKVCache:
             table.truncate(max(0, table.num_tokens - n))
 
     def truncate_rows(self, lengths: list[int]) -> None:
-        """Cut sequence i back to ``lengths[i]`` tokens (a failed forward's tokens)."""
+        """Cut sequence i back to ``lengths[i]`` tokens (a failed forward's tokens); every
+        length is checked before any row changes."""
+        lengths = int_list("lengths", lengths)
+        if len(lengths) != len(self.tables):
+            raise ValueError(f"lengths: {len(lengths)} entries for {len(self.tables)} rows")
+        for i, (length, table) in enumerate(zip(lengths, self.tables, strict=True)):
+            if not 0 <= length <= table.num_tokens:
+                raise ValueError(
+                    f"lengths: row {i} to {length} tokens, outside [0, {table.num_tokens}]"
+                )
         for table, length in zip(self.tables, lengths, strict=True):
             table.truncate(length)
 
@@ -732,6 +743,17 @@ class PagedKVCache:
             "unused_share": 1.0 - slots_filled / total_slots,
             "blocks_dropped_by_window": self.blocks_dropped,
         }
+
+
+def int_list(name: str, values) -> list[int]:
+    """``values`` (a sequence of ints, or a 1-d integer tensor) as a list of ints."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.is_floating_point() or values.dtype == torch.bool:
+            raise ValueError(f"{name}: expected a 1-d integer tensor, got {values!r}")
+        return [int(v) for v in values.tolist()]
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ValueError(f"{name}: expected a sequence of ints, got {values!r}")
+    return [as_index(v, name) for v in values]
 
 
 def filled_slots(tables, block_size: int) -> int:

@@ -56,8 +56,9 @@ def use_triton(backend: str, tensor: torch.Tensor) -> bool:
 def refuse_interpreted_bfloat16(*tensors: torch.Tensor) -> None:
     """ValueError naming ``backend`` when the Triton attention kernels would run on bfloat16
     CPU tensors in Triton's interpreter (``tensors``: the pools, whose dtype the kernels'
-    ``tl.dot`` tiles take; FP8 pools meet the query in float16, INT8 pools in the query's
-    dtype, so the query is passed with them): its ``tl.dot`` on bfloat16
+    ``tl.dot`` tiles take; INT8 pools, and FP8 pools in the extend kernel, meet the query in
+    its dtype, so the query is passed with them; decode meets FP8 tiles in float16): its
+    ``tl.dot`` on bfloat16
     gives wrong sums (float16 and float32 are right), and a wrong answer must not pass for
     one."""
     if _interpreting() and any(t.dtype == torch.bfloat16 and not t.is_cuda for t in tensors):

@@ -14,14 +14,18 @@ from __future__ import annotations
 import torch
 
 from nanoserve.kernels.dispatch import check_backend, refuse_interpreted_bfloat16, use_triton
-from nanoserve.kernels.quant import INT8_DTYPE, dequantize, dequantize_int8
+from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, dequantize, dequantize_int8
 from nanoserve.kernels.reference import attend_sequence, gather_history
 from nanoserve.kernels.validation import check_attention_args, check_positive
 
 
-def _dequantized_like(query: torch.Tensor, key_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The query, when the kernels dequantize these pools into its dtype (INT8), else ()."""
-    return (query,) if key_cache.dtype == INT8_DTYPE else ()
+def _dequantized_like(
+    query: torch.Tensor, key_cache: torch.Tensor, extend: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """The query, when the kernels dequantize these pools into its dtype (INT8; FP8 in the
+    extend kernel, while decode meets FP8 tiles in float16), else ()."""
+    into_query = key_cache.dtype == INT8_DTYPE or (extend and key_cache.dtype == FP8_DTYPE)
+    return (query,) if into_query else ()
 
 
 def _default_scale(head_dim: int, scale: float | None) -> float:
@@ -202,7 +206,7 @@ def paged_extend_attention(
     if use_triton(backend, key_cache):
         from nanoserve.kernels.triton_extend import paged_extend_attention_triton
 
-        refuse_interpreted_bfloat16(key_cache, *_dequantized_like(query, key_cache))
+        refuse_interpreted_bfloat16(key_cache, *_dequantized_like(query, key_cache, extend=True))
         return paged_extend_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
             scale=_default_scale(query.shape[-1], scale),

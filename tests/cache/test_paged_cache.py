@@ -112,6 +112,32 @@ def test_reorder_shares_blocks_and_copies_on_write():
         cache.reorder([5])
 
 
+def test_bad_reorder_and_truncate_change_nothing():
+    """reorder with an index that is not an int, and truncate_rows with a missing or too
+    large length, raise naming the argument before any row changes (a probe found row 0 cut
+    before the error, and a fork's references leaked by a float index). Planted, reverted:
+    the checks removed: a raw TypeError from the float index, after a fork."""
+    cache = PagedKVCache(1, num_blocks=8, block_size=4)
+    step(cache, torch.ones(2, 6, dtype=torch.bool), 1)
+
+    def snapshot():
+        tables = [list(t.block_ids) for t in cache.tables]
+        counts = [cache.allocator.refcount(b) for t in tables for b in t]
+        return cache.seq_lens(), tables, counts
+
+    before = snapshot()
+    for bad in ([0, 0.5], [True, False], [0, 2]):
+        with pytest.raises(ValueError, match="^indices"):
+            cache.reorder(bad)
+        assert snapshot() == before
+    for bad in ([2], [2, 9], [2, -1], [2.0, 1]):
+        with pytest.raises(ValueError, match="^lengths"):
+            cache.truncate_rows(bad)
+        assert snapshot() == before
+    cache.truncate_rows([2, 6])
+    assert cache.seq_lens() == [2, 6]
+
+
 def test_free_and_reuse_stress_never_leaks_stale_data():
     """A thousand sequences of random lengths come and go through a small pool; blocks are
     poisoned with NaN as they are freed, and every live sequence still reads back exactly
