@@ -682,6 +682,8 @@ class PagedKVCache:
             raise RuntimeError("write() before begin_step(): the step boundary is missing")
         if key.dim() != 3:
             raise ValueError(f"key: expected [tokens, kv_heads, head_dim], got {tuple(key.shape)}")
+        if check:  # before a pool is made or replaced, or FP8 scales calibrated from the rows
+            _check_rows(key, value, self.step.slot_mapping.shape[0])
         written = self._written_dtypes[layer_idx]
         if self.kv_dtype in QUANTIZED_DTYPES and written not in (None, key.dtype):
             raise ValueError(
@@ -743,6 +745,27 @@ class PagedKVCache:
             "unused_share": 1.0 - slots_filled / total_slots,
             "blocks_dropped_by_window": self.blocks_dropped,
         }
+
+
+def _check_rows(key: torch.Tensor, value: torch.Tensor, slots: int) -> None:
+    """ValueError naming ``value`` or ``key`` when a step's rows cannot be written: value not
+    key's shape, dtype and device, or a row count other than the step's ``slots``."""
+    if not isinstance(value, torch.Tensor) or (value.shape, value.dtype, value.device) != (
+        key.shape,
+        key.dtype,
+        key.device,
+    ):
+        got = (
+            (tuple(value.shape), value.dtype, value.device)
+            if isinstance(value, torch.Tensor)
+            else value
+        )
+        raise ValueError(
+            f"value: must match key's shape, dtype and device "
+            f"({tuple(key.shape)}, {key.dtype}, {key.device}), got {got}"
+        )
+    if key.shape[0] != slots:
+        raise ValueError(f"key: {key.shape[0]} rows for the step's {slots} slots (S * q)")
 
 
 def int_list(name: str, values) -> list[int]:

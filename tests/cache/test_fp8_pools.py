@@ -179,3 +179,27 @@ def test_a_fixed_scale_other_than_the_given_pools_scales_is_refused():
                        kv_scale=0.5, pools=[None, fixed.pool_lists],
                        allocators=[allocator, None])  # fmt: skip
     assert allocator.num_free == 5  # group 0's kept allocator was not released
+
+
+def test_a_refused_first_write_calibrates_nothing():
+    """A first write into an FP8 cache whose rows cannot be written (a row count other than
+    the step's slots, a value of another dtype) is refused naming the argument before its
+    rows set the scales: the retry with the right rows calibrates from them, as a fresh cache
+    does. A probe found the rejected rows' scales kept (the value scale 114.6 against
+    0.0115, the retry stored at them, some values 0) and a raw RuntimeError. Planted,
+    reverted: the row check removed: a raw RuntimeError from the calibration."""
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    key, value = _rows(4), _rows(4, (0.01, 0.02, 0.03))
+    fresh = PagedKVCache(1, num_blocks=8, block_size=4, kv_dtype=FP8_DTYPE)
+    _write(fresh, mask, key, value)
+    cache = PagedKVCache(1, num_blocks=8, block_size=4, kv_dtype=FP8_DTYPE)
+    cache.begin_step(mask, "cpu")
+    with pytest.raises(ValueError, match="^key: 3 rows"):
+        cache.write(0, key[:3] * 1e4, value[:3] * 1e4)
+    with pytest.raises(ValueError, match="^value: must match key"):
+        cache.write(0, key * 1e4, value.double() * 1e4)
+    assert cache.scales(0) == (None, None)
+    cache.write(0, key, value)
+    for got, want in zip(cache.scales(0), fresh.scales(0), strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(cache.key_pools[0].view(torch.uint8), fresh.key_pools[0].view(torch.uint8))
