@@ -100,6 +100,10 @@ class GroupedKVCache:
                 raise ValueError(
                     f"allocators: entry {g} has {allocator.num_blocks} blocks, num_blocks {blocks}"
                 )
+            if any(other is allocator for other in allocators[:g]):
+                # each group counts its own free blocks: one allocator for two groups would
+                # let a step reserve the same blocks twice
+                raise ValueError(f"allocators: entry {g} is an earlier entry's allocator")
         for g, ((layers, _), group_pools) in enumerate(zip(groups, pools, strict=True)):
             if group_pools is None:
                 continue

@@ -359,7 +359,9 @@ class PagedKVCache:
         return [table.fork() for table in self.tables]
 
     def restore(self, held: list[BlockTable]) -> None:
-        """The sequences as ``hold`` took them; what they became since is freed."""
+        """The sequences as ``hold`` took them; what they became since is freed. Either this
+        or ``release`` ends a hold, once."""
+        self._check_held(held)
         for table in self.tables:
             table.free()
         self.tables = list(held)
@@ -367,8 +369,19 @@ class PagedKVCache:
 
     def release(self, held: list[BlockTable]) -> None:
         """Let go of what ``hold`` took (the sequences keep what they hold now)."""
+        self._check_held(held)
         for table in held:
             table.free()
+
+    def _check_held(self, held: list[BlockTable]) -> None:
+        """ValueError naming ``held`` when it is not a hold still open: a restored hold's
+        tables are the live rows (releasing them would empty the cache)."""
+        live = {id(table) for table in self.tables}
+        if any(id(table) in live for table in held):
+            raise ValueError(
+                "held: these tables are the cache's rows (restored already); a hold ends once, "
+                "by restore or by release"
+            )
 
     def reset(self) -> None:
         """Free every sequence; the pools stay allocated for reuse."""

@@ -231,6 +231,19 @@ def test_bad_per_group_argument_leaves_a_kept_allocator_as_it_was():
     assert kept.num_used == used
 
 
+def test_one_allocator_for_two_groups_is_refused():
+    """Each group counts its own free blocks: one allocator handed to two groups let a step
+    reserve the same blocks twice (a probe saw OutOfBlocks leave group 0 grown and group 1
+    not). Refused, naming ``allocators``, with the allocator left as it was. Planted,
+    reverted: the check removed: no error."""
+    from nanoserve.cache import BlockAllocator
+
+    shared = BlockAllocator(16)
+    with pytest.raises(ValueError, match="^allocators: entry 1 is an earlier entry's"):
+        GroupedKVCache(GROUPS, num_blocks=[16, 16], allocators=[shared, shared], block_size=BLOCK)
+    assert shared.num_free == 16
+
+
 def test_same_public_surface_as_one_pool_or_a_clear_error():
     """What a PagedKVCache has once: per layer (``key_scales``, ``scales``) or summed over
     the groups (``blocks_dropped``); what each group has its own of (``tables``,

@@ -138,6 +138,28 @@ def test_bad_reorder_and_truncate_change_nothing():
     assert cache.seq_lens() == [2, 6]
 
 
+def test_a_hold_ends_once():
+    """hold() then restore() makes the held tables the live rows; a release() of them after
+    (the try / except / finally pattern) freed every row silently, and a second restore
+    kept nothing. Both are refused naming ``held``, and the rows stay. Planted, reverted:
+    the check removed: seq_lens [0, 0] after the release."""
+    cache = PagedKVCache(1, num_blocks=8, block_size=4)
+    step(cache, torch.ones(2, 5, dtype=torch.bool), 1)
+    held = cache.hold()
+    step(cache, torch.ones(2, 1, dtype=torch.bool), 1)
+    cache.restore(held)
+    assert cache.seq_lens() == [5, 5]
+    for end in (cache.release, cache.restore):
+        with pytest.raises(ValueError, match="^held: "):
+            end(held)
+        assert cache.seq_lens() == [5, 5]
+    again = cache.hold()
+    cache.release(again)
+    assert cache.seq_lens() == [5, 5]
+    step(cache, torch.ones(2, 1, dtype=torch.bool), 1)
+    assert cache.seq_lens() == [6, 6]
+
+
 def test_free_and_reuse_stress_never_leaks_stale_data():
     """A thousand sequences of random lengths come and go through a small pool; blocks are
     poisoned with NaN as they are freed, and every live sequence still reads back exactly
