@@ -52,6 +52,9 @@ from nanoserve.adapters.read_back import READ_BACK_LAG, InvalidDraw, ReadBack
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import CACHE_KWARGS, find_cache, host_to_device, state_of
 from nanoserve.cache.allocator import OutOfBlocks
+from nanoserve.log import get_logger
+
+_log = get_logger(__name__)
 
 # generate's model_kwargs the loop handles; any other (not None) runs HF's loop
 _KNOWN_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", *CACHE_KWARGS}
@@ -84,6 +87,7 @@ def sample(
     )  # fmt: skip
     state.last_loop = "nanoserve" if reason is None else f"stock: {reason}"
     if reason is not None:
+        _log.info("fallback: transformers' decode loop (%s)", reason)
         return original(
             model, input_ids, logits_processor, stopping_criteria, generation_config,
             synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,

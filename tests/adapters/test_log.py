@@ -14,6 +14,7 @@ import torch
 from helpers import patched
 from test_families import GREEDY, padded_batch, tiny_model
 
+import nanoserve
 from nanoserve.adapters.hf_cache import cache_kwarg
 from nanoserve.log import ROOT, configure_from_env
 
@@ -146,3 +147,16 @@ def test_kept_pool_and_fallbacks(caplog):
         caplog.clear()
         model.generate(**batch, max_new_tokens=3, use_cache=False, **GREEDY)
         assert "fallback: stock generate (use_cache=False)" in messages(caplog)
+        # a processor of the caller's own: transformers' decode loop (was not logged)
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        class Keep(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                return scores
+
+        caplog.clear()
+        keep = LogitsProcessorList([Keep()])
+        model.generate(**batch, max_new_tokens=3, logits_processor=keep, **GREEDY)
+        loop = nanoserve.decode_graph_stats(model)["decode_loop"]
+        assert loop.startswith("stock: ")
+        assert f"fallback: transformers' decode loop ({loop[len('stock: ') :]})" in messages(caplog)
