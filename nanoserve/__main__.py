@@ -255,7 +255,7 @@ def _parser() -> argparse.ArgumentParser:
         "KV cache, print the pool's figures, then (unless --no-compare) generate again with "
         "stock transformers and say whether the tokens are the same. With --prompts FILE.jsonl "
         "--out OUT.jsonl: answer every prompt of the file in batches, with a progress bar and a "
-        "summary (tokens/s, the pool at its fullest).",
+        "summary (tokens/s, the pool's size).",
     )
     gen.add_argument(
         "prompt",
@@ -359,7 +359,7 @@ def _file_mode(args) -> None:
         raise ValueError("--prompts: give a PROMPT or --prompts, not both")
     if args.out is None:
         raise ValueError("--prompts: needs --out OUT.jsonl")
-    cli_prompts.check_out(args.out)
+    cli_prompts.check_out(args.out, args.prompts)
     args.records = cli_prompts.read_prompts(args.prompts)
 
 

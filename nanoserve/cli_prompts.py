@@ -65,10 +65,13 @@ def read_prompts(path: str) -> list[dict]:
     return records
 
 
-def check_out(path: str) -> None:
-    """ValueError naming ``--out`` when its folder does not exist."""
+def check_out(path: str, prompts: str) -> None:
+    """ValueError naming ``--out`` when its folder does not exist or it is the ``--prompts``
+    file (opening it for the answers would empty it)."""
     if not Path(path).resolve().parent.is_dir():
         raise ValueError(f"--out: no such folder for {path}")
+    if Path(path).resolve() == Path(prompts).resolve():
+        raise ValueError(f"--out: {path} is the --prompts file; write the answers elsewhere")
 
 
 def token_ids(tokenizer, record: dict, chat_template: bool) -> list[int]:
@@ -105,13 +108,15 @@ def prompt_ids(tokenizer, records: list[dict], chat_template: bool, vocab: int |
     return prompts
 
 
-def _summary(records: int, new_tokens: int, seconds: float, peak: dict) -> str:
+def _summary(records: int, new_tokens: int, seconds: float, largest: dict) -> str:
+    """The run's line: tokens/s and the largest pool a batch had (``largest``: its
+    ``cache_stats``). Not the blocks in use: a call's finished rows give theirs back before
+    its stats are read."""
     rate = new_tokens / seconds if seconds > 0 else float("inf")
     return (
         f"{records} prompts, {new_tokens} new tokens in {seconds:.1f} s ({rate:.1f} tokens/s); "
-        f"KV pool at its fullest: {peak.get('blocks_used', 0)}/{peak.get('num_blocks', 0)} "
-        f"blocks of {peak.get('block_size', 0)} tokens, "
-        f"{peak.get('bytes_reserved', 0) / 2**20:.2f} MiB reserved"
+        f"KV pool: {largest.get('num_blocks', 0)} blocks of {largest.get('block_size', 0)} "
+        f"tokens, {largest.get('bytes_reserved', 0) / 2**20:.2f} MiB reserved"
     )
 
 
@@ -133,7 +138,7 @@ def serve(args, model, tokenizer, prompts: list[list[int]]) -> int:
         torch.manual_seed(args.seed)
     eos = eos_ids(model.generation_config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
-    peak: dict = {}
+    largest: dict = {}
     new_tokens = 0
     start = time.perf_counter()
     with open(args.out, "w") as out, tqdm(total=len(records), unit="prompt") as bar:
@@ -145,8 +150,8 @@ def serve(args, model, tokenizer, prompts: list[list[int]]) -> int:
                     input_ids=ids, attention_mask=mask, pad_token_id=pad, **options
                 )
             stats = nanoserve.cache_stats(model)
-            if stats.get("blocks_used", 0) >= peak.get("blocks_used", -1):
-                peak = stats
+            if stats.get("bytes_reserved", 0) >= largest.get("bytes_reserved", -1):
+                largest = stats
             for i, generated in enumerate(sequences[:, ids.shape[1] :].tolist()):
                 stop = next((j + 1 for j, t in enumerate(generated) if t in eos), None)
                 tokens = generated[:stop]
@@ -160,5 +165,5 @@ def serve(args, model, tokenizer, prompts: list[list[int]]) -> int:
                 }
                 out.write(json.dumps(line) + "\n")
             bar.update(len(rows))
-    print(_summary(len(records), new_tokens, time.perf_counter() - start, peak))
+    print(_summary(len(records), new_tokens, time.perf_counter() - start, largest))
     return 0
