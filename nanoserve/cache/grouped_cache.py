@@ -25,8 +25,9 @@ from nanoserve.cache.paged_cache import (
     PagedKVCache,
     StepMetadata,
     check_given_scales,
+    checked_indices,
+    checked_lengths,
     grouped_metadata,
-    int_list,
     step_device,
 )
 from nanoserve.kernels.quant import QUANTIZED_DTYPES
@@ -225,10 +226,7 @@ class GroupedKVCache:
 
     def reorder(self, indices: list[int]) -> None:
         """Row i becomes a fork of old row ``indices[i]`` in every group."""
-        indices = int_list("indices", indices)  # checked before any group changes
-        for i in indices:
-            if not 0 <= i < self.num_seqs:
-                raise ValueError(f"indices: {i} outside [0, {self.num_seqs})")
+        indices = checked_indices(indices, self.num_seqs)  # before any group changes
         for group in self._groups:
             group.reorder(indices)
 
@@ -240,12 +238,7 @@ class GroupedKVCache:
 
     def truncate_rows(self, lengths: list[int]) -> None:
         """Cut row i back to ``lengths[i]`` tokens in every group."""
-        lengths = int_list("lengths", lengths)  # checked before any group changes
-        if len(lengths) != self.num_seqs:
-            raise ValueError(f"lengths: {len(lengths)} entries for {self.num_seqs} rows")
-        for i, (length, held) in enumerate(zip(lengths, self.seq_lens(), strict=True)):
-            if not 0 <= length <= held:
-                raise ValueError(f"lengths: row {i} to {length} tokens, outside [0, {held}]")
+        lengths = checked_lengths(lengths, self.seq_lens())  # before any group changes
         for group in self._groups:
             group.truncate_rows(lengths)
 

@@ -312,10 +312,7 @@ class PagedKVCache:
 
         Blocks are shared by reference count; a shared block is copied only when written.
         """
-        indices = int_list("indices", indices)  # checked before any fork
-        for i in indices:
-            if not 0 <= i < len(self.tables):
-                raise ValueError(f"indices: {i} outside [0, {len(self.tables)})")
+        indices = checked_indices(indices, len(self.tables))  # before any fork
         new_tables = [self.tables[i].fork() for i in indices]
         for table in self.tables:
             table.free()
@@ -340,14 +337,7 @@ class PagedKVCache:
     def truncate_rows(self, lengths: list[int]) -> None:
         """Cut sequence i back to ``lengths[i]`` tokens (a failed forward's tokens); every
         length is checked before any row changes."""
-        lengths = int_list("lengths", lengths)
-        if len(lengths) != len(self.tables):
-            raise ValueError(f"lengths: {len(lengths)} entries for {len(self.tables)} rows")
-        for i, (length, table) in enumerate(zip(lengths, self.tables, strict=True)):
-            if not 0 <= length <= table.num_tokens:
-                raise ValueError(
-                    f"lengths: row {i} to {length} tokens, outside [0, {table.num_tokens}]"
-                )
+        lengths = checked_lengths(lengths, self.seq_lens())
         for table, length in zip(self.tables, lengths, strict=True):
             table.truncate(length)
 
@@ -790,6 +780,27 @@ def int_list(name: str, values) -> list[int]:
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise ValueError(f"{name}: expected a sequence of ints, got {values!r}")
     return [as_index(v, name) for v in values]
+
+
+def checked_indices(indices, num_rows: int) -> list[int]:
+    """``indices`` (``int_list``) each in [0, num_rows), else ValueError naming ``indices``."""
+    indices = int_list("indices", indices)
+    for i in indices:
+        if not 0 <= i < num_rows:
+            raise ValueError(f"indices: {i} outside [0, {num_rows})")
+    return indices
+
+
+def checked_lengths(lengths, held: list[int]) -> list[int]:
+    """``lengths`` (``int_list``), one a row, each within the row's ``held`` tokens, else
+    ValueError naming ``lengths``."""
+    lengths = int_list("lengths", lengths)
+    if len(lengths) != len(held):
+        raise ValueError(f"lengths: {len(lengths)} entries for {len(held)} rows")
+    for i, (length, most) in enumerate(zip(lengths, held, strict=True)):
+        if not 0 <= length <= most:
+            raise ValueError(f"lengths: row {i} to {length} tokens, outside [0, {most}]")
+    return lengths
 
 
 def filled_slots(tables, block_size: int) -> int:
