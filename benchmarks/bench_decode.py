@@ -129,7 +129,10 @@ def providers(s: dict, flashinfer) -> dict:
     q4 = s["q"].view(batch, HQ, 1, dim)
 
     def nanoserve():
-        return paged_decode_attention(s["q"], s["kc"], s["vc"], s["bt"], s["sl"], check=False)
+        # every row holds ctx tokens: the adapter tells the kernel so (equal_lengths)
+        return paged_decode_attention(
+            s["q"], s["kc"], s["vc"], s["bt"], s["sl"], check=False, equal_lengths=True
+        )
 
     def sdpa():
         out = F.scaled_dot_product_attention(q4, s["k_cont"], s["v_cont"], enable_gqa=True)

@@ -94,8 +94,9 @@ def paged_attention(
         opts.update(k_scale=k_scale, v_scale=v_scale)
     if step.all_single and q_len == 1:
         out = paged_decode_attention(
-            query[:, :, 0].contiguous(), key, value, step.block_tables, step.seq_lens, **opts
-        )
+            query[:, :, 0].contiguous(), key, value, step.block_tables, step.seq_lens,
+            equal_lengths=step.equal_lengths, **opts,
+        )  # fmt: skip
         return out.unsqueeze(1), None
     # The padded width bounds every row's new tokens: few of them (verify steps of assisted
     # generation, short turns) take the memory-bound split-KV kernel.

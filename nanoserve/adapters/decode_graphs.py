@@ -1,8 +1,9 @@
 """Decode steps of a patched model as replayed CUDA graphs.
 
 A decode step (one new token in every row, on CUDA) runs as a CUDA graph: one graph per
-batch bucket (1, 2, 4, ..., 128, then multiples of 128) and block-table width, captured on
-the first step that needs it and replayed after, all graphs drawing on one memory pool.
+batch bucket (1, 2, 4, ..., 128, then multiples of 128), block-table width and whether the
+rows are of one length (the attention launch differs), captured on the first step that
+needs it and replayed after, all graphs drawing on one memory pool.
 What changes from step to step lives in fixed device buffers updated in place before the
 replay: token ids, positions, slot mapping, block tables and lengths (one int32 buffer,
 filled by one host-to-device copy; a slot mapping and block tables per layer group for a
@@ -65,11 +66,13 @@ class StaticStep:
 
     @classmethod
     def allocate(
-        cls, rows: int, width: int, device: torch.device, layer_groups: tuple[int, ...] = ()
-    ) -> StaticStep:
+        cls, rows: int, width: int, device: torch.device, layer_groups: tuple[int, ...] = (),
+        equal_lengths: bool = False,
+    ) -> StaticStep:  # fmt: skip
         """Buffers for ``rows`` rows and ``width`` block-table columns; with
         ``layer_groups`` (each layer's group, as ``StepMetadata`` has them) a slot mapping
-        and block tables for each group."""
+        and block tables for each group. ``equal_lengths``: the steps loaded into it have
+        real rows all of one length (the padding rows past them do not count)."""
         groups = max(layer_groups, default=0) + 1
         # layout: ids | positions | seq_lens | each group's slots | each group's block tables
         size = rows * (3 + groups * (1 + width))
@@ -88,6 +91,7 @@ class StaticStep:
                 seq_lens=lens,
                 cu_seqlens_q=cu_seqlens,
                 all_single=True,
+                equal_lengths=equal_lengths,
             )
             for g in range(groups)
         )
@@ -155,7 +159,7 @@ class DecodeGraphs:
         self.agree = agree
         self.side_stream = None  # where captures warm up (created on the first)
         self.pool = None
-        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.graphs: dict[tuple, _Captured] = {}  # ("decode" | "extend", bucket, ...) -> graph
         self.cache = _dead_ref  # weakly: graphs must not keep a finished cache alive
         self.cache_signature = None
         # set at each generate call: the same cache may come back over moved weights
@@ -220,16 +224,19 @@ class DecodeGraphs:
         self.follow(cache, signature, modes)
         batch, columns = input_ids.shape
         width = host.block_tables.shape[1]
+        rows = bucket_for(batch)
         if columns == 1:
-            key = (bucket_for(batch), width)
+            key = ("decode", rows, width, host.equal_lengths)
         else:
-            key = (bucket_for(batch), column_bucket(columns), width)
+            key = ("extend", rows, column_bucket(columns), width)
         captured = self.graphs.get(key)
         if captured is None:
             if columns == 1:
-                static = StaticStep.allocate(*key, input_ids.device, host.layer_groups)
+                static = StaticStep.allocate(
+                    rows, width, input_ids.device, host.layer_groups, host.equal_lengths
+                )
             else:
-                static = StaticExtend.allocate(*key, input_ids.device)
+                static = StaticExtend.allocate(*key[1:], input_ids.device)
             static.load(host, input_ids, position_ids)
             # An extend bucket is captured when it comes back: a capture costs about two
             # eager forwards, which a shape seen once (one prompt's length) never repays.
@@ -281,8 +288,8 @@ class DecodeGraphs:
             failure = RuntimeError("another tensor-parallel rank failed to capture this step")
         if failure is not None:
             reason = f"{type(failure).__name__}: {failure}"
-            steps = "decode steps" if len(key) == 2 else "extend steps"
-            if len(key) == 2:
+            steps = f"{key[0]} steps"
+            if key[0] == "decode":
                 self.disabled_reason = reason
             else:
                 self.extend_disabled_reason = reason
@@ -296,13 +303,15 @@ class DecodeGraphs:
         self.captures += 1
         captured = _Captured(graph, static, *_template(output, cache))
         self.graphs[key] = captured
+        decode = key[0] == "decode"
         _log.info(
-            "%s graph captured: batch bucket %d (batch %d), %sblock table width %d; %d held",
-            "decode" if len(key) == 2 else "extend",
+            "%s graph captured: batch bucket %d (batch %d), %sblock table width %d%s; %d held",
             key[0],
+            key[1],
             batch,
-            "" if len(key) == 2 else f"{key[1]} columns, ",
-            key[-1],
+            "" if decode else f"{key[2]} columns, ",
+            key[2] if decode else key[3],
+            ", rows of one length" if decode and key[3] else "",
             len(self.graphs),
         )
         graph.replay()

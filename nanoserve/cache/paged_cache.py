@@ -79,7 +79,9 @@ class StepMetadata:
     Tensors (on ``device``): ``slot_mapping`` int64 [S * q] (-1 for padding),
     ``token_index`` int64 [T] flat indices of the real tokens in the padded [S * q] layout,
     ``block_tables`` int32 [S, max_blocks], ``seq_lens`` int32 [S], ``cu_seqlens_q`` int32
-    [S + 1] over the real tokens. ``all_single`` is a host value.
+    [S + 1] over the real tokens. ``all_single`` (every row takes one token) and
+    ``equal_lengths`` (every row holds as many tokens as the others after the step) are host
+    values.
 
     A cache of several layer groups (``GroupedKVCache``) gives each group its own
     ``slot_mapping`` and ``block_tables``: ``group_metas`` holds one metadata per group (the
@@ -93,6 +95,7 @@ class StepMetadata:
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
     all_single: bool
+    equal_lengths: bool = False
     _mirrors: dict[torch.device, StepMetadata] = field(default_factory=dict, repr=False)
     group_metas: tuple[StepMetadata, ...] = ()
     layer_groups: tuple[int, ...] = ()
@@ -116,6 +119,7 @@ class StepMetadata:
                 self._mirrors[device] = StepMetadata(
                     *(t.to(device, non_blocking=True) for t in self._tensors()),
                     all_single=self.all_single,
+                    equal_lengths=self.equal_lengths,
                 )
         return self._mirrors[device]
 
@@ -138,6 +142,7 @@ def grouped_metadata(
     return StepMetadata(
         *first._tensors(),
         all_single=first.all_single,
+        equal_lengths=first.equal_lengths,
         group_metas=group_metas,
         layer_groups=layer_groups,
     )
@@ -505,6 +510,7 @@ class PagedKVCache:
             seq_lens=torch.from_numpy(seq_lens),
             cu_seqlens_q=torch.from_numpy(cu),
             all_single=all(n == 1 for n in counts),
+            equal_lengths=bool(seq_lens.size) and bool(seq_lens.min() == seq_lens.max()),
         )
         return host.to(device) if torch.device(device).type != "cpu" else host
 

@@ -136,6 +136,7 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     check: bool = True,
     backend: str = "auto",
+    equal_lengths: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention; same contract as ``paged_decode_attention_ref``.
 
@@ -144,15 +145,20 @@ def paged_decode_attention(
     ``check=False`` skips validation and never reads device memory on the host, so the call
     is safe under CUDA-graph capture (the split count comes from shapes only). FP8 pools
     (float8_e4m3fn) need ``k_scale``/``v_scale`` float32 [Hkv], INT8 pools their float16
-    per-slot scales; the query is then float16/bfloat16/float32.
+    per-slot scales; the query is then float16/bfloat16/float32. ``equal_lengths``: whether
+    every ``seq_lens`` entry is the same (the Triton launch then splits each row evenly
+    instead of balancing work across rows: faster there, exact either way); None: read from
+    the lengths the check copies to the host, False without the check.
     """
     check_backend(backend)
     if check:
-        check_attention_args(
+        lens = check_attention_args(
             query, key_cache, value_cache, block_tables, seq_lens, None,
             scale=scale, sliding_window=sliding_window, softcap=softcap,
             k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
+        if equal_lengths is None and lens is not None:
+            equal_lengths = bool(lens.min() == lens.max())
     if use_triton(backend, key_cache):
         from nanoserve.kernels.triton_decode import paged_decode_attention_triton
 
@@ -161,6 +167,7 @@ def paged_decode_attention(
             query, key_cache, value_cache, block_tables, seq_lens,
             scale=_default_scale(query.shape[-1], scale),
             sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
+            equal_lengths=bool(equal_lengths),
         )  # fmt: skip
     return paged_decode_attention_ref(
         query, key_cache, value_cache, block_tables, seq_lens,

@@ -6,11 +6,13 @@ a time straight through the block table (several pages per step when pages are s
 online softmax in float32. Two launches cut the work into runs:
 
 - balanced (the default with few (row, KV head) pairs per SM and a table of more than 4k
-  tokens): every program reads all of seq_lens and computes the same plan, so a row of any
-  length gets about its share of the total, in work items of whole tiles (FlashInfer builds
-  such a plan on the host; here it needs no host copy of the lengths, no sync and no buffer to
-  refresh between CUDA-graph replays). Ragged batches no longer wait on their longest row.
-- fixed splits: each row in the same number of equal splits, from shapes only.
+  tokens, unless the caller says the rows are of one length): every program reads all of
+  seq_lens and computes the same plan, so a row of any length gets about its share of the
+  total, in work items of whole tiles (FlashInfer builds such a plan on the host; here it
+  needs no host copy of the lengths, no sync and no buffer to refresh between CUDA-graph
+  replays). Ragged batches no longer wait on their longest row.
+- fixed splits: each row in the same number of equal splits, from shapes only (also the
+  launch for rows of one length, where it beat the balanced plan).
 
 A row in one run writes its output directly. Otherwise partial results and their log-sum-exp go
 to a float32 scratch and a second kernel merges them. On NVIDIA Hopper and later both kernels
@@ -410,16 +412,20 @@ def decode_plan(
     config: tuple[int, int, int] | None = None,
     num_splits: int | None = None,
     work_items: int | None = None,
+    equal_lengths: bool = False,
 ) -> DecodePlan:
     """The launch plan from shapes only (no read of seq_lens: no sync). A given ``num_splits``
     asks for the fixed-split launch, a given ``work_items`` the balanced one; otherwise
-    ``balances`` decides, and the split count or item target comes from the SM count. A given
-    ``config`` is kept as given."""
+    ``balances`` decides, and the split count or item target comes from the SM count. Rows
+    the caller knows to be of one length (``equal_lengths``) take the fixed splits, which ran
+    such batches faster than the balanced plan (see benchmarks/RESULTS.md); a wrong hint
+    costs time, never exactness. A given ``config`` is kept as given."""
     num_seqs, _, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     capacity = block_tables.shape[1] * block_size
     balanced = num_splits is None and (
-        work_items is not None or balances(num_seqs, num_kv_heads, capacity, query.device)
+        work_items is not None
+        or (not equal_lengths and balances(num_seqs, num_kv_heads, capacity, query.device))
     )
     many_long = (
         config is None
@@ -468,12 +474,14 @@ def paged_decode_attention_triton(
     work_items: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    equal_lengths: bool = False,
 ) -> torch.Tensor:
     """Launch decode attention (arguments already validated); returns [S, Hq, D] like query.
     FP8 pools come with float32 ``k_scale``/``v_scale`` [Hkv], INT8 pools with their float16
     per-slot scales.
 
-    By default the work is balanced over rows of any lengths (see ``DecodePlan``).
+    By default the work is balanced over rows of any lengths (see ``DecodePlan``), or split
+    evenly per row where the caller says the rows are of one length (``equal_lengths``).
     ``num_splits`` (fixed splits per row), ``work_items`` (the balanced target) and ``config``
     (BLOCK_N, num_warps, num_stages) override the shape-derived choices (tests and sweeps).
     """
@@ -488,7 +496,9 @@ def paged_decode_attention_triton(
     group = num_q_heads // num_kv_heads
     d_pad = head_dim_pad(head_dim)
     int8 = key_cache.dtype == INT8_DTYPE
-    plan = decode_plan(query, key_cache, block_tables, config, num_splits, work_items)
+    plan = decode_plan(
+        query, key_cache, block_tables, config, num_splits, work_items, equal_lengths
+    )
     balanced = plan.work_items > 0
     # The most items any lengths can need: sum of ceil(len / chunk) <= work_items + rows, and
     # no row has more items than tiles in the table.

@@ -209,8 +209,9 @@ def check_attention_args(
     softcap: float | None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-) -> None:
-    """Validate paged attention arguments; ``cu_seqlens_q=None`` means decode (one token each)."""
+) -> torch.Tensor | None:
+    """Validate paged attention arguments; ``cu_seqlens_q=None`` means decode (one token each).
+    Returns the host copy of ``seq_lens`` it checked (None for no sequences)."""
     check_kv_pools(key_cache, value_cache)
     check_kv_scales(key_cache, k_scale, v_scale, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -246,7 +247,7 @@ def check_attention_args(
             _fail("query", f"has {query.shape[0]} rows for 0 sequences")
         if cu_seqlens_q is not None and int(cu_seqlens_q.cpu()[0]) != 0:
             _fail("cu_seqlens_q", "must run from 0 to 0 (the query rows)")
-        return
+        return None
     lens = seq_lens.cpu()
     capacity = block_tables.shape[1] * block_size
     if int(lens.min()) < 0:  # 0: a row with no tokens yet (all padding so far)
@@ -275,3 +276,4 @@ def check_attention_args(
             f"block ids in [{int(used.min())}, {int(used.max())}] outside the pool "
             f"[0, {num_blocks - 1}]",
         )
+    return lens

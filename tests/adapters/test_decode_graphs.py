@@ -64,6 +64,36 @@ def test_static_decode_path_matches_stock(lengths, backend, monkeypatch):
     assert stats["replays"] == 8  # every step after the prefill went through the buffers
 
 
+@pytest.mark.parametrize(
+    "lengths, equal", [([9, 9, 9], True), ([9, 4, 9], False), ([7], True)]
+)  # three rows pad the bucket of four with rows of length 1: still rows of one length
+def test_decode_steps_tell_attention_whether_the_rows_are_of_one_length(
+    lengths, equal, monkeypatch
+):  # fmt: skip
+    """Every decode step through the static buffers passes ``equal_lengths`` (the launch
+    form follows it) as the cache's step says, and keeps stock's tokens. Planted, reverted:
+    the static step's metadata built without the flag: failed the equal cases."""
+    from nanoserve.adapters import attention
+
+    told = []
+    decode = attention.paged_decode_attention
+
+    def record(*args, equal_lengths, **kwargs):
+        told.append(equal_lengths)
+        return decode(*args, equal_lengths=equal_lengths, **kwargs)
+
+    monkeypatch.setattr(attention, "paged_decode_attention", record)
+    model = tiny_model("llama")
+    inputs = padded_batch(lengths, 9)
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=5, **GREEDY)
+    paged, stats = generate_with_static_buffers(model, inputs, max_new_tokens=5, **GREEDY)
+    assert torch.equal(stock.sequences, paged.sequences)
+    assert stats["replays"] == 4
+    layers = model.config.num_hidden_layers
+    assert told == [equal] * 4 * layers
+
+
 @BACKENDS
 def test_static_decode_path_with_beams_matches_stock(backend, monkeypatch):
     model = tiny_model("llama")

@@ -91,6 +91,21 @@ def test_grouped_cache_attends_as_a_full_cache(chunk, backend):
     assert stats["group1_blocks_used"] < stats["group0_blocks_used"]
 
 
+def test_every_group_knows_whether_the_rows_are_of_one_length():
+    """``equal_lengths`` (the decode launch follows it) is the same in the grouped step and
+    in each group's own, before and after rows of different lengths catch up."""
+    grouped = GroupedKVCache(GROUPS, num_blocks=[64, 24], block_size=BLOCK)
+    answers = []
+    for mask in ([[True] * 6, [False] * 3 + [True] * 3], [[True], [True]]):
+        meta = grouped.begin_step(torch.tensor(mask), "cpu")
+        assert {m.equal_lengths for m in meta.group_metas} == {meta.equal_lengths}
+        answers.append(meta.equal_lengths)
+    grouped.drop_last(1)
+    grouped.reorder([0, 0])
+    answers.append(grouped.begin_step(torch.ones(2, 1, dtype=torch.bool), "cpu").equal_lengths)
+    assert answers == [False, False, True]
+
+
 def test_a_step_grows_every_group_or_none():
     """The sliding group out of blocks: the global group's tables stay as they were."""
     grouped = GroupedKVCache(GROUPS, num_blocks=[16, 2], block_size=BLOCK)

@@ -256,8 +256,10 @@ def test_counts_must_be_ints():
 def test_step_metadata_follows_every_table_change():
     """The block-table rows are cached across steps and rewritten only where a table
     changed; after any mix of growth, beam reorders (copy-on-write), drops and resets,
-    every step's metadata equals what the tables say."""
+    every step's metadata equals what the tables say (``equal_lengths`` too: planted, the
+    first and last rows compared only: failed)."""
     rng = random.Random(7)
+    equal_seen = 0
     cache = PagedKVCache(1, num_blocks=200, block_size=4, table_width=2)
     scatter_blocks(cache, 200)
     for _ in range(300):
@@ -282,11 +284,14 @@ def test_step_metadata_follows_every_table_change():
             expected[i, : table.num_blocks] = torch.tensor(table.block_ids, dtype=torch.int32)
         assert torch.equal(meta.block_tables, expected)
         assert meta.seq_lens.tolist() == cache.seq_lens()
+        assert meta.equal_lengths == (len(set(cache.seq_lens())) == 1)
+        equal_seen += meta.equal_lengths
         assert meta.cu_seqlens_q.diff().tolist() == mask.sum(1).tolist()
         assert torch.equal(meta.token_index, mask.flatten().nonzero().flatten())
         real = meta.slot_mapping[meta.token_index]
         assert (meta.slot_mapping >= 0).sum() == len(real) and (real >= 0).all()
         assert meta.cu_seqlens_q[0] == 0
+    assert 0 < equal_seen < 300  # both answers met
 
 
 def test_step_metadata_after_a_later_copy_on_write():

@@ -270,6 +270,76 @@ def test_decode_plan_split_launch_takes_two_stages():
     assert decode_plan(query, key_cache, tables, config=config, num_splits=4) == (64, 4, 3, 4, 0, 0)
 
 
+def test_decode_plan_rows_of_one_length_take_the_fixed_splits():
+    """Where the balanced launch would run, rows the caller says are of one length take the
+    fixed splits with ``choose_num_splits``' count; a given ``work_items`` or ``num_splits``
+    is still kept. Planted, reverted: the hint left out of ``decode_plan``: failed."""
+    from nanoserve.kernels.triton_decode import (
+        BALANCE_ABOVE_TOKENS,
+        choose_num_splits,
+        decode_plan,
+    )
+
+    wide = BALANCE_ABOVE_TOKENS // 16 + 1 - 7
+    key_cache, _, tables, _ = make_paged_kv(
+        [100, 100], 2, 128, 16, torch.float16, extra_columns=wide
+    )
+    query = torch.randn(2, 8, 128).to(torch.float16)
+    assert decode_plan(query, key_cache, tables).work_items > 0
+    told = decode_plan(query, key_cache, tables, equal_lengths=True)
+    splits = choose_num_splits(2, 2, tables.shape[1] * 16, told.block_n, query.device)
+    assert told.work_items == 0 and told.num_splits == splits > 1, told
+    assert decode_plan(query, key_cache, tables, work_items=5, equal_lengths=True).work_items == 5
+    given = decode_plan(query, key_cache, tables, num_splits=3, equal_lengths=True)
+    assert given.num_splits == 3 and given.work_items == 0
+
+
+@pytest.mark.parametrize("lens", [[300, 300, 300], [300, 1, 2000]], ids=["equal", "ragged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_decode_told_rows_of_one_length_is_exact_even_when_wrong(lens, dtype, poison_outputs):
+    """The fixed-split launch the hint picks, over a table wide enough for the balanced
+    one, matches the reference on rows of one length and, told wrongly, on ragged rows (a
+    hint costs time, never exactness): every row's own length bounds its splits."""
+    from nanoserve.kernels.triton_decode import BALANCE_ABOVE_TOKENS
+
+    columns = BALANCE_ABOVE_TOKENS // 16 + 1 - cdiv(max(lens), 16)
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(
+        lens, 2, 64, 16, dtype, extra_columns=columns
+    )
+    query = torch.randn(len(lens), 8, 64).to(dtype)
+    ref = paged_decode_attention_ref(query.double(), key_cache.double(), value_cache.double(),
+                                     tables, seq_lens)  # fmt: skip
+    out = paged_decode_attention_triton(
+        query, key_cache, value_cache, tables, seq_lens, scale=64**-0.5,
+        sliding_window=None, softcap=None, equal_lengths=True,
+    )  # fmt: skip
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    assert row_errors(out.float(), ref.float()).max() < TOLERANCE[dtype]
+
+
+def test_checked_decode_reads_whether_the_rows_are_of_one_length(monkeypatch):
+    """``paged_decode_attention`` with its check (which copies the lengths to the host)
+    tells the launch whether they are all equal; without the check only a caller's hint
+    does; a caller's hint is kept. Planted, reverted: the check's lengths not passed on
+    (always False): failed."""
+    from nanoserve.kernels import triton_decode
+
+    told = []
+
+    def record(*args, equal_lengths, **kwargs):
+        told.append(equal_lengths)
+        return args[0].clone()
+
+    monkeypatch.setattr(triton_decode, "paged_decode_attention_triton", record)
+    for lens in ([5, 5, 5], [5, 6, 5], [9]):
+        args = make_paged_kv(lens, 1, 16, 4, torch.float32)
+        query = torch.randn(len(lens), 2, 16)
+        paged_decode_attention(query, *args, backend="triton")
+        paged_decode_attention(query, *args, backend="triton", check=False)
+        paged_decode_attention(query, *args, backend="triton", equal_lengths=False)
+    assert told == [True, False, False, False, False, False, True, False, False]
+
+
 @pytest.mark.parametrize("num_kv_heads", [1, 4, 8])
 @pytest.mark.parametrize("kind", ["equal", "near-equal", "ragged"])
 def test_decode_balanced_few_rows_keep_to_their_programs(kind, num_kv_heads, monkeypatch):
