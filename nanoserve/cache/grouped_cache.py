@@ -25,8 +25,10 @@ from nanoserve.cache.paged_cache import (
     PagedKVCache,
     StepMetadata,
     check_given_scales,
+    checked_digests,
     checked_indices,
     checked_lengths,
+    checked_seq,
     grouped_metadata,
     step_device,
 )
@@ -186,10 +188,7 @@ class GroupedKVCache:
         return layer_idx
 
     def _seq(self, seq: object) -> int:
-        seq = as_index(seq, "seq")
-        if not 0 <= seq < self.num_seqs:
-            raise ValueError(f"seq: {seq} outside [0, {self.num_seqs})")
-        return seq
+        return checked_seq(seq, self.num_seqs)
 
     # What a PagedKVCache has once and a GroupedKVCache once per group: a clear error
     # rather than one group's (a group's block ids mean nothing in another's pools).
@@ -231,7 +230,7 @@ class GroupedKVCache:
             group.reorder(indices)
 
     def drop_last(self, n: int) -> None:
-        if not isinstance(n, int) or n < 0:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"n: must be an int >= 0, got {n!r}")
         for group in self._groups:
             group.drop_last(n)
@@ -266,7 +265,7 @@ class GroupedKVCache:
         """``PagedKVCache.attach_prefix`` in every group: the leading blocks found in all of
         them (a group may have evicted some the others still hold)."""
         seq = self._seq(seq)
-        digests = _digests(digests)
+        digests = checked_digests(digests)
         for group in self._groups:  # checked before any reference is taken
             if group.tables[seq].num_blocks:
                 raise ValueError("seq: only an empty sequence takes cached blocks")
@@ -289,7 +288,7 @@ class GroupedKVCache:
     def publish(self, seq: int, digests: list[bytes], first: int = 0) -> None:
         """``PagedKVCache.publish`` in every group."""
         seq = self._seq(seq)
-        digests = _digests(digests)
+        digests = checked_digests(digests)
         first = as_index(first, "first", minimum=0)
         for group in self._groups:
             group.publish(seq, digests, first)
@@ -422,13 +421,3 @@ def _per_group(name: str, values, count: int) -> list:
     if len(values) != count:
         raise ValueError(f"{name}: {len(values)} entries for {count} layer groups")
     return list(values)
-
-
-def _digests(digests) -> list[bytes]:
-    """``digests`` (a sequence of bytes, one per leading block) as a list."""
-    if isinstance(digests, (str, bytes)) or not isinstance(digests, Sequence):
-        raise ValueError(f"digests: expected a list of bytes, got {digests!r}")
-    digests = list(digests)
-    if not all(isinstance(d, bytes) for d in digests):
-        raise ValueError("digests: every entry must be bytes (block_digests gives them)")
-    return digests

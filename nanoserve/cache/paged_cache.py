@@ -334,7 +334,7 @@ class PagedKVCache:
         candidates); a sequence with fewer keeps none. Under a sliding window, a sequence cut
         back past what its window kept (its next query would see released positions) can
         no longer take tokens: ``begin_step`` refuses it."""
-        if not isinstance(n, int) or n < 0:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"n: must be an int >= 0, got {n!r}")
         for table in self.tables:
             table.truncate(max(0, table.num_tokens - n))
@@ -390,6 +390,10 @@ class PagedKVCache:
     def attach_prefix(self, seq: int, digests: list[bytes]) -> int:
         """Give the empty sequence ``seq`` the published blocks found by ``digests`` (one per
         leading full block, in order, up to the first miss); returns the tokens they hold."""
+        table = self.tables[checked_seq(seq, len(self.tables))]
+        digests = checked_digests(digests)
+        if table.num_blocks:  # (checked before any reference is taken)
+            raise ValueError("seq: only an empty sequence takes cached blocks")
         blocks = []
         for digest in digests:
             block = self.allocator.lookup(digest)
@@ -397,7 +401,7 @@ class PagedKVCache:
                 break
             blocks.append(block)
         try:
-            self.tables[seq].adopt(blocks)
+            table.adopt(blocks)
         except BaseException:
             self.allocator.free(blocks[::-1])  # (tail first, as BlockTable.free)
             raise
@@ -408,7 +412,9 @@ class PagedKVCache:
         """Make sequence ``seq``'s full blocks findable by ``digests`` (one per block from
         the first; blocks past the digests, or not full, stay unpublished). ``first``: the
         blocks before it are known to be published (attached by ``attach_prefix``)."""
-        table = self.tables[seq]
+        table = self.tables[checked_seq(seq, len(self.tables))]
+        digests = checked_digests(digests)
+        first = as_index(first, "first", minimum=0)
         full = table.num_tokens // self.block_size
         pairs = zip(table.block_ids[first:full], digests[first:], strict=False)
         for block, digest in pairs:
@@ -459,7 +465,11 @@ class PagedKVCache:
         """Check ``new_token_mask``, release what the window no longer needs and check that
         every table can grow; changes no table's tokens. Returns (tables, counts, mask) for
         ``_commit_step``."""
-        mask = new_token_mask.to("cpu", torch.bool)
+        if not isinstance(new_token_mask, torch.Tensor) or new_token_mask.dtype != torch.bool:
+            # (a float or int mask was cast: 0.5 stored a token)
+            kind = getattr(new_token_mask, "dtype", type(new_token_mask).__name__)
+            raise ValueError(f"new_token_mask: expected a bool tensor [num_seqs, q], got {kind}")
+        mask = new_token_mask.to("cpu")
         if mask.dim() != 2:
             raise ValueError(f"new_token_mask: expected [num_seqs, q], got {tuple(mask.shape)}")
         if mask.shape[0] == 0:
@@ -795,6 +805,26 @@ def checked_indices(indices, num_rows: int) -> list[int]:
         if not 0 <= i < num_rows:
             raise ValueError(f"indices: {i} outside [0, {num_rows})")
     return indices
+
+
+def checked_seq(seq, num_seqs: int) -> int:
+    """``seq`` an int index in [0, num_seqs) (no negative ones), else ValueError naming
+    ``seq``."""
+    seq = as_index(seq, "seq")
+    if not 0 <= seq < num_seqs:
+        raise ValueError(f"seq: {seq} outside [0, {num_seqs})")
+    return seq
+
+
+def checked_digests(digests) -> list[bytes]:
+    """``digests`` (a sequence of bytes, one per leading block) as a list, else ValueError
+    naming ``digests``."""
+    if isinstance(digests, (str, bytes)) or not isinstance(digests, Sequence):
+        raise ValueError(f"digests: expected a list of bytes, got {digests!r}")
+    digests = list(digests)
+    if not all(isinstance(d, bytes) for d in digests):
+        raise ValueError("digests: every entry must be bytes (block_digests gives them)")
+    return digests
 
 
 def checked_lengths(lengths, held: list[int]) -> list[int]:

@@ -203,6 +203,11 @@ MISUSE = {
     "grow one negative": ("n", lambda c: c.grow([1, -1])),
     "grow a scalar": ("n", lambda c: c.grow(3)),
     "begin_step a list": ("new_token_mask", lambda c: c.begin_step([[True], [True]], "cpu")),
+    "begin_step a float mask": (
+        "new_token_mask",
+        lambda c: c.begin_step(torch.full((2, 1), 0.5), "cpu"),
+    ),
+    "drop_last(True)": ("n", lambda c: c.drop_last(True)),
     "begin_step device": (
         "device",
         lambda c: c.begin_step(torch.ones(2, 1, dtype=torch.bool), "no-such-device"),

@@ -240,6 +240,8 @@ def test_drop_last_and_fixed_table_width():
     assert cache.seq_lens() == [0, 0] and cache.allocator.num_used == 0
     with pytest.raises(ValueError, match="^n"):
         cache.drop_last(-1)
+    with pytest.raises(ValueError, match="^n"):  # a bool is an int, once dropping a token
+        cache.drop_last(True)
     with pytest.raises(ValueError, match="table_width"):
         PagedKVCache(1, num_blocks=4, table_width=0)
 
@@ -356,6 +358,20 @@ def test_an_empty_batch_is_an_error():
     meta = cache.begin_step(torch.ones(2, 0, dtype=torch.bool), "cpu")
     assert meta.cu_seqlens_q.tolist() == [0, 0, 0] and meta.slot_mapping.numel() == 0
     assert cache.seq_lens() == [3, 3] and meta.seq_lens.tolist() == [3, 3]
+
+
+@pytest.mark.parametrize(
+    "mask", [[[True]], torch.full((1, 2), 0.5), torch.ones(1, 2, dtype=torch.int64)]
+)
+def test_a_step_mask_that_is_not_a_bool_tensor_is_refused(mask):
+    """A list was an AttributeError; a float or int mask was cast (0.5 stored a token): now
+    a ValueError naming ``new_token_mask``, with nothing changed. Planted, reverted: the
+    check removed: failed."""
+    cache = PagedKVCache(1, num_blocks=4, block_size=4)
+    step(cache, torch.ones(1, 3, dtype=torch.bool), 1)
+    with pytest.raises(ValueError, match="^new_token_mask: expected a bool tensor"):
+        cache.begin_step(mask, "cpu")
+    assert cache.seq_lens() == [3]
 
 
 def test_a_written_layer_is_never_replaced():
@@ -572,3 +588,33 @@ def test_held_rows_come_back_whole_and_no_block_leaks():
     step(cache, torch.ones(2, 10, dtype=torch.bool), 1)
     run_a_call()
     assert released.allocator.num_free == cache.allocator.num_free
+
+
+PREFIX_MISUSE = {
+    "attach_prefix a negative seq": ("seq", lambda c: c.attach_prefix(-1, [])),
+    "attach_prefix past the rows": ("seq", lambda c: c.attach_prefix(3, [])),
+    "attach_prefix a filled seq": ("seq", lambda c: c.attach_prefix(0, [b"x" * 16])),
+    "attach_prefix a string": ("digests", lambda c: c.attach_prefix(2, "abc")),
+    "publish a negative seq": ("seq", lambda c: c.publish(-1, [b"x" * 16])),
+    "publish a string": ("digests", lambda c: c.publish(0, "abc")),
+    "publish first < 0": ("first", lambda c: c.publish(0, [b"x" * 16], first=-1)),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFIX_MISUSE))
+def test_prefix_misuse_is_refused_before_anything_changes(case):
+    """A negative ``seq`` picked the last row (attached or published another row's blocks),
+    a string of digests published one block per character; now each is a ValueError naming
+    the argument, nothing taken, attached or published (GroupedKVCache checked these
+    already). Planted, reverted: the seq check left out: the negative cases failed."""
+    cache = PagedKVCache(1, num_blocks=16, block_size=4)
+    step(cache, torch.tensor([[True] * 8, [True] * 8, [False] * 8]), 1)  # row 2 empty
+    cache.publish(1, [b"y" * 16, b"z" * 16])
+    before = (cache.seq_lens(), [t.block_ids for t in cache.tables], cache.allocator.num_used)
+    name, misuse = PREFIX_MISUSE[case]
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        misuse(cache)
+    after = (cache.seq_lens(), [t.block_ids for t in cache.tables], cache.allocator.num_used)
+    assert after == before
+    assert cache.allocator.lookup(b"x" * 16) is None
+    assert cache.attach_prefix(2, [b"y" * 16, b"z" * 16]) == 8  # the real prefix still serves
