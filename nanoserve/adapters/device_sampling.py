@@ -26,8 +26,8 @@ class _Step:
     def __call__(self, scores: torch.Tensor, length: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def observe(self, tokens: torch.Tensor) -> None:
-        pass
+    def observe(self, tokens: torch.Tensor, length: int) -> None:
+        """``tokens`` [B] were chosen at column ``length`` (the length ``__call__`` had)."""
 
     def select(self, index: torch.Tensor) -> None:
         pass
@@ -82,21 +82,37 @@ class _MinP(_Step):
 
 
 class _RepetitionPenalty(_Step):
-    """Tokens a row has seen (its prompt but the first ``prompt_ignore_length`` columns, an
-    int or one per row, then every chosen token) are divided (positive) or multiplied
-    (negative) by the penalty. Ids past the vocabulary land in a dropped last column."""
+    """Tokens a row has seen are divided (positive) or multiplied (negative) by the penalty:
+    every column of the sequence from ``prompt_ignore_length`` on (an int, or one per row),
+    the prompt's and then each chosen token's; a token chosen at a column before it is
+    never counted, as stock slices the growing ``input_ids``. Ids past the vocabulary land
+    in a dropped last column."""
 
     def __init__(self, p: lp.RepetitionPenaltyLogitsProcessor, prompt: torch.Tensor):
         self.penalty = p.penalty
         ignore = getattr(p, "prompt_ignore_length", None)
+        self.ignore = int(ignore) if isinstance(ignore, int) else 0
+        self.ignore_rows: torch.Tensor | None = None  # int64 [B] (a tensor was given)
+        self.most_ignored = self.ignore
         if isinstance(ignore, torch.Tensor):  # 5.24 passes each row's left padding
+            if ignore.shape[0] != prompt.shape[0]:
+                raise ValueError("Incompatible `prompt_ignore_length` batch size")  # stock's
+            self.ignore_rows = ignore.to(prompt.device, torch.int64)
+            self.most_ignored = int(ignore.max()) if ignore.numel() else 0  # (once a call)
             columns = torch.arange(prompt.shape[1], device=prompt.device)
-            ignored = columns[None, :] < ignore.to(prompt.device)[:, None]
+            ignored = columns[None, :] < self.ignore_rows[:, None]
             prompt = prompt.masked_fill(ignored, torch.iinfo(prompt.dtype).max)
-        elif ignore:
-            prompt = prompt[:, ignore:]
+        elif self.ignore:
+            prompt = prompt[:, self.ignore :]
         self.prompt = prompt
         self.seen: torch.Tensor | None = None  # bool [B, V + 1], built at the first step
+
+    def branch(self, length):
+        # a token chosen at column ``length`` counts from ``ignore`` on; per row, each
+        # length below the last row's ignore is its own branch (those steps run eagerly)
+        if self.ignore_rows is not None:
+            return length if length < self.most_ignored else None
+        return length >= self.ignore
 
     def __call__(self, scores, length):
         vocab = scores.shape[-1]
@@ -107,14 +123,21 @@ class _RepetitionPenalty(_Step):
         penalized = torch.where(scores < 0, scores * self.penalty, scores / self.penalty)
         return torch.where(self.seen[:, :vocab], penalized, scores)
 
-    def observe(self, tokens):
-        if self.seen is not None:
-            vocab = self.seen.shape[1] - 1
-            self.seen.scatter_(1, tokens.clamp(max=vocab)[:, None], True)
+    def observe(self, tokens, length):
+        if self.seen is None or length < self.ignore:
+            return
+        vocab = self.seen.shape[1] - 1
+        tokens = tokens.clamp(max=vocab)
+        if self.ignore_rows is not None and length < self.most_ignored:
+            # rows still ignoring this column mark the dropped last column instead
+            tokens = torch.where(self.ignore_rows.to(tokens.device) <= length, tokens, vocab)
+        self.seen.scatter_(1, tokens[:, None], True)
 
     def select(self, index):
         if self.seen is not None:
             self.seen = self.seen[index]
+        if self.ignore_rows is not None:
+            self.ignore_rows = self.ignore_rows[index.to(self.ignore_rows.device)]
 
 
 class _EosBlocked(_Step):

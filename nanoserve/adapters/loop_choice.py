@@ -107,7 +107,7 @@ class TokenChoice:
         if self.pad is not None:  # finished rows get the pad token, as in stock
             tokens = torch.where(unfinished, tokens, self.pad)
         for step in self.steps:
-            step.observe(tokens)
+            step.observe(tokens, length)
         if self.rule.eos is not None:
             unfinished &= self.rule.not_eos(tokens)
         positions += 1

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from nanoserve.adapters.family import KVLayout
 from nanoserve.adapters.read_back import READ_BACK_LAG
@@ -238,6 +239,11 @@ def call_shape(model, args: tuple, kwargs: dict) -> CallShape:
     new_tokens = get("max_new_tokens")
     if new_tokens is None:
         new_tokens = max((get("max_length") or 20) - width, 0)
+    # a MaxLengthCriteria of the caller's replaces generate's own (transformers >= 4.50)
+    criteria = args[3] if len(args) > 3 else kwargs.get("stopping_criteria")
+    custom = [c.max_length for c in criteria or () if type(c) is MaxLengthCriteria]
+    if custom:
+        new_tokens = max(new_tokens, min(custom) - width)
     # prompt lookup's verify step stores its candidate tokens before cropping them, up to
     # that many past max_length
     new_tokens += get("prompt_lookup_num_tokens") or 0

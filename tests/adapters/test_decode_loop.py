@@ -420,6 +420,8 @@ def random_processors(
         return low + (high - low) * torch.rand((), generator=gen).item()
 
     per_row = torch.randint(0, prompt_len, (rows,), generator=gen).to(device)  # 5.24: padding
+    # past the prompt: tokens chosen at the columns before it never count
+    past = torch.randint(0, prompt_len + 4, (rows,), generator=gen).to(device)
     choices = [
         lambda: lp.TemperatureLogitsWarper(u(0.3, 2.0)),
         lambda: lp.TopKLogitsWarper(int(torch.randint(1, 60, (), generator=gen))),
@@ -427,6 +429,7 @@ def random_processors(
         lambda: lp.MinPLogitsWarper(u(0.0, 0.5), min_tokens_to_keep=int(u(1, 4))),
         lambda: lp.RepetitionPenaltyLogitsProcessor(u(0.5, 2.0)),
         lambda: lp.RepetitionPenaltyLogitsProcessor(u(0.5, 2.0), prompt_ignore_length=3),
+        lambda: lp.RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=prompt_len + 2),
         lambda: lp.MinLengthLogitsProcessor(prompt_len + 2, [EOS, 7], device=device),
         lambda: lp.MinNewTokensLengthLogitsProcessor(prompt_len, 2, EOS, device=device),
     ]
@@ -434,6 +437,7 @@ def random_processors(
         choices.append(
             lambda: lp.RepetitionPenaltyLogitsProcessor(1.7, prompt_ignore_length=per_row)
         )
+        choices.append(lambda: lp.RepetitionPenaltyLogitsProcessor(1.9, prompt_ignore_length=past))
     order = torch.randperm(len(choices), generator=gen)[
         : int(torch.randint(1, 6, (), generator=gen))
     ]
@@ -443,8 +447,10 @@ def random_processors(
 def test_processed_scores_equal_hf_processors():
     """On fresh random logits and token histories, the device steps give exactly what HF's
     processors give, step after step as tokens are appended (the repetition penalty's mask
-    follows the new tokens). Planted: the penalty's mask never updated after the prompt
-    failed, and top-p keeping one token fewer failed."""
+    follows the new tokens, from ``prompt_ignore_length`` on, which may lie past the prompt).
+    Planted: the penalty's mask never updated after the prompt failed, and top-p keeping one
+    token fewer failed; every chosen token counted, whatever its column (a probe found it):
+    failed."""
     check_processors(rows=3, vocab=97, rounds=40, device="cpu")
 
 
@@ -466,7 +472,7 @@ def check_processors(rows: int, vocab: int, rounds: int, device: str) -> None:
             assert torch.equal(expected, got), (seed, processors)
             tokens = torch.randint(0, vocab, (rows,), generator=gen).to(device)
             for step in steps:
-                step.observe(tokens)
+                step.observe(tokens, ids.shape[1])
             ids = torch.cat([ids, tokens[:, None]], dim=1)
 
 
@@ -549,6 +555,27 @@ def test_nan_while_sampling_raises_as_stock():
             ours = model.generate(**inputs, max_new_tokens=6, do_sample=False)
     with torch.no_grad():
         assert torch.equal(ours, model.generate(**inputs, max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.skipif(not PER_ROW_IGNORE, reason="prompt_ignore_length as an int only")
+@pytest.mark.parametrize("rows, copies", [(1, 3), (2, 2)])
+def test_per_row_ignore_length_of_another_batch_size_raises_as_stock(rows, copies):
+    """A per-row ``prompt_ignore_length`` sized for the prompts, not for their
+    ``num_return_sequences`` copies: stock's processor raises its ValueError; the loop
+    raised nothing (one row's length broadcast over three) or a RuntimeError from deep
+    inside (a probe found both). Planted, reverted: the size check left out: failed."""
+    model = tiny_model("llama", seed=10)
+    inputs = padded_batch([6, 4][:rows], 6)
+    penalty = lp.RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=torch.ones(rows))
+    opts = dict(max_new_tokens=4, do_sample=True, num_return_sequences=copies)
+    opts.update(logits_processor=LogitsProcessorList([penalty]))
+    messages = []
+    for patch in (False, True):
+        with patched(model) if patch else nullcontext():
+            with torch.no_grad(), pytest.raises(ValueError) as raised:
+                model.generate(**inputs, **opts)
+            messages.append(str(raised.value))
+    assert messages[0] == messages[1] == "Incompatible `prompt_ignore_length` batch size"
 
 
 def test_random_state_after_a_sampled_stop_is_stocks():

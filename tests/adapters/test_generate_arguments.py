@@ -95,3 +95,25 @@ def test_kept_scores_are_not_the_kept_logits():
         assert torch.equal(out.scores[4], out.logits[4])
     for a, b in zip(stock.scores, ours.scores, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("by_position", [False, True])
+def test_a_callers_max_length_criteria_sizes_the_pool(by_position):
+    """A ``MaxLengthCriteria`` passed in ``stopping_criteria`` replaces generate's own (its
+    max_new_tokens then bounds nothing): the pool holds its length. Planted, reverted: the
+    criteria not read: OutOfBlocks ("needed 1, 0 free") where stock returned 67 columns."""
+    from transformers import StoppingCriteriaList
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+    model = tiny_model("llama", seed=10)
+    inputs = padded_batch([7, 4, 6], 7)
+    criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=67)])
+    opts = dict(max_new_tokens=3, eos_token_id=None, do_sample=False)
+    if by_position:
+        args = (inputs["input_ids"], None, None, criteria)
+        kwargs = dict(attention_mask=inputs["attention_mask"], **opts)
+    else:
+        args, kwargs = (), dict(**inputs, stopping_criteria=criteria, **opts)
+    stock, ours, loop = both(model, lambda: model.generate(*args, **kwargs))
+    assert stock.shape == (3, 67) and torch.equal(stock, ours)
+    assert loop == "nanoserve"
