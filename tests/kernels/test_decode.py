@@ -124,20 +124,25 @@ def test_decode_planted_key_dominates(window, splits, items, poison_outputs):
     )  # fmt: skip
 
 
-def _balanced_launch(lens, num_kv_heads, group, work_items):
-    """The balanced decode launch over fresh float32 rows of ``lens`` (head dim 64, pages of
-    16) and the float64 reference: (out, ref)."""
+def _launch(lens, num_kv_heads, group, dtype=torch.float32, extra_columns=1, **launch):
+    """The Triton decode launch (``launch``: its options) over fresh rows of ``lens`` (head
+    dim 64, pages of 16) and the float64 reference: (out, ref)."""
     key_cache, value_cache, tables, seq_lens = make_paged_kv(
-        lens, num_kv_heads, 64, 16, torch.float32
+        lens, num_kv_heads, 64, 16, dtype, extra_columns=extra_columns
     )
-    query = torch.randn(len(lens), num_kv_heads * group, 64)
+    query = torch.randn(len(lens), num_kv_heads * group, 64).to(dtype)
     ref = paged_decode_attention_ref(query.double(), key_cache.double(), value_cache.double(),
                                      tables, seq_lens)  # fmt: skip
     out = paged_decode_attention_triton(
         query, key_cache, value_cache, tables, seq_lens, scale=64**-0.5,
-        sliding_window=None, softcap=None, work_items=work_items,
+        sliding_window=None, softcap=None, **launch,
     )  # fmt: skip
     return out, ref
+
+
+def _balanced_launch(lens, num_kv_heads, group, work_items):
+    """The balanced decode launch over float32 rows of ``lens``: (out, ref)."""
+    return _launch(lens, num_kv_heads, group, work_items=work_items)
 
 
 @pytest.mark.parametrize("items", [1, 2, 7, 64, None])
@@ -303,16 +308,7 @@ def test_decode_told_rows_of_one_length_is_exact_even_when_wrong(lens, dtype, po
     from nanoserve.kernels.triton_decode import BALANCE_ABOVE_TOKENS
 
     columns = BALANCE_ABOVE_TOKENS // 16 + 1 - cdiv(max(lens), 16)
-    key_cache, value_cache, tables, seq_lens = make_paged_kv(
-        lens, 2, 64, 16, dtype, extra_columns=columns
-    )
-    query = torch.randn(len(lens), 8, 64).to(dtype)
-    ref = paged_decode_attention_ref(query.double(), key_cache.double(), value_cache.double(),
-                                     tables, seq_lens)  # fmt: skip
-    out = paged_decode_attention_triton(
-        query, key_cache, value_cache, tables, seq_lens, scale=64**-0.5,
-        sliding_window=None, softcap=None, equal_lengths=True,
-    )  # fmt: skip
+    out, ref = _launch(lens, 2, 4, dtype, extra_columns=columns, equal_lengths=True)
     assert rel_err(out, ref) < TOLERANCE[dtype]
     assert row_errors(out.float(), ref.float()).max() < TOLERANCE[dtype]
 
