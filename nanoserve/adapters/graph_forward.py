@@ -24,7 +24,13 @@ from nanoserve.adapters.fused_inputs import FUSED_DTYPES
 from nanoserve.adapters.model_walk import ModelWalk
 from nanoserve.adapters.numeric_modes import numeric_modes
 from nanoserve.adapters.registry import family_for
-from nanoserve.adapters.step import CACHE_KWARGS, PatchState, paged_step, state_of
+from nanoserve.adapters.step import (
+    CACHE_KWARGS,
+    PatchState,
+    paged_step,
+    state_of,
+    stock_method,
+)
 from nanoserve.adapters.tensor_parallel import tp_size
 from nanoserve.adapters.user_hooks import HookScan, plain_call
 
@@ -218,7 +224,7 @@ def loop_decode_step(model, cache, fixed: dict, input_ids, position_ids):
             or graph_step_kind(state, cache, kwargs, new) != "decode"
         ):
             return None
-        stock = state.previous_forward or type(model).forward.__get__(model)
+        stock = stock_method(model, state.previous_forward, "forward")
         logits = graph_step(model, state, stock, cache, kwargs, new, borrow=True)
         cache.end_step()
         return logits

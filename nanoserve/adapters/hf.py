@@ -54,6 +54,7 @@ from nanoserve.adapters.step import (
     paged_step,
     remember_original_attn,
     state_of,
+    stock_method,
 )
 from nanoserve.adapters.tensor_parallel import (
     agree_options,
@@ -326,14 +327,9 @@ def _method(model, name: str, body):
     return types.MethodType(method, model)
 
 
-def _stock(model, previous, name: str):
-    """What ``model.<name>`` was before patching: a bound method."""
-    return previous if previous is not None else getattr(type(model), name).__get__(model)
-
-
 def _paged_forward(self, *args, **kwargs):
     state = _state(self)
-    stock = _stock(self, state.previous_forward, "forward")
+    stock = stock_method(self, state.previous_forward, "forward")
     if args:
         kwargs = _keywords(stock, args, kwargs)
         args = ()
@@ -673,7 +669,7 @@ def _new_store(state: PatchState, size: PoolSize, num_blocks, pools, allocators,
 
 def _paged_generate(self, *args, **kwargs):
     state = _state(self)
-    stock = _stock(self, state.previous_generate, "generate")
+    stock = stock_method(self, state.previous_generate, "generate")
     if len(args) > 1:  # a generation config (or more) passed by position: read as keywords
         with contextlib.suppress(TypeError, ValueError):
             args, kwargs = (), _keywords(stock, args, kwargs)

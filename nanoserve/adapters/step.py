@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -145,6 +146,17 @@ class PatchState:
         if self.graphs is not None:
             fresh.graphs = type(self.graphs)(capture=self.graphs.capture, agree=self.graphs.agree)
         return fresh
+
+
+def stock_method(model, previous, name: str) -> Callable:
+    """What ``model.<name>`` was before patching (``previous``, else the class's method),
+    taking the rest of the arguments. The class's function is bound with
+    ``functools.partial``, not ``__get__``: under ``torch.compile(model)`` Dynamo rebuilt such
+    a bound method at a graph break as ``model.<name>``, the patched method, which then
+    called itself until the recursion limit."""
+    if previous is not None:
+        return previous
+    return functools.partial(getattr(type(model), name), model)
 
 
 def state_of(model) -> PatchState | None:

@@ -126,3 +126,31 @@ def test_scan_names_the_first_hook_of_each_kind():
     phrase = "a forward hook on model.layers.1.mlp"
     assert scan_hooks(model) == (phrase, phrase, phrase)
     handle.remove()
+
+
+def test_a_compiled_patched_model_runs_stocks_forward_and_generates_paged():
+    """``torch.compile(model)`` after patching: a forward without a cache (a training step
+    with labels) gives stock's loss and logits, and generate on the compiled module keeps
+    stock's tokens on the paged cache. Dynamo's "eager" backend keeps the test fast; the
+    failure was in its tracing, not in code generation: it rebuilt the stock forward (a
+    method bound with ``__get__``) as ``model.forward``, the patched method, which called
+    itself until a RecursionError (a probe found it). Planted, reverted: ``stock_method``
+    binding with ``__get__``: failed."""
+    model = tiny_model("llama", seed=3)
+    stock = copy.deepcopy(model)
+    inputs = padded_batch([9, 6], 9)
+    nanoserve.patch_model(model, block_size=4)
+    try:
+        compiled = torch.compile(model, backend="eager")
+        ours = compiled(**inputs, labels=inputs["input_ids"])
+        theirs = stock(**inputs, labels=inputs["input_ids"])
+        torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours.logits, theirs.logits, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            tokens = compiled.generate(**inputs, max_new_tokens=6, do_sample=False)
+            expected = stock.generate(**inputs, max_new_tokens=6, do_sample=False)
+        assert torch.equal(tokens, expected)
+        assert nanoserve.cache_stats(model)["tokens"] > 0  # the paged cache ran
+    finally:
+        nanoserve.unpatch_model(model)
+        torch._dynamo.reset()
