@@ -26,6 +26,19 @@ def cache_kwarg(model_class) -> str:
     return "cache" if "cache" in forward else "past_key_values"
 
 
+class _NoLayers(list):
+    """``PagedCache.layers``: empty (the keys and values live in paged pools), so that
+    transformers' loops over a cache's layers find none; indexing it says where they are
+    instead of a bare IndexError."""
+
+    def __getitem__(self, index):
+        raise IndexError(
+            f"layers[{index!r}]: a PagedCache keeps its keys and values in nanoserve's paged "
+            "pools, not in per-layer tensors: read them through cache.paged (its key_pools, "
+            "value_pools and tables), or generate without patching for a transformers cache"
+        )
+
+
 class PagedCache(Cache):
     """HF cache interface for generate; storage is a ``PagedKVCache`` (``.paged``)."""
 
@@ -35,7 +48,7 @@ class PagedCache(Cache):
     def __init__(self, paged: PagedKVCache):
         if not isinstance(paged, (PagedKVCache, GroupedKVCache)):
             raise ValueError(f"paged: expected a PagedKVCache, got {type(paged).__name__}")
-        super().__init__(layers=[])
+        super().__init__(layers=_NoLayers())
         self.paged = paged
         self.num_layers = paged.num_layers
         self.columns = 0  # padded columns seen by completed forwards

@@ -130,3 +130,14 @@ def test_get_max_length_is_unbounded_like_dynamic_cache():
     for layer in range(2):
         assert paged.cache.get_max_length(layer) == stock.cache.get_max_length(layer)
     assert expected == -1  # what transformers documents as "no maximum"
+
+
+def test_layers_is_empty_and_indexing_it_says_where_the_keys_are():
+    """``cache.layers`` holds no per-layer tensors (the K/V live in paged pools): loops over
+    it find none, as transformers' own loops expect, and ``cache.layers[0]`` is an
+    IndexError that says so (it was a bare "list index out of range"; a probe found it).
+    Planted, reverted: ``layers=[]``: failed."""
+    cache = paged_cache()
+    assert len(cache) == 2 and list(cache.layers) == [] and len(cache.layers) == 0
+    with pytest.raises(IndexError, match=r"^layers\[0\]: a PagedCache keeps .* cache\.paged"):
+        cache.layers[0]
