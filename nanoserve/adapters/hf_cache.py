@@ -200,10 +200,11 @@ class PagedCache(Cache):
         tokens_to_remove = int(tokens_to_remove)  # 5.17's assisted decoding passes a tensor
         drop = -tokens_to_remove if tokens_to_remove <= 0 else self.columns - tokens_to_remove
         drop = max(0, min(drop, self.columns))
-        if drop == 0:
-            return
-        self.paged.drop_last(drop)
-        self.columns -= drop
+        if drop:
+            self.paged.drop_last(drop)
+            self.columns -= drop
+        if self.paged.window_held:  # as stock's recording sliding layers, back to the window
+            self.paged.release_past_window()
 
     def reset(self) -> None:
         self.paged.reset()
@@ -211,8 +212,14 @@ class PagedCache(Cache):
         self._pending = 0
 
     def activate_past_recording(self, **kwargs) -> None:
-        """The paged store keeps every token, so crop can always roll back; 5.25 passes
-        ``recurrent_states_to_keep``, for recurrent layers, which a paged cache has none of."""
+        """Let ``crop`` roll back any number of tokens, as stock's sliding-window layers do
+        once recording: the sliding window's blocks are then released only at each crop.
+        Transformers' own calls (5.25) name what they may roll back
+        (``recurrent_states_to_keep``, for recurrent layers, which a paged cache has none
+        of): the slack the pool keeps past the window covers it, and nothing changes; a
+        caller's own loop names nothing."""
+        if "recurrent_states_to_keep" not in kwargs:
+            self.paged.hold_window()
 
     def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
         """Intermediate recurrent states to record (transformers 5.25): none, no layer of a

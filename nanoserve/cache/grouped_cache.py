@@ -159,6 +159,21 @@ class GroupedKVCache:
         for group in self._groups:
             group.keep_past_window(tokens)
 
+    def hold_window(self) -> None:
+        """Every group's ``PagedKVCache.hold_window``."""
+        for group in self._groups:
+            group.hold_window()
+
+    def release_past_window(self) -> None:
+        """Every group's ``PagedKVCache.release_past_window``."""
+        for group in self._groups:
+            group.release_past_window()
+
+    @property
+    def window_held(self) -> bool:
+        """Whether the groups hold their windows' blocks (``PagedKVCache.hold_window``)."""
+        return self._groups[0].window_held
+
     @property
     def window_slack(self) -> int:
         """Tokens every group keeps past its window (``PagedKVCache.window_slack``)."""

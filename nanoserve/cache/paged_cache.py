@@ -257,6 +257,7 @@ class PagedKVCache:
         table_width = as_index(table_width, "table_width", minimum=1)
         block_size = as_index(block_size, "block_size", minimum=1)
         self.window_slack = max(as_index(window_slack, "window_slack"), block_size)
+        self.window_held = False  # see hold_window
         self.num_layers = num_layers
         self.block_size = block_size
         self.table_width = table_width
@@ -328,6 +329,25 @@ class PagedKVCache:
         blocks (raises ``window_slack``, never lowers it): a later ``drop_last`` of up to that
         many tokens can still continue. Blocks released before stay released."""
         self.window_slack = max(as_index(tokens, "tokens", minimum=0), self.window_slack)
+
+    def hold_window(self) -> None:
+        """From the next step on, release no block for the sliding window until
+        ``release_past_window``: a caller that may cut back any number of tokens (a
+        look-ahead it then drops) keeps every position it may return to."""
+        self.window_held = True
+
+    def release_past_window(self) -> None:
+        """Release now the blocks every sequence's sliding window no longer needs (kept by
+        ``hold_window``); the hold stays for later steps."""
+        if self.sliding_window is not None:
+            self._release_past_window(self.tables)
+
+    def _release_past_window(self, tables: list[BlockTable]) -> None:
+        # no query of the next step or later sits before num_tokens, so none sees a position
+        # before num_tokens - window + 1
+        for table in tables:
+            first_seen = table.num_tokens - self.sliding_window + 1
+            self.blocks_dropped += table.drop_before(first_seen - self.window_slack)
 
     def drop_last(self, n: int) -> None:
         """Forget the last ``n`` tokens of every sequence (assisted decoding's rejected
@@ -486,11 +506,8 @@ class PagedKVCache:
         counts = counts_np.tolist()
         if self.sliding_window is not None:
             self._check_window_kept(tables, counts)
-            # no query of this step or later sits before num_tokens, so none sees a position
-            # before num_tokens - window + 1 (released even if OutOfBlocks follows: unneeded)
-            for table in tables:
-                first_seen = table.num_tokens - self.sliding_window + 1
-                self.blocks_dropped += table.drop_before(first_seen - self.window_slack)
+            if not self.window_held:  # (released even if OutOfBlocks follows: unneeded)
+                self._release_past_window(tables)
         self._reserve(tables, counts)
         return tables, counts_np, mask_np
 

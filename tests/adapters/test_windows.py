@@ -145,3 +145,59 @@ def test_a_windowed_assistant_keeps_the_drafts_the_main_model_rejects():
             pytest.skip(f"stock transformers fails on this call here ({str(e)[:60]})")
         with patched(draft):
             assert torch.equal(main.generate(ids, **opts), stock)
+
+
+def look_ahead_and_crop(ahead: int):
+    """A decoding loop of the caller's own (``custom_generate``): prefill, ask the cache to
+    record its past, then six times run ``ahead`` greedy tokens, crop them off and feed one
+    token. Returns the logits of the six fed tokens [6, B, V]."""
+
+    def loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
+             synced_gpus=False, streamer=None, **model_kwargs):  # fmt: skip
+        name = cache_name(model)
+        cache, mask = model_kwargs.get(name), torch.ones_like(input_ids)
+        out = model(input_ids, attention_mask=mask, use_cache=True, **{name: cache})
+        cache = out.past_key_values
+        cache.activate_past_recording()
+        token, logits = out.logits[:, -1:].argmax(-1), []
+        for _ in range(6):
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            probe, probe_mask = token, mask
+            for _ in range(ahead):
+                step = model(probe, attention_mask=probe_mask, use_cache=True, **{name: cache})
+                probe = step.logits[:, -1:].argmax(-1)
+                probe_mask = torch.cat([probe_mask, torch.ones_like(probe)], 1)
+            cache.crop(-ahead)
+            out = model(token, attention_mask=mask, use_cache=True, **{name: cache})
+            logits.append(out.logits[:, -1])
+            token = out.logits[:, -1:].argmax(-1)
+        return torch.stack(logits)
+
+    return loop
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_a_callers_loop_that_records_the_past_crops_past_the_window(family):
+    """``activate_past_recording`` then a look-ahead of 20 tokens cropped off, past a window
+    of 7 (Gemma 2: its sliding layer group): stock's sliding layers keep every token until
+    the crop; the paged cache holds the window's blocks until each crop, and gives stock's
+    logits (the next forward raised a ValueError naming new_token_mask: the window had
+    released the positions the crop went back to; a probe found it). The tokens held between
+    crops need room: in a pool sized for the window (a generate call grows none) that is
+    OutOfBlocks naming ``num_blocks``. Planted, reverted: ``activate_past_recording`` doing
+    nothing: failed both."""
+    if family == "mistral":
+        model = llama_family_model("mistral", seed=2, sliding_window=7)
+    else:
+        model = gemma_family_model("gemma2")
+    assert model.config.sliding_window <= 8  # the look-ahead of 20 runs past it
+    ids = torch.randint(3, 97, (2, 17), generator=torch.Generator().manual_seed(1))
+    loop = look_ahead_and_crop(20)
+    with torch.no_grad():
+        stock = model.generate(ids, custom_generate=loop, max_new_tokens=1)
+        with patched(model, block_size=4, num_blocks=64):
+            ours = model.generate(ids, custom_generate=loop, max_new_tokens=1)
+        refused = pytest.raises(nanoserve.OutOfBlocks, match="num_blocks")
+        with patched(model, block_size=4), refused:  # a pool sized for the window
+            model.generate(ids, custom_generate=loop, max_new_tokens=1)
+    torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)

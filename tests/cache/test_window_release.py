@@ -185,3 +185,29 @@ def test_sliding_window_must_be_a_positive_int():
         PagedKVCache(1, num_blocks=4, block_size=BLOCK, sliding_window=0)
     with pytest.raises(ValueError, match="sliding_window"):
         PagedKVCache(1, num_blocks=4, block_size=BLOCK, sliding_window=True)
+
+
+def test_a_held_window_releases_blocks_only_when_told():
+    """``hold_window``: steps release nothing for the window, so a ``drop_last`` of any
+    depth can continue; ``release_past_window`` releases what the window no longer needs
+    (the hold stays for later steps); without the hold the same drop is refused. Planted,
+    reverted: the step releasing blocks whatever the hold: failed."""
+    held = PagedKVCache(1, num_blocks=64, block_size=BLOCK, sliding_window=5)
+    held.hold_window()
+    run_steps(held, [9], decode_steps=30)  # 39 tokens, window 5
+    assert held.blocks_dropped == 0
+    held.drop_last(25)  # back to 14: the next query sees from position 10
+    one = torch.ones(1, 1, dtype=torch.bool)
+    held.begin_step(one, "cpu")
+    held.release_past_window()
+    dropped = held.blocks_dropped
+    first_kept = held.tables[0].num_tokens - 5 + 1 - held.window_slack
+    assert dropped == max(first_kept, 0) // BLOCK > 0
+    for _ in range(12):  # still held: nothing more released
+        held.begin_step(one, "cpu")
+    assert held.blocks_dropped == dropped
+    plain = PagedKVCache(1, num_blocks=64, block_size=BLOCK, sliding_window=5)
+    run_steps(plain, [9], decode_steps=30)
+    plain.drop_last(25)
+    with pytest.raises(ValueError, match="^new_token_mask: sequence 0 was cut back"):
+        plain.begin_step(one, "cpu")
