@@ -22,6 +22,9 @@ from nanoserve.kernels import paged_decode_attention, paged_extend_attention
 
 # No "sdpa", "flash" or "flex" in the name: transformers gives those substrings meaning.
 ATTN_NAME = "nanoserve_paged"
+# The name ``from_pretrained(attn_implementation=...)`` takes to patch the model it loads
+# (``hf_native.py``); a model switched to it by hand is refused until patched again.
+DOOR = "nanoserve"
 
 
 def _original_attention(module: torch.nn.Module):

@@ -19,7 +19,7 @@ import weakref
 import torch
 from transformers import GenerationMixin
 
-from nanoserve.adapters.attention import ATTN_NAME, register
+from nanoserve.adapters.attention import ATTN_NAME, DOOR, register
 from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.fused_decode import FUSED_KINDS
 from nanoserve.adapters.graph_forward import graph_step, graph_step_kind, records_grad, replay_skips
@@ -218,8 +218,10 @@ def _restore(model, state: PatchState) -> None:
     if state.graphs is not None:
         state.graphs.reset()
     unhook(model)
-    # a config shared with another patched model stays switched until that one is unpatched
-    if forget_original_attn(model.config) and model.config._attn_implementation == ATTN_NAME:
+    # a config shared with another patched model stays switched until that one is unpatched;
+    # the door's name (set by hand on a patched model) refuses to run unpatched: back too
+    names = (ATTN_NAME, DOOR)
+    if forget_original_attn(model.config) and model.config._attn_implementation in names:
         model.set_attn_implementation(state.original_attn)
 
 

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
+from nanoserve.adapters.attention import DOOR
 from nanoserve.adapters.family import KVLayout
 from nanoserve.adapters.generate_batch import paged_generate_batch
 from nanoserve.adapters.hf import patch_model
@@ -35,7 +36,6 @@ from nanoserve.adapters.step import state_of
 from nanoserve.kernels.dispatch import check_backend
 from nanoserve.log import get_logger
 
-DOOR = "nanoserve"
 _LOADERS = ("from_pretrained", "_from_config")
 # a model built inside another's loading (a composite model's sub-model) is not patched alone
 _LOADING: ContextVar[bool] = ContextVar("nanoserve_loading", default=False)

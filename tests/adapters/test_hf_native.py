@@ -48,6 +48,24 @@ def test_door_gives_patch_models_tokens_and_model(folder):
     assert torch.equal(generate(door), expected)
 
 
+def test_the_door_name_set_by_hand_is_undone_by_unpatching(folder):
+    """``set_attn_implementation("nanoserve")`` on a patched model is refused, advising
+    unpatch_model to run stock; unpatching then gives stock's attention and tokens (it left
+    the door's name, whose attention refuses to run: a probe found it). Planted, reverted:
+    ``_restore`` undoing only ATTN_NAME: failed."""
+    stock = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = generate(stock)
+    door = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="nanoserve"
+    ).eval()
+    door.set_attn_implementation("nanoserve")
+    with pytest.raises(ValueError, match="unpatch_model"):
+        generate(door)
+    nanoserve.unpatch_model(door)
+    assert door.config._attn_implementation == "sdpa"
+    assert torch.equal(generate(door), expected)
+
+
 def test_paged_config_reaches_the_patch(folder):
     config = nanoserve.PagedConfig(num_blocks=40, block_size=8, keep_pools=False)
     model, info = LlamaForCausalLM.from_pretrained(
