@@ -321,12 +321,8 @@ class GroupedKVCache:
     # -- the step ----------------------------------------------------------------------------
 
     def begin_step(self, new_token_mask: torch.Tensor, device: torch.device) -> StepMetadata:
-        """``PagedKVCache.begin_step`` for every group: all grow or none does."""
-        if not isinstance(new_token_mask, torch.Tensor):
-            raise ValueError(
-                f"new_token_mask: expected a bool tensor [num_seqs, q], got "
-                f"{type(new_token_mask).__name__}"
-            )
+        """``PagedKVCache.begin_step`` for every group: all grow or none does (each group's
+        ``_prepare_step`` checks the mask before anything changes)."""
         device = step_device(device)
         prepared = [group._prepare_step(new_token_mask) for group in self._groups]
         metas = []
