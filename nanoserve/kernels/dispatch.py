@@ -53,6 +53,19 @@ def use_triton(backend: str, tensor: torch.Tensor) -> bool:
     return True
 
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def float_input_problem(name: str, tensor: torch.Tensor) -> str | None:
+    """Why an activation argument of a norm, rotary or linear launcher is refused for its
+    dtype (the ValueError's message), or None: those take float16, bfloat16 and float32 (and
+    float64 on the torch reference); an integer or FP8 tensor would come back truncated."""
+    if tensor.dtype in FLOAT_DTYPES:
+        return None
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{name}: expected float16, bfloat16, float32 or float64, got {dtype}"
+
+
 def refuse_interpreted_bfloat16(*tensors: torch.Tensor) -> None:
     """ValueError naming ``backend`` when the Triton attention kernels would run on bfloat16
     CPU tensors in Triton's interpreter (``tensors``: the pools, whose dtype the kernels'

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.kernels.dispatch import next_pow2, pdl_launch, use_triton
+from nanoserve.kernels.dispatch import float_input_problem, next_pow2, pdl_launch, use_triton
 
 MAX_WIDTH = 65536
 
@@ -26,6 +26,8 @@ def input_problem(x: torch.Tensor, weight: torch.Tensor, eps) -> str | None:
     width = x.shape[-1] if x.dim() else 0
     if x.dim() == 0 or not 1 <= width <= MAX_WIDTH:
         return f"x: expected [..., D] with 1 <= D <= {MAX_WIDTH}, got {tuple(x.shape)}"
+    if (problem := float_input_problem("x", x)) is not None:
+        return problem
     if weight.shape != (width,) or weight.dtype != x.dtype or weight.device != x.device:
         return (
             f"weight: expected [{width}] of x's dtype and device, got {tuple(weight.shape)} "

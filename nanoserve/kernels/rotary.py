@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.kernels.dispatch import next_pow2, pdl_launch, use_triton
+from nanoserve.kernels.dispatch import float_input_problem, next_pow2, pdl_launch, use_triton
 
 # elements of one half-head tile a program holds, per tensor (x1, x2 and the products)
 _TILE = 2048
@@ -36,6 +36,8 @@ def input_problem(q, k, cos, sin) -> str | None:
     """Why ``apply_rotary`` refuses these arguments (the ValueError's message), or None."""
     if q.dim() != 4 or q.shape[-1] % 2 or q.shape[-1] == 0:
         return f"q: expected [B, Hq, S, D] with D even, got {tuple(q.shape)}"
+    if (problem := float_input_problem("q", q)) is not None:
+        return problem
     batch, _, seq, dim = q.shape
     if k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != (batch, seq, dim):
         return f"k: expected [{batch}, Hk, {seq}, {dim}] like q, got {tuple(k.shape)}"

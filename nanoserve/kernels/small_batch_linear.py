@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanoserve.kernels.dispatch import pdl_launch, sm_count, use_triton
+from nanoserve.kernels.dispatch import float_input_problem, pdl_launch, sm_count, use_triton
 
 MAX_ROWS = 64
 MAX_WEIGHTS = 3
@@ -176,6 +176,8 @@ def input_problem(
         return f"x: expected [M, K] with 1 <= M <= {MAX_ROWS}, got {tuple(x.shape)}"
     if x.stride(1) != 1:
         return "x: the last dimension must have unit stride"
+    if (problem := float_input_problem("x", x)) is not None:
+        return problem
     if not 1 <= len(weights) <= MAX_WEIGHTS:
         return f"weights: expected 1 to {MAX_WEIGHTS}, got {len(weights)}"
     if gated and (len(weights) != 2 or weights[0].shape != weights[1].shape):

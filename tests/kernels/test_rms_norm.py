@@ -70,6 +70,8 @@ def test_strided_rows_and_copied_layouts():
         (torch.zeros(2, 8), torch.zeros(8, dtype=torch.float16), 1e-6, "weight: expected"),
         (torch.zeros(2, 8), torch.zeros(8), -1.0, "eps"),
         (torch.zeros(2, 8), torch.zeros(8), None, "eps"),
+        (torch.ones(2, 8, dtype=torch.int32), torch.ones(8, dtype=torch.int32), 1e-6, "x: exp"),
+        (torch.ones(2, 8).to(torch.float8_e4m3fn), torch.ones(8), 1e-6, "x: expected float16"),
     ],
 )
 def test_bad_input_names_the_argument(x, weight, eps, message):

@@ -100,6 +100,12 @@ def test_non_unit_stride_head_dim_and_empty_batch():
             torch.zeros(2, 1, 8),
             "k: expected",
         ),
+        (  # integer q / k came back truncated from the reference
+            torch.ones(2, 4, 1, 8, dtype=torch.int32),
+            torch.ones(2, 4, 1, 8, dtype=torch.int32),
+            torch.ones(2, 1, 8, dtype=torch.int32),
+            "q: expected float16",
+        ),
     ],
 )
 def test_bad_input_names_the_argument(q, k, cos, message):

@@ -102,6 +102,10 @@ def test_auto_on_cpu_runs_the_reference(forbid_triton, monkeypatch):
         (dict(x=torch.zeros(65, 8)), "x: expected"),
         (dict(x=torch.zeros(8)), "x: expected"),
         (dict(x=torch.zeros(8, 2).T), "unit stride"),
+        (  # an integer x came back truncated from the reference
+            dict(x=torch.ones(2, 8, dtype=torch.int64), weights=[torch.ones(4, 8).long()]),
+            "x: expected float16",
+        ),
         (dict(weights=[]), "weights: expected 1 to 3"),
         (dict(weights=[torch.zeros(4, 8)] * 4), "weights: expected 1 to 3"),
         (dict(weights=[torch.zeros(4, 9)]), r"weights\[0\]"),
