@@ -7,8 +7,7 @@ runner warms up and captures a decode step) every RMSNorm of the family's classe
 (``Family.rms_norm_classes``) runs as one ``rms_norm`` launch, and, in steps of up to 64
 rows, each decoder layer's q, k and v projections run as one ``small_batch_linear`` launch
 and a gated MLP of the form ``down(silu(gate(x)) * up(x))`` as two (gate and up with the
-activation and product, then down; past 16 rows down runs on cuBLAS). Where a layer's
-residual adds run fused (``fused_residual.py``), its ``o_proj`` runs as one launch too.
+activation and product, then down; past 16 rows down runs on cuBLAS).
 
 q/k/v work with any attention module: the first of the three called computes all three and
 leaves the others' outputs for them, matched by the identity of the input tensor; a module
@@ -38,14 +37,15 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.adapters import fused_rotary
-from nanoserve.adapters.fused_inputs import fits, fusable, plain_linear
+from nanoserve.adapters.fused_inputs import fusable, plain_linear
 from nanoserve.adapters.fused_residual import ResidualNorms
 from nanoserve.kernels.dispatch import use_triton
 from nanoserve.kernels.rms_norm import input_problem as norm_problem
 from nanoserve.kernels.rms_norm import rms_norm
 from nanoserve.kernels.small_batch_linear import MAX_ROWS, small_batch_linear
+from nanoserve.kernels.small_batch_linear import input_problem as linear_problem
 
-FUSED_KINDS = ("attention", "o_proj", "mlp", "norm", "rotary", "residual")
+FUSED_KINDS = ("attention", "mlp", "norm", "rotary", "residual")
 # past this many rows cuBLAS reads a down projection's long K as fast as the kernel, whose
 # programs each re-read the whole x tile
 DOWN_MAX_ROWS = 16
@@ -114,6 +114,18 @@ def _gated_mlp_forward(
         return out
 
     return forward
+
+
+def fits(
+    x: torch.Tensor, linears: Sequence[torch.nn.Linear], backend: str, gated: bool = False
+) -> bool:
+    """True when the kernel takes ``x`` [M, K] through ``linears`` (``small_batch_linear``'s
+    own conditions: at most 64 rows, weights and biases of x's dtype, device and width, ...)
+    in a 16-bit step outside autocast; anything else runs stock's."""
+    weights, biases = [m.weight for m in linears], [m.bias for m in linears]
+    return (
+        fusable(x) and linear_problem(x, weights, biases, gated) is None and use_triton(backend, x)
+    )
 
 
 def _hooks_before(modules) -> bool:
@@ -257,9 +269,9 @@ class FusedDecode:
 
     def counts(self) -> dict[str, int]:
         """Modules that have run fused in some step so far: {"attention": q/k/v groups,
-        "o_proj": output projections (``ResidualNorms``), "mlp": gated MLPs, "norm":
-        RMSNorms, "rotary": rotary calls and "residual": residual adds run with their norm,
-        both of the step that ran the most} (a step the kernels do not take runs stock's)."""
+        "mlp": gated MLPs, "norm": RMSNorms, "rotary": rotary calls and "residual": residual
+        adds run with their norm, both of the step that ran the most} (a step the kernels do
+        not take runs stock's)."""
         kinds = [kind for kind, _ in self.ran]
         return {kind: kinds.count(kind) for kind in FUSED_KINDS}
 

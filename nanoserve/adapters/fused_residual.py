@@ -6,14 +6,12 @@ then ``post_attention_layernorm(h)``, and ``h + mlp(...)`` followed by the next 
 ``input_layernorm`` (the last layer's: the model's final ``norm``). Eagerly each add is a
 launch of its own. While a decode step is warmed up and captured (``FusedDecode.active``),
 the sublayers' outputs are noted with the norm that follows them (o_proj's, by a stand-in
-forward that runs ``small_batch_linear`` where it takes the rows, as the fused q/k/v
-projections do, else stock's ``F.linear``; the fused MLP's), and a ``TorchFunctionMode``
-sees each add: one of a noted output and a tensor of its shape and dtype runs
-``add_rms_norm`` instead, returns the sum and keeps the norm for that norm module, whose
-fused forward returns it when called on that very sum tensor. Any other add, and a norm
-called on anything else, run as before. The sum has the add's bits and the norm the bits the
-norm's own kernel gives that sum: the adds and norms compute exactly what they computed
-unfused (o_proj's kernel sums in another order than cuBLAS, so its last bit can differ).
+forward that runs stock's ``F.linear``; the fused MLP's), and a ``TorchFunctionMode`` sees
+each add: one of a noted output and a tensor of its shape and dtype runs ``add_rms_norm``
+instead, returns the sum and keeps the norm for that norm module, whose fused forward
+returns it when called on that very sum tensor. Any other add, and a norm called on
+anything else, run as before. The sum has the add's bits and the norm the bits the norm's
+own kernel gives that sum: the step computes exactly what it computed unfused.
 """
 
 from __future__ import annotations
@@ -26,10 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from nanoserve.adapters.fused_inputs import fits, fusable, plain_linear, records_grad
+from nanoserve.adapters.fused_inputs import fusable, plain_linear, records_grad
 from nanoserve.kernels.dispatch import use_triton
 from nanoserve.kernels.rms_norm import add_input_problem, add_rms_norm
-from nanoserve.kernels.small_batch_linear import small_batch_linear
 
 _ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
 
@@ -38,8 +35,7 @@ class ResidualNorms:
     """The fused residual adds of ``layers`` (the family's pre-norm layer classes only),
     whose norms are in ``fused_norms`` (the norms swapped for the rms_norm kernel);
     ``final_norm``: the norm after the last layer. ``ran`` counts ("residual", n): the n-th
-    norm of a step that took what an add computed for it, and ("o_proj", id) for each o_proj
-    run by the kernel."""
+    norm of a step that took what an add computed for it."""
 
     def __init__(
         self,
@@ -78,20 +74,10 @@ class ResidualNorms:
         self.adds = itertools.count()
 
     def o_proj_forward(self, o_proj: torch.nn.Module):
-        """A plain Linear's forward by ``small_batch_linear`` where it takes the rows (as the
-        fused q/k/v projections; stock's ``F.linear`` otherwise), its output noted."""
+        """Stock's forward of a plain Linear, its output noted."""
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            flat = x.reshape(-1, x.shape[-1])
-            if fits(flat, (o_proj,), self.backend):
-                bias = [o_proj.bias] if o_proj.bias is not None else None
-                # (weights_ready: no kernel of a decode step writes a parameter, so the
-                # weights stream in while the attention ahead of it finishes)
-                out = small_batch_linear(flat, [o_proj.weight], bias, weights_ready=True)
-                out = out.view(*x.shape[:-1], out.shape[-1])
-                self.ran.add(("o_proj", id(o_proj)))
-            else:
-                out = F.linear(x, o_proj.weight, o_proj.bias)
+            out = F.linear(x, o_proj.weight, o_proj.bias)
             self.note(o_proj, out)
             return out
 

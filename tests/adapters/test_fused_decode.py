@@ -48,10 +48,9 @@ def fp16_model(name="llama"):
     return model
 
 
-def counts(attention=0, mlp=0, norm=0, rotary=0, residual=0, o_proj=0):
+def counts(attention=0, mlp=0, norm=0, rotary=0, residual=0):
     return {
         "attention": attention,
-        "o_proj": o_proj,
         "mlp": mlp,
         "norm": norm,
         "rotary": rotary,
@@ -73,7 +72,7 @@ def test_fused_steps_match_unfused(name):
     plain, plain_stats = run(model, inputs, fuse=False)
     fused, stats = run(model, inputs, fuse=True)
     assert plain_stats["fused_decode"] == counts()
-    assert stats["fused_decode"] == counts(2, 2, NORMS[name], rotary=2, residual=4, o_proj=2)
+    assert stats["fused_decode"] == counts(2, 2, NORMS[name], rotary=2, residual=4)
     assert stats["replays"] == plain_stats["replays"] == 5
     assert torch.equal(plain.sequences, fused.sequences)
     for a, b in zip(plain.logits, fused.logits, strict=True):
@@ -95,9 +94,8 @@ def test_float32_and_torch_backend_are_not_fused():
 @NEEDS_INTERPRETER
 def test_a_bucket_of_32_rows_runs_fused(monkeypatch):
     """Past 16 rows a program holds 32 (or 64) rows of x; the down projection runs on
-    cuBLAS there, o_proj (K as short as q/k/v's) on the kernel. Planted: DOWN_MAX_ROWS
-    raised to 64: failed."""
-    from nanoserve.adapters import fused_decode, fused_residual
+    cuBLAS there. Planted: DOWN_MAX_ROWS raised to 64: failed."""
+    from nanoserve.adapters import fused_decode
 
     launched = []
     kernel = fused_decode.small_batch_linear
@@ -107,14 +105,13 @@ def test_a_bucket_of_32_rows_runs_fused(monkeypatch):
         return kernel(x, weights, *args, **kwargs)
 
     monkeypatch.setattr(fused_decode, "small_batch_linear", counted)
-    monkeypatch.setattr(fused_residual, "small_batch_linear", counted)
     model = fp16_model()
     inputs = padded_batch([5, 3, 4, 2, 5] * 4, 5)  # 20 rows: bucket of 32
     plain, _ = run(model, inputs, fuse=False, steps=3)
     fused, stats = run(model, inputs, steps=3)
-    assert stats["fused_decode"] == counts(2, 2, 5, 2, residual=4, o_proj=2)
-    # q/k/v (three weights), o_proj and gate/up (two) of both layers in both steps; no down
-    assert sorted(launched) == [(32, 1)] * 4 + [(32, 2)] * 4 + [(32, 3)] * 4
+    assert stats["fused_decode"] == counts(2, 2, 5, 2, residual=4)
+    # q/k/v (three weights) and gate/up (two) of both layers in both steps; no down
+    assert sorted(launched) == [(32, 2)] * 4 + [(32, 3)] * 4
     for a, b in zip(plain.logits, fused.logits, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
@@ -151,7 +148,7 @@ def test_subclassed_projections_keep_their_forwards():
     plain, _ = run(model, inputs, fuse=False)
     fused, stats = run(model, inputs)
     # layer 0's attention: k is a subclass
-    assert stats["fused_decode"] == counts(1, 2, 5, 2, residual=4, o_proj=2)
+    assert stats["fused_decode"] == counts(1, 2, 5, 2, residual=4)
     assert torch.equal(plain.sequences, fused.sequences)
     for a, b in zip(plain.logits, fused.logits, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
@@ -299,7 +296,7 @@ def test_modules_shared_between_layers_are_swapped_once():
     plain, _ = run(model, inputs, fuse=False)
     fused, stats = run(model, inputs)
     # the shared MLP is followed by two norms: its adds stay apart
-    assert stats["fused_decode"] == counts(1, 1, 5, 2, residual=2, o_proj=2)
+    assert stats["fused_decode"] == counts(1, 1, 5, 2, residual=2)
     for a, b in zip(plain.logits, fused.logits, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
     for module in model.modules():
