@@ -54,9 +54,10 @@ def prefix_salt(model, user_salt, state, walk: ModelWalk | None = None) -> bytes
     """What names a call's cached prefixes beside their tokens (16 bytes), or None when K/V
     cannot be named across calls (``unnameable``: then only copies within the call share).
 
-    The key: every parameter and buffer (address, in-place version, dtype, shape, and a
-    fingerprint of its values, ``_fingerprint``, read once a call: fused optimizers and
-    writes through ``.data`` change values without a new version), the model's structure
+    The key: every parameter, buffer and public tensor attribute (address, in-place
+    version, dtype, shape, and a fingerprint of its values, ``_fingerprint``, read once a
+    call: fused optimizers and writes through ``.data`` change values without a new
+    version), the model's structure
     (``structure_key``), torch's settings that change what a forward computes (autocast,
     matmul precision: ``numeric_modes``) and the caller's ``cache_salt``. The digest of the
     model's part of the last key is kept on ``state`` (a ``PatchState``); under tensor
@@ -77,12 +78,23 @@ def begin_prefix_salt(model, state, walk: ModelWalk | None = None) -> PendingSal
     tensors, layout = [], []
     # every module once; parameters() and buffers() would walk them twice
     for module in walk.modules if walk is not None else model.modules():
-        for tensors_of in (module._parameters, module._buffers):
+        for tensors_of in (module._parameters, module._buffers, _tensor_attributes(module)):
             for t in tensors_of.values():
                 if t is not None:
                     tensors.append(t)
                     layout.append((t.data_ptr(), _version(t), t.dtype, t.shape))
     return PendingSalt(None, tuple(layout), _start_fingerprint(tensors, state.backend))
+
+
+def _tensor_attributes(module) -> dict[str, torch.Tensor]:
+    """A module's public tensors held as plain attributes (neither parameter nor buffer: a
+    scale a custom layer reads, a rotary module's ``original_inv_freq``): their values are
+    fingerprinted with the weights, as a write through ``.data`` keeps their version."""
+    return {
+        name: t
+        for name, t in module.__dict__.items()
+        if name[0] != "_" and isinstance(t, torch.Tensor)
+    }
 
 
 def finish_prefix_salt(
@@ -272,30 +284,92 @@ def _public(config: PretrainedConfig) -> dict:
     return {k: v for k, v in vars(config).items() if not k.startswith("_")}
 
 
-def _plain(value, depth: int):
+def _plain(value, depth: int, objects: bool = False):
     """A comparable, printable stand-in for ``value``, or ``_NONE`` for an object not read:
     plain values as they are, containers of them (to ``_DEPTH``), nested configs by their
-    public settings, functions by qualified name, tensors by address, version, dtype and
-    shape (a plain tensor attribute, not a buffer: its values are not fingerprinted)."""
+    public settings, callables by what they run (``_callable``), tensors by address,
+    version, dtype and shape (a plain tensor attribute's values are fingerprinted with the
+    weights), callable objects (and, with ``objects``, any object: a bound method's owner, a
+    value a closure holds) by class and public attributes (``_object``)."""
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, torch.Tensor):
         return ("tensor", value.data_ptr(), _version(value), value.dtype, tuple(value.shape))
     if isinstance(value, _CALLABLES):
-        while isinstance(value, functools.partial):
-            value = value.func
-        func = getattr(value, "__func__", value)
-        return ("callable", getattr(func, "__module__", None), getattr(func, "__qualname__", None))
+        return _callable(value, depth)
     if depth >= _DEPTH:
         return _NONE
     if isinstance(value, PretrainedConfig):
         value = _public(value)
     if isinstance(value, (tuple, list, set, frozenset)):
-        items = [_plain(v, depth + 1) for v in value]
+        items = [_plain(v, depth + 1, objects) for v in value]
         if isinstance(value, (set, frozenset)):
             items.sort(key=repr)
         return (type(value).__name__, tuple(items))
     if isinstance(value, dict):
         items = sorted(((repr(k), v) for k, v in value.items()), key=lambda item: item[0])
-        return ("dict", tuple((k, _plain(v, depth + 1)) for k, v in items))
-    return _NONE
+        return ("dict", tuple((k, _plain(v, depth + 1, objects)) for k, v in items))
+    if isinstance(value, (types.ModuleType, type)):
+        return (type(value).__name__, getattr(value, "__name__", None))
+    return _object(value, depth) if objects or callable(value) else _NONE
+
+
+def _object(value, depth: int):
+    """An object a forward may call or read (a bound method's owner, a callable object, a
+    value a closure holds): its class and its public attributes, to ``_DEPTH``; of a
+    module (an activation module whose ``forward`` is held, or the model's own) its plain
+    values and tensors only (its submodules and the rest are the walk's when they are the
+    model's, and a patched model's own methods would read the whole model again)."""
+    attributes = getattr(value, "__dict__", None)
+    if depth >= _DEPTH or not isinstance(attributes, dict):
+        return (_class_name(type(value)), _NONE)
+    module = isinstance(value, torch.nn.Module)
+    read = tuple(
+        (name, _plain(v, depth + 1))
+        for name, v in attributes.items()
+        if name[0] != "_"
+        and name != "training"
+        and (not module or isinstance(v, (*_PLAIN, torch.Tensor)))
+    )
+    return (_class_name(type(value)), read)
+
+
+def _callable(value, depth: int):
+    """What a callable attribute runs: a function by module, name, code (its bytecode,
+    constants and the names it looks up), defaults and the values its closure holds; a
+    partial by its function and arguments; a bound method by its function and owner. (A
+    lambda swapped for another, or one closed over another value, names other K/V.) Past
+    ``_DEPTH`` only the name."""
+    func = getattr(value, "__func__", value)
+    name = (getattr(func, "__module__", None), getattr(func, "__qualname__", None))
+    if depth >= _DEPTH:
+        return ("callable", *name)
+    if isinstance(value, functools.partial):
+        arguments = tuple(_plain(a, depth + 1, True) for a in value.args)
+        keywords = tuple(sorted((k, _plain(v, depth + 1, True)) for k, v in value.keywords.items()))
+        return ("partial", _plain(value.func, depth + 1), arguments, keywords)
+    owner = getattr(value, "__self__", None)
+    if isinstance(value, types.MethodType) or (
+        isinstance(value, types.BuiltinMethodType) and owner is not None
+        and not isinstance(owner, types.ModuleType)
+    ):  # fmt: skip
+        return ("method", *name, _plain(owner, depth + 1, True))
+    if not isinstance(func, types.FunctionType):
+        return ("callable", *name)
+    cells = tuple(_cell(c, depth + 1) for c in func.__closure__ or ())
+    defaults = _plain(func.__defaults__, depth + 1), _plain(func.__kwdefaults__, depth + 1)
+    return ("function", *name, _code(func.__code__), defaults, cells)
+
+
+def _code(code: types.CodeType) -> tuple:
+    constants = tuple(
+        _code(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts
+    )
+    return (code.co_code, constants, code.co_names)
+
+
+def _cell(cell, depth: int):
+    try:
+        return _plain(cell.cell_contents, depth, True)
+    except ValueError:  # an empty cell (a name not yet bound)
+        return _NONE

@@ -6,6 +6,7 @@ model in training mode with attention dropout is refused, not silently run witho
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -251,6 +252,87 @@ def test_non_tensor_changes_between_calls_find_nothing(change):
     family, apply = NON_TENSOR_CHANGES[change]
     model = sharpen(tiny_model(family))
     check_change_invalidates(model, padded_batch([13], 13, seed=3), apply)
+    nanoserve.unpatch_model(model)
+
+
+def _scaled_silu(scale: float):
+    return lambda x: torch.nn.functional.silu(x) * scale
+
+
+class _ScaledSilu:
+    """A callable object (not a module) whose forward reads a plain attribute."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def __call__(self, x):
+        return torch.nn.functional.silu(x) * self.scale
+
+
+def _set_activation(model, activation) -> None:
+    """The first layer's MLP activation as a plain attribute (not a submodule)."""
+    mlp = model.model.layers[0].mlp
+    if "act_fn" in mlp._modules:
+        del mlp.act_fn
+    mlp.act_fn = activation
+
+
+_leaky = torch.nn.functional.leaky_relu
+# two lambdas of one module and qualified name ("<lambda>"), other code
+_LAMBDAS = (lambda x: torch.nn.functional.silu(x) * 0.2, lambda x: -torch.nn.functional.silu(x) * 4)
+# (activation before, the change between calls) on the first layer's MLP
+ACTIVATION_CHANGES = {
+    "partial's argument": (
+        functools.partial(_leaky, negative_slope=0.1),
+        lambda m: _set_activation(m, functools.partial(_leaky, negative_slope=3.0)),
+    ),
+    "lambda for another": (_LAMBDAS[0], lambda m: _set_activation(m, _LAMBDAS[1])),
+    "closure's value": (_scaled_silu(0.2), lambda m: _set_activation(m, _scaled_silu(-4.0))),
+    "bound method's owner": (
+        torch.nn.LeakyReLU(0.1).forward,
+        lambda m: _set_activation(m, torch.nn.LeakyReLU(3.0).forward),
+    ),
+    "callable object's attribute": (
+        _ScaledSilu(0.2),
+        lambda m: setattr(m.model.layers[0].mlp.act_fn, "scale", -4.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(ACTIVATION_CHANGES))
+def test_an_activation_held_as_a_function_changed_between_calls(change):
+    """An activation held as a plain function is named by what it runs, not only by its
+    name: a partial's arguments, a lambda's code, a closure's values, a bound method's
+    owner, a callable object's attributes. Planted: callables named by module and qualified
+    name (the salt before): every case found the first call's blocks and its tokens moved."""
+    first, apply = ACTIVATION_CHANGES[change]
+    model = sharp_model()
+    _set_activation(model, first)
+    check_change_invalidates(model, padded_batch([13], 13, seed=3), apply)
+    nanoserve.unpatch_model(model)
+
+
+class _ScaledLinear(torch.nn.Linear):
+    """A Linear whose output is scaled by a tensor held as a plain attribute (no buffer)."""
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+@BACKENDS
+def test_a_tensor_attribute_written_through_data_finds_nothing(backend):
+    """A plain tensor attribute a forward reads has its values fingerprinted like a buffer:
+    a write through ``.data`` keeps its address and version. Planted: such tensors named by
+    address and version only (the salt before): the stale block was found and served."""
+    model = sharp_model()
+    old = model.model.layers[0].self_attn.k_proj
+    scaled = _ScaledLinear(old.in_features, old.out_features, bias=False)
+    scaled.weight = old.weight
+    scaled.scale = torch.full((old.out_features,), 1.5)
+    model.model.layers[0].self_attn.k_proj = scaled
+    call = padded_batch([13], 13, seed=3)
+    change = lambda m: m.model.layers[0].self_attn.k_proj.scale.data.fill_(-3.0)  # noqa: E731
+    check_change_invalidates(model, call, change, backend)
     nanoserve.unpatch_model(model)
 
 
