@@ -10,6 +10,7 @@ state all of that needs lives on the model instance (``step.PatchState``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -230,6 +231,23 @@ def _state(model) -> PatchState:
     if state is None:
         raise ValueError("model: not patched (call nanoserve.patch_model first)")
     return state
+
+
+def _unset_dynamic(model, kwargs: dict) -> None:
+    """Generate's ``cache_implementation="dynamic"`` (stock's default cache, named) unset for
+    the call, which passes its own cache (stock refuses both). A passed generation config is
+    copied, not changed; the keyword is passed only where the value would come back from
+    the call's keywords or the model's config (transformers fills a passed config's unset
+    fields from the model's)."""
+    passed = kwargs.get("generation_config")
+    if passed is not None and getattr(passed, "cache_implementation", None) is not None:
+        passed = copy.deepcopy(passed)
+        passed.cache_implementation = None
+        kwargs["generation_config"] = passed
+    model_default = getattr(model.generation_config, "cache_implementation", None)
+    fills = model_default is not None and kwargs.get("use_model_defaults") is not False
+    if passed is None or fills or "cache_implementation" in kwargs:
+        kwargs["cache_implementation"] = None
 
 
 def cache_stats(model) -> dict[str, float]:
@@ -726,7 +744,8 @@ def _paged_generate(self, *args, **kwargs):
         _log.info("fallback: stock generate (output_attentions: paged kernels compute no weights)")
         return stock(*args, **kwargs)  # stock's cache and attention, which return the weights
     implementation = option("cache_implementation")
-    if implementation not in (None, "hybrid"):  # stock drops "hybrid", Gemma's hub default
+    # stock drops "hybrid" (Gemma's hub default) and runs "dynamic" as its default cache
+    if implementation not in (None, "hybrid", "dynamic"):
         paged = implementation == "paged"
         batch = "; model.generate_batch(...) runs on its pool too" if paged else ""
         raise ValueError(
@@ -792,6 +811,8 @@ def _paged_generate(self, *args, **kwargs):
         kept[0].others = tuple(kept[1:])
         state.kept_pools = kept[0]
         kwargs[cache_kwarg(type(self))] = cache
+        if implementation == "dynamic":
+            _unset_dynamic(self, kwargs)
         try:
             with _generating(state, cache, hooks, self, walk):
                 return stock(*args, **kwargs)

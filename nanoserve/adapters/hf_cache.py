@@ -155,7 +155,9 @@ class PagedCache(Cache):
         if step is None or step.cache is not self:
             raise RuntimeError(
                 "PagedCache.update outside a paged step: a PagedCache is driven by the forward "
-                "of a model patched with nanoserve.patch_model (call the model, not its base)"
+                "of a model patched with nanoserve.patch_model (call the patched model, not its "
+                "base model; after nanoserve.unpatch_model, patch the model again to continue "
+                "this cache, or start a new call without it)"
             )
         batch, heads, q_len, head_dim = key_states.shape
         key = key_states.transpose(1, 2).reshape(batch * q_len, heads, head_dim)

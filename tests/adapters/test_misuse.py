@@ -308,13 +308,40 @@ def test_output_attentions_returns_stocks_weights():
             assert a is not None and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("implementation", ["static", "paged", "dynamic"])
+@pytest.mark.parametrize("implementation", ["static", "paged", "offloaded"])
 def test_cache_implementation_names_nanoserve(implementation):
     model = tiny_model("llama")
     with patched(model), pytest.raises(ValueError, match="^cache_implementation.*nanoserve"):
         model.generate(
             **padded_batch([4], 4), max_new_tokens=2, cache_implementation=implementation
         )
+
+
+@pytest.mark.parametrize("source", ["model", "call", "config"])
+def test_cache_implementation_dynamic_is_stocks_default(source):
+    """ "dynamic" is the cache stock makes when none is named (a hub generation_config may
+    set it), set on the model's config, in the call or in a passed config: the patched call
+    runs on the paged cache, gives stock's tokens and leaves a passed config as it was.
+    Planted: "dynamic" refused as the static caches are, and "dynamic" passed on to stock
+    (which refuses a cache and a cache_implementation): each failed."""
+    model = sharpen(tiny_model("llama"))
+    opts = dict(max_new_tokens=6, **GREEDY)
+    if source == "model":
+        model.generation_config.cache_implementation = "dynamic"
+    elif source == "call":
+        opts["cache_implementation"] = "dynamic"
+    else:
+        config = copy.deepcopy(model.generation_config)
+        config.cache_implementation = "dynamic"
+        opts["generation_config"] = config
+    inputs = padded_batch([5, 9], 9)
+    stock = stock_generate(model, **inputs, **opts)
+    with patched(model):
+        paged = stock_generate(model, **inputs, **opts)
+        assert nanoserve.cache_stats(model)["tokens"] > 0  # the paged pool held the call
+    assert torch.equal(stock, paged)
+    if source == "config":
+        assert opts["generation_config"].cache_implementation == "dynamic"
 
 
 def test_a_returned_cache_refuses_a_dtype_change_and_loses_nothing():
@@ -491,6 +518,29 @@ def test_out_of_blocks_while_continuing_leaves_the_cache_as_given():
             model.generate(**following, max_new_tokens=40, **GREEDY)
         assert cache.paged.seq_lens() == lens and cache.get_seq_length() == columns
         out = model.generate(**following, max_new_tokens=2, **GREEDY)
+    assert torch.equal(first.sequences, stock.sequences)
+    assert torch.equal(out, stock_next)
+
+
+def test_a_returned_cache_continued_after_unpatching_asks_for_the_patch():
+    """A returned cache given to the unpatched model is refused by its first layer with a
+    message that says to patch again, and loses nothing: patched again (another block size
+    too), the continuation gives stock's tokens. Planted: the refused step's columns
+    counted by the cache: failed."""
+    model = tiny_model("llama")
+    inputs = padded_batch([9, 4, 6], 9)
+    opts = dict(max_new_tokens=3, return_dict_in_generate=True, **GREEDY)
+    stock, stock_next = stock_and_continued(model, inputs, opts, 3)
+    with patched(model, block_size=4), torch.no_grad():
+        first = model.generate(**inputs, **opts)
+    cache = first.past_key_values
+    lens, columns = cache.paged.seq_lens(), cache.get_seq_length()
+    following = dict(**continued(inputs, first.sequences), **{cache_name(model): cache})
+    with pytest.raises(RuntimeError, match="patch the model again"), torch.no_grad():
+        model.generate(**following, max_new_tokens=3, **GREEDY)
+    assert cache.paged.seq_lens() == lens and cache.get_seq_length() == columns
+    with patched(model, block_size=8), torch.no_grad():
+        out = model.generate(**following, max_new_tokens=3, **GREEDY)
     assert torch.equal(first.sequences, stock.sequences)
     assert torch.equal(out, stock_next)
 
