@@ -321,8 +321,11 @@ def _object(value, depth: int):
     values and tensors only (its submodules and the rest are the walk's when they are the
     model's, and a patched model's own methods would read the whole model again)."""
     attributes = getattr(value, "__dict__", None)
+    # (a ufunc or a compiled function holds no attributes that tell it from another: its name)
+    name = getattr(value, "__qualname__", getattr(value, "__name__", None))
+    kind = (_class_name(type(value)), name if isinstance(name, str) else None)
     if depth >= _DEPTH or not isinstance(attributes, dict):
-        return (_class_name(type(value)), _NONE)
+        return (*kind, _NONE)
     module = isinstance(value, torch.nn.Module)
     read = tuple(
         (name, _plain(v, depth + 1))
@@ -331,7 +334,10 @@ def _object(value, depth: int):
         and name != "training"
         and (not module or isinstance(v, (*_PLAIN, torch.Tensor)))
     )
-    return (_class_name(type(value)), read)
+    wrapped = attributes.get("__wrapped__")  # functools.wraps: what the wrapper calls
+    if wrapped is not None:
+        read += (("__wrapped__", _plain(wrapped, depth + 1, True)),)
+    return (*kind, read)
 
 
 def _callable(value, depth: int):

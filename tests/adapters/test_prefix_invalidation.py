@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 
+import numpy as np
 import pytest
 import torch
 from helpers import BACKENDS, patched, sharpen
@@ -16,7 +17,7 @@ from test_new_families import tiny_model as new_family_model
 
 import nanoserve
 from nanoserve.adapters.decode_loop import _CACHE_FIELD as CACHE_FIELD
-from nanoserve.adapters.prefix_salt import unnameable
+from nanoserve.adapters.prefix_salt import structure_key, unnameable
 
 OPTS = dict(max_new_tokens=3, do_sample=False, eos_token_id=None, output_logits=True,
             return_dict_in_generate=True)  # fmt: skip
@@ -310,6 +311,31 @@ def test_an_activation_held_as_a_function_changed_between_calls(change):
     _set_activation(model, first)
     check_change_invalidates(model, padded_batch([13], 13, seed=3), apply)
     nanoserve.unpatch_model(model)
+
+
+_silu, _gelu = torch.nn.functional.silu, torch.nn.functional.gelu
+# callables a module may hold that carry no code of their own (a ufunc, an operator, a
+# wrapper): one of each pair swapped for the other must change the structure key
+OPAQUE_SWAPS = {
+    "ufunc": (np.exp, np.log),
+    "torch operator": (torch.ops.aten.add, torch.ops.aten.mul),
+    "functools.wraps wrapper": (functools.lru_cache(_silu), functools.lru_cache(_gelu)),
+    "builtin method's owner": (torch.ones(2).mul, torch.full((2,), 3.0).mul),
+}
+
+
+@pytest.mark.parametrize("swap", list(OPAQUE_SWAPS))
+def test_a_callable_without_code_is_named_apart_from_another(swap):
+    """Planted: callable objects named by class and public attributes alone, and a
+    wrapper's ``__wrapped__`` not read: the ufunc and the wrapper kept the key."""
+    first, second = OPAQUE_SWAPS[swap]
+    model = sharp_model()
+    mlp = model.model.layers[0].mlp
+    mlp.extra = first
+    key = structure_key(model)
+    assert structure_key(model) == key  # stable while nothing changes
+    mlp.extra = second
+    assert structure_key(model) != key
 
 
 class _ScaledLinear(torch.nn.Linear):
