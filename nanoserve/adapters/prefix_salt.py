@@ -57,15 +57,14 @@ def prefix_salt(model, user_salt, state, walk: ModelWalk | None = None) -> bytes
     The key: every parameter, buffer and public tensor attribute (address, in-place
     version, dtype, shape, and a fingerprint of its values, ``_fingerprint``, read once a
     call: fused optimizers and writes through ``.data`` change values without a new
-    version), the model's structure
-    (``structure_key``), torch's settings that change what a forward computes (autocast,
-    matmul precision: ``numeric_modes``) and the caller's ``cache_salt``. The digest of the
-    model's part of the last key is kept on ``state`` (a ``PatchState``); under tensor
-    parallelism the caller joins the ranks' digests into one
-    (``tensor_parallel.agreed_salt``). ``walk``: the call's ``ModelWalk``, whose module
-    list (and structure) is read instead of walking again. In two halves,
-    ``begin_prefix_salt`` and ``finish_prefix_salt``, the device hashes the weights while
-    the host does other work between them."""
+    version), the model's structure (``structure_key``), torch's settings that change what
+    a forward computes (autocast, matmul precision: ``numeric_modes``) and the caller's
+    ``cache_salt``. The digest of the model's part of the last key is kept on ``state`` (a
+    ``PatchState``); under tensor parallelism the caller joins the ranks' digests into one
+    (``tensor_parallel.agreed_salt``). ``walk``: the call's ``ModelWalk``, whose module list
+    (and structure) is read instead of walking again. In two halves, ``begin_prefix_salt``
+    and ``finish_prefix_salt``, the device hashes the weights while the host does other
+    work between them."""
     return finish_prefix_salt(begin_prefix_salt(model, state, walk), model, user_salt, state, walk)
 
 
@@ -322,8 +321,8 @@ def _object(value, depth: int):
     model's, and a patched model's own methods would read the whole model again)."""
     attributes = getattr(value, "__dict__", None)
     # (a ufunc or a compiled function holds no attributes that tell it from another: its name)
-    name = getattr(value, "__qualname__", getattr(value, "__name__", None))
-    kind = (_class_name(type(value)), name if isinstance(name, str) else None)
+    label = getattr(value, "__qualname__", getattr(value, "__name__", None))
+    kind = (_class_name(type(value)), label if isinstance(label, str) else None)
     if depth >= _DEPTH or not isinstance(attributes, dict):
         return (*kind, _NONE)
     module = isinstance(value, torch.nn.Module)
