@@ -36,6 +36,11 @@ class ModelWalk:
         return drops_out(self.model, self.modules)
 
     @functools.cached_property
+    def batch_dependent(self) -> str | None:
+        """``tokens_depend_on_the_batch``'s phrase, or None."""
+        return tokens_depend_on_the_batch(self.named)
+
+    @functools.cached_property
     def rope(self) -> str | None:
         """``prefix_salt.length_dependent_rope``'s phrase, or None."""
         return length_dependent_rope(self.model, self.modules)
@@ -60,6 +65,22 @@ class ModelWalk:
     def buffers(self) -> list[torch.Tensor]:
         """Every buffer once, in ``model.buffers()``'s order."""
         return _unique(self.modules, "_buffers")
+
+
+# torch's dynamically quantized layers (quantize_dynamic): one activation scale a forward
+_DYNAMIC_QUANTIZED = ("torch.ao.nn.quantized.dynamic.", "torch.nn.quantized.dynamic.")
+
+
+def tokens_depend_on_the_batch(named: list[tuple[str, torch.nn.Module]]) -> str | None:
+    """Which module computes a token's output from every token of its forward (a layer
+    quantized dynamically takes its activation scale over the whole input), as a phrase, or
+    None. Such a model's tokens change with what else a forward holds: shared prefixes,
+    padded buckets and a compacted batch would all move them off stock's."""
+    for name, module in named:
+        if type(module).__module__.startswith(_DYNAMIC_QUANTIZED):
+            where = name or "the model"
+            return f"{where} ({type(module).__name__}) is quantized dynamically"
+    return None
 
 
 def _unique(modules: list[torch.nn.Module], table: str) -> list[torch.Tensor]:

@@ -12,12 +12,16 @@ rotary module's attention scaling, a swapped activation), the config those forwa
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import enum
 import functools
 import hashlib
 import types
+import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 from torch.nn.modules import module as _module_hooks
 from transformers import PretrainedConfig
@@ -77,23 +81,61 @@ def begin_prefix_salt(model, state, walk: ModelWalk | None = None) -> PendingSal
     tensors, layout = [], []
     # every module once; parameters() and buffers() would walk them twice
     for module in walk.modules if walk is not None else model.modules():
-        for tensors_of in (module._parameters, module._buffers, _tensor_attributes(module)):
-            for t in tensors_of.values():
-                if t is not None:
-                    tensors.append(t)
-                    layout.append((t.data_ptr(), _version(t), t.dtype, t.shape))
+        held = (*module._parameters.values(), *module._buffers.values())
+        for t in (*held, *_tensor_attributes(module)):
+            if t is not None:
+                tensors += _value_views(t)
+                layout.append(_tensor_layout(t))
     return PendingSalt(None, tuple(layout), _start_fingerprint(tensors, state.backend))
 
 
-def _tensor_attributes(module) -> dict[str, torch.Tensor]:
-    """A module's public tensors held as plain attributes (neither parameter nor buffer: a
-    scale a custom layer reads, a rotary module's ``original_inv_freq``): their values are
-    fingerprinted with the weights, as a write through ``.data`` keeps their version."""
-    return {
-        name: t
-        for name, t in module.__dict__.items()
-        if name[0] != "_" and isinstance(t, torch.Tensor)
-    }
+def _tensor_attributes(module) -> list[torch.Tensor]:
+    """A module's public tensors held as plain attributes, or in a list, tuple or dict
+    attribute (neither parameter nor buffer: a scale a custom layer reads, a rotary module's
+    ``original_inv_freq``): their values are fingerprinted with the weights, as a write
+    through ``.data`` keeps their version."""
+    found = []
+    for name, value in module.__dict__.items():
+        if name[0] == "_":
+            continue
+        kind = type(value)  # (isinstance on a dead weakref.proxy raises)
+        items = value.values() if kind is dict else value if kind in (list, tuple) else (value,)
+        found += [t for t in items if issubclass(type(t), torch.Tensor)]
+    return found
+
+
+def _tensor_layout(t: torch.Tensor) -> tuple:
+    """A tensor's address, in-place version, dtype, shape and layout (sparse, nested and
+    quantized tensors have no single address or shape)."""
+    try:
+        address, shape = t.data_ptr(), tuple(t.shape)
+    except RuntimeError:
+        address, shape = None, None
+    return (address, _version(t), t.dtype, shape, t.layout)
+
+
+def _value_views(t: torch.Tensor) -> list[torch.Tensor]:
+    """Dense tensors whose values are ``t``'s, to fingerprint: ``t`` itself, a quantized
+    tensor's integers and scales, a sparse tensor's indices and values (a nested tensor's,
+    unread: named by its layout only)."""
+    if t.is_quantized:
+        if t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            scale = torch.tensor([t.q_scale(), float(t.q_zero_point())], dtype=torch.float64)
+        else:
+            scale = torch.cat([t.q_per_channel_scales(), t.q_per_channel_zero_points()])
+        return [t.int_repr(), scale.to(t.device)]
+    if t.layout == torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        compressed, plain = (
+            (t.crow_indices(), t.col_indices())
+            if t.layout in (torch.sparse_csr, torch.sparse_bsr)
+            else (t.ccol_indices(), t.row_indices())
+        )
+        return [compressed, plain, t.values()]
+    if t.layout != torch.strided or t.is_nested:
+        return []
+    return [t]
 
 
 def finish_prefix_salt(
@@ -126,15 +168,38 @@ def structure_key(model, modules=None) -> tuple:
     (peft) and the model's dtype. ``modules``: ``model.modules()`` when already listed."""
     switches, classes = [], []
     configs: dict[int, PretrainedConfig] = {}
+    forwards: dict[type, None] = {}  # the classes, in order
     for number, module in enumerate(model.modules() if modules is None else modules):
         hooks = (*module._forward_pre_hooks, *module._forward_hooks)
-        if hooks or module_attr(module, "active_adapters", _NONE) is not _NONE:
+        # (transformers' PeftAdapterMixin.active_adapters is a method, a peft layer's a list)
+        active = module_attr(module, "active_adapters", _NONE)
+        if hooks or (active is not _NONE and not callable(active)):
             switches.append((number, hooks, _adapters_on(module)))
         classes.append((_class_name(type(module)), _attributes(module, configs)))
+        forwards.setdefault(type(module), None)
     configs.setdefault(id(model.config), model.config)
     settings = tuple(_plain(_public(c), 0) for c in configs.values())
     global_hooks = (*_module_hooks._global_forward_pre_hooks, *_module_hooks._global_forward_hooks)
-    return tuple(switches), tuple(classes), settings, global_hooks, model.dtype
+    # what each class's forward runs: a class patched between calls computes other K/V
+    code = tuple(_class_forward(cls) for cls in forwards)
+    return tuple(switches), tuple(classes), settings, global_hooks, model.dtype, code
+
+
+# a class's forward function -> what it runs (read once: a class is patched by assigning a
+# new function, which is read anew)
+_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _class_forward(cls: type):
+    forward = getattr(cls, "forward", None)
+    try:
+        return _FORWARDS[forward]
+    except (KeyError, TypeError):  # (TypeError: not weakly referable, read each call)
+        pass
+    key = _plain(forward, 0)
+    with contextlib.suppress(TypeError):
+        _FORWARDS[forward] = key
+    return key
 
 
 def unnameable(model, walk: ModelWalk | None = None) -> str | None:
@@ -186,12 +251,13 @@ def _version(t: torch.Tensor) -> int | None:
 
 def _adapters_on(module) -> tuple:
     """A tuner layer's (peft) switches: adapters disabled, active and merged."""
-    active = getattr(module, "active_adapters", ())
-    merged = getattr(module, "merged_adapters", ())
-    return (
-        bool(getattr(module, "disable_adapters", False)),
-        tuple(active) if isinstance(active, (list, tuple)) else (active,),
-        tuple(merged) if isinstance(merged, (list, tuple)) else (merged,),
+    return tuple(
+        _plain(module_attr(module, name, default), 1)
+        for name, default in (
+            ("disable_adapters", False),
+            ("active_adapters", ()),
+            ("merged_adapters", ()),
+        )
     )
 
 
@@ -270,10 +336,13 @@ def _attributes(module, configs: dict) -> tuple:
         if type(value) in _SCALARS:  # most attributes: taken without more checks
             found.append((name, value))
             continue
-        if isinstance(value, PretrainedConfig):
-            configs.setdefault(id(value), value)
-            continue
-        plain = _plain(value, 0)
+        try:
+            if isinstance(value, PretrainedConfig):
+                configs.setdefault(id(value), value)
+                continue
+            plain = _plain(value, 0)
+        except Exception:  # (a dead weakref.proxy, a key whose repr raises: not read)
+            plain = ("unreadable", _class_name(type(value)))
         if plain is not _NONE:
             found.append((name, plain))
     return tuple(found)
@@ -293,7 +362,9 @@ def _plain(value, depth: int, objects: bool = False):
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, torch.Tensor):
-        return ("tensor", value.data_ptr(), _version(value), value.dtype, tuple(value.shape))
+        return ("tensor", *_tensor_layout(value))
+    if isinstance(value, (np.ndarray, np.generic)):
+        return _numpy(value)
     if isinstance(value, _CALLABLES):
         return _callable(value, depth)
     if depth >= _DEPTH:
@@ -310,7 +381,17 @@ def _plain(value, depth: int, objects: bool = False):
         return ("dict", tuple((k, _plain(v, depth + 1, objects)) for k, v in items))
     if isinstance(value, (types.ModuleType, type)):
         return (type(value).__name__, getattr(value, "__name__", None))
-    return _object(value, depth) if objects or callable(value) else _NONE
+    config_like = isinstance(value, types.SimpleNamespace) or dataclasses.is_dataclass(value)
+    return _object(value, depth) if objects or config_like or callable(value) else _NONE
+
+
+def _numpy(value) -> tuple:
+    """A numpy array or scalar by dtype, shape and a digest of its bytes (object arrays,
+    whose bytes are addresses: by shape only)."""
+    if value.dtype.hasobject:
+        return ("numpy", str(value.dtype), value.shape, _NONE)
+    data = np.ascontiguousarray(value).tobytes()
+    return ("numpy", str(value.dtype), value.shape, hashlib.blake2b(data, digest_size=16).digest())
 
 
 def _object(value, depth: int):

@@ -8,6 +8,7 @@ import copy
 import io
 import pickle
 import threading
+import warnings
 
 import pytest
 import torch
@@ -520,6 +521,47 @@ def test_out_of_blocks_while_continuing_leaves_the_cache_as_given():
         out = model.generate(**following, max_new_tokens=2, **GREEDY)
     assert torch.equal(first.sequences, stock.sequences)
     assert torch.equal(out, stock_next)
+
+
+def _quantize_dynamic(model, inplace=False):
+    """torch's dynamic int8 quantization of every Linear (deprecated in torch, still used)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(
+            model, {torch.nn.Linear}, dtype=torch.qint8, inplace=inplace
+        )
+
+
+def test_a_dynamically_quantized_model_runs_as_stock():
+    """Dynamically quantized layers take one activation scale over all of a forward's tokens,
+    so shared prefixes, padded buckets and a compacted batch would move its tokens: a call
+    runs stock's generate (stock's cache and loop), and a PagedCache passed back after the
+    model was quantized is refused before anything changes. Planted: the fallback dropped:
+    the second call's shared prefix changed the logits (and, at 16 tokens, the tokens)."""
+    model = _quantize_dynamic(sharpen(tiny_model("llama")))
+    reference = copy.deepcopy(model)
+    call = padded_batch([9, 5, 7], 9)
+    call = {k: torch.cat([v, v[:1]]) for k, v in call.items()}  # a prompt twice
+    more = torch.randint(3, 97, (4, 4), generator=torch.Generator().manual_seed(5))
+    longer = continued(call, torch.cat([call["input_ids"], more], dim=1))  # the same prefixes
+    opts = dict(max_new_tokens=16, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    with patched(model), torch.no_grad():
+        outs = [model.generate(**c, **opts) for c in (call, longer)]
+    for out, c in zip(outs, (call, longer), strict=True):
+        stock = stock_generate(reference, **c, **opts)
+        assert torch.equal(out.sequences, stock.sequences)
+        for ours, theirs in zip(out.logits, stock.logits, strict=True):
+            assert torch.equal(ours, theirs)
+    model = sharpen(tiny_model("llama"))
+    with patched(model), torch.no_grad():
+        first = model.generate(**call, **opts)
+        cache = first.past_key_values
+        lens = cache.paged.seq_lens()
+        _quantize_dynamic(model, inplace=True)
+        following = dict(**continued(call, first.sequences), **{cache_name(model): cache})
+        with pytest.raises(ValueError, match="quantized dynamically"):
+            model.generate(**following, max_new_tokens=2, **GREEDY)
+        assert cache.paged.seq_lens() == lens
 
 
 def test_a_returned_cache_continued_after_unpatching_asks_for_the_patch():

@@ -6,7 +6,10 @@ model in training mode with attention dropout is refused, not silently run witho
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import types
+import weakref
 
 import numpy as np
 import pytest
@@ -360,6 +363,136 @@ def test_a_tensor_attribute_written_through_data_finds_nothing(backend):
     change = lambda m: m.model.layers[0].self_attn.k_proj.scale.data.fill_(-3.0)  # noqa: E731
     check_change_invalidates(model, call, change, backend)
     nanoserve.unpatch_model(model)
+
+
+@dataclasses.dataclass
+class _Settings:
+    scale: float
+
+
+class _ReadingLinear(torch.nn.Linear):
+    """A Linear scaled by a value its forward reads off a plain attribute ``source`` of any
+    kind (numpy, a namespace, a dataclass, a list of tensors)."""
+
+    def forward(self, x):
+        source = self.source
+        if isinstance(source, (np.ndarray, np.generic)):
+            scale = float(np.asarray(source).sum())
+        elif isinstance(source, list):
+            scale = float(source[0].sum())
+        else:
+            scale = source.scale
+        return super().forward(x) * scale
+
+
+def _reading_k_proj(model, source) -> None:
+    old = model.model.layers[0].self_attn.k_proj
+    new = _ReadingLinear(old.in_features, old.out_features, bias=False)
+    new.weight = old.weight
+    new.source = source
+    model.model.layers[0].self_attn.k_proj = new
+
+
+def _source(m):
+    return m.model.layers[0].self_attn.k_proj.source
+
+
+def _set_source(m, value):
+    m.model.layers[0].self_attn.k_proj.source = value
+
+
+# (what k_proj's forward reads, the change between calls)
+READ_VALUE_CHANGES = {
+    "numpy array in place": (np.full(3, 0.5), lambda m: _source(m).__setitem__(0, -2.0)),
+    "numpy scalar rebound": (np.float32(1.5), lambda m: _set_source(m, np.float32(-1.5))),
+    "namespace mutated": (
+        types.SimpleNamespace(scale=1.5),
+        lambda m: setattr(_source(m), "scale", -1.5),
+    ),
+    "dataclass mutated": (_Settings(1.5), lambda m: setattr(_source(m), "scale", -1.5)),
+    "tensor in a list through .data": (
+        [torch.full((2,), 0.75)],
+        lambda m: _source(m)[0].data.fill_(-0.75),
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(READ_VALUE_CHANGES))
+def test_values_a_forward_reads_off_attributes_changed_between_calls(change):
+    """numpy values (by a digest of their bytes), namespaces and dataclasses (by their
+    attributes) and tensors in a list or dict attribute (fingerprinted) name the blocks.
+    Planted: numpy values, config-like objects and tensors in containers not read (the salt
+    before): each case found the stale block."""
+    first, apply = READ_VALUE_CHANGES[change]
+    model = sharp_model()
+    _reading_k_proj(model, first)
+    check_change_invalidates(model, padded_batch([13], 13, seed=3), apply)
+    nanoserve.unpatch_model(model)
+
+
+def test_a_class_forward_patched_between_calls(monkeypatch):
+    """A modeling class's forward replaced between calls (a kernel library patching the
+    class) names other blocks: each class's forward is part of the structure key. Planted:
+    the forwards left out: the stale block was found and served."""
+    mlp_class = type(sharp_model().model.layers[0].mlp)
+    stock_forward = mlp_class.forward
+
+    def doubled(self, x):
+        return 2 * stock_forward(self, x)
+
+    model = sharp_model()
+    change = lambda m: monkeypatch.setattr(mlp_class, "forward", doubled)  # noqa: E731
+    check_change_invalidates(model, padded_batch([13], 13, seed=3), change)
+    nanoserve.unpatch_model(model)
+
+
+class _Odd(torch.nn.Module):
+    """A submodule no forward calls, holding what a walk of the model must survive."""
+
+    @property
+    def attention_dropout(self):
+        raise RuntimeError("not configured")
+
+    def extra_repr(self):
+        raise RuntimeError("no repr")
+
+
+class _BadRepr:
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+def test_odd_things_a_model_holds_neither_crash_nor_miss():
+    """A model holding things no forward reads (a property that raises, an extra_repr that
+    raises, a dead weakref proxy, a dict key whose repr raises, sparse, quantized and nested
+    tensors; then a scripted submodule) gives stock's tokens and finds its prefix again (but
+    past the scripted module, whose forward counts as wrapped). Planted,
+    one at a time: module_attr without its guard, _adapters_on printing the root's
+    active_adapters method (the model's repr), _tensor_layout's data_ptr unguarded, the
+    quantized tensor fingerprinted as it is: each crashed (a RuntimeError, a segfault for
+    the quantized tensor)."""
+    model = sharp_model()
+    reference = copy.deepcopy(model)
+    odd = _Odd()
+    referent = _Settings(1.0)
+    odd.proxy = weakref.proxy(referent)
+    del referent  # (the proxy is dead from here on)
+    odd.table = {_BadRepr(): 1}
+    odd.sparse = torch.eye(3).to_sparse()
+    odd.quantized = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+    odd.nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    model.model.odd = odd
+    call = padded_batch([13], 13, seed=3)
+    with patched(model, block_size=4, num_blocks=64):
+        generate(model, call)
+        out, hits = generate(model, call)
+        assert hits == 1
+        assert_same(out, generate(reference, call)[0])
+        # a scripted submodule's forward counts as wrapped: nothing is shared, nothing fails
+        odd.scripted = torch.jit.script(torch.nn.Linear(2, 2))
+        out, hits = generate(model, call)
+        assert hits == 0
+    assert_same(out, generate(reference, call)[0])
 
 
 class _Adapter(torch.nn.Module):
