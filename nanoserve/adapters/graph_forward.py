@@ -176,8 +176,17 @@ def memory_signature(model, cache) -> tuple:
     tensors = (*paged.key_pools, *paged.value_pools, *paged.key_scales, *paged.value_scales)
     walk = cache.walk if cache.walk is not None else ModelWalk(model)
     tensors += (*walk.parameters, *walk.buffers)
-    addresses = tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in tensors if t is not None)
+    addresses = tuple(_address(t) for t in tensors if t is not None)
     return addresses, walk.structure, replay_modes()
+
+
+def _address(t: torch.Tensor) -> tuple:
+    """Where a tensor's values lie, its dtype and shape (a sparse or nested buffer has no
+    single address: its layout instead)."""
+    try:
+        return t.data_ptr(), t.dtype, tuple(t.shape)
+    except RuntimeError:
+        return None, t.dtype, t.layout
 
 
 def replay_modes() -> tuple:

@@ -20,6 +20,7 @@ from test_new_families import tiny_model as new_family_model
 
 import nanoserve
 from nanoserve.adapters.decode_loop import _CACHE_FIELD as CACHE_FIELD
+from nanoserve.adapters.graph_forward import memory_signature
 from nanoserve.adapters.prefix_salt import structure_key, unnameable
 
 OPTS = dict(max_new_tokens=3, do_sample=False, eos_token_id=None, output_logits=True,
@@ -478,7 +479,7 @@ def test_odd_things_a_model_holds_neither_crash_nor_miss():
     odd.proxy = weakref.proxy(referent)
     del referent  # (the proxy is dead from here on)
     odd.table = {_BadRepr(): 1}
-    odd.sparse = torch.eye(3).to_sparse()
+    odd.register_buffer("sparse", torch.eye(3).to_sparse())  # (the graphs' signature too)
     odd.quantized = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
     odd.nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     model.model.odd = odd
@@ -488,6 +489,7 @@ def test_odd_things_a_model_holds_neither_crash_nor_miss():
         out, hits = generate(model, call)
         assert hits == 1
         assert_same(out, generate(reference, call)[0])
+        assert memory_signature(model, out.past_key_values) is not None  # (a GPU call's)
         # a scripted submodule's forward counts as wrapped: nothing is shared, nothing fails
         odd.scripted = torch.jit.script(torch.nn.Linear(2, 2))
         out, hits = generate(model, call)
