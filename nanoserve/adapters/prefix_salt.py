@@ -417,7 +417,15 @@ def _object(value, depth: int):
     wrapped = attributes.get("__wrapped__")  # functools.wraps: what the wrapper calls
     if wrapped is not None:
         read += (("__wrapped__", _plain(wrapped, depth + 1, True)),)
-    return (*kind, read)
+    return (*kind, read, _script_code(value))
+
+
+def _script_code(value) -> str | None:
+    """A TorchScript function's or module's code (its Python attributes say nothing)."""
+    if isinstance(value, (torch.jit.ScriptFunction, torch.jit.ScriptModule)):
+        with contextlib.suppress(Exception):
+            return value.code
+    return None
 
 
 def _callable(value, depth: int):

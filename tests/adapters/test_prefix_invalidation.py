@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import functools
 import types
+import warnings
 import weakref
 
 import numpy as np
@@ -318,20 +319,32 @@ def test_an_activation_held_as_a_function_changed_between_calls(change):
 
 
 _silu, _gelu = torch.nn.functional.silu, torch.nn.functional.gelu
+
+
 # callables a module may hold that carry no code of their own (a ufunc, an operator, a
 # wrapper): one of each pair swapped for the other must change the structure key
+def _scripted(factor: float):
+    """A TorchScript function named ``scaled`` (the name alone does not tell two apart)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (TorchScript is deprecated)
+        source = f"def scaled(x: torch.Tensor) -> torch.Tensor:\n    return x * {factor}\n"
+        return torch.jit.CompilationUnit(source).scaled
+
+
 OPAQUE_SWAPS = {
     "ufunc": (np.exp, np.log),
     "torch operator": (torch.ops.aten.add, torch.ops.aten.mul),
     "functools.wraps wrapper": (functools.lru_cache(_silu), functools.lru_cache(_gelu)),
     "builtin method's owner": (torch.ones(2).mul, torch.full((2,), 3.0).mul),
+    "TorchScript function": (_scripted(2.0), _scripted(3.0)),
 }
 
 
 @pytest.mark.parametrize("swap", list(OPAQUE_SWAPS))
 def test_a_callable_without_code_is_named_apart_from_another(swap):
-    """Planted: callable objects named by class and public attributes alone, and a
-    wrapper's ``__wrapped__`` not read: the ufunc and the wrapper kept the key."""
+    """Planted: callable objects named by class and public attributes alone, a wrapper's
+    ``__wrapped__`` and a TorchScript function's code not read: the ufunc, the wrapper and
+    the TorchScript function kept the key."""
     first, second = OPAQUE_SWAPS[swap]
     model = sharp_model()
     mlp = model.model.layers[0].mlp
