@@ -268,6 +268,14 @@ def cache_stats(model) -> dict[str, float]:
     return stats
 
 
+def _forget_cached(state: PatchState) -> None:
+    """The stored prefixes went with the kept pool: ``cache_stats`` counts none (the last
+    call's own figures stay)."""
+    for name in ("cached_blocks", "evictable_blocks"):
+        if name in state.last_stats:
+            state.last_stats[name] = 0
+
+
 def release_memory(model) -> None:
     """Free what the patched model holds between generate calls: the kept pool and the
     captured decode graphs (and, on CUDA, cuBLAS's per-stream workspaces and the cached
@@ -278,6 +286,7 @@ def release_memory(model) -> None:
     with state.lock:
         state.kept_pools = None
         state.last_cache = no_cache
+        _forget_cached(state)
         if state.graphs is not None:
             state.graphs.reset()
     if torch.cuda.is_available():
@@ -833,5 +842,6 @@ def _paged_generate(self, *args, **kwargs):
             state.last_stats = cache.stats()
             if not state.keep_pools:
                 state.kept_pools = None
+                _forget_cached(state)
                 if state.graphs is not None:
                     state.graphs.reset()

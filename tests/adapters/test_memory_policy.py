@@ -72,18 +72,21 @@ def test_release_memory_and_keep_pools_false_give_the_pool_back():
         nanoserve.patch_model(model, block_size=4)
         try:
             model.generate(**inputs, **opts)
+            assert nanoserve.cache_stats(model)["cached_blocks"] > 0
             gone = weakref.ref(pool_tensor(model))
             nanoserve.release_memory(model)
             stats = nanoserve.cache_stats(model)
             assert stats["kept_pool_bytes"] == 0 and stats["graphs_held"] == 0
             assert stats["tokens"] == 9 + 4 + 2 * 3  # the last call's figures stay readable
+            assert stats["cached_blocks"] == stats["evictable_blocks"] == 0  # prefixes gone
             assert gone() is None  # nothing holds the pool any more
             assert torch.equal(model.generate(**inputs, **opts), stock)
             nanoserve.patch_model(model, block_size=4, keep_pools=False)
             for _ in range(2):
                 assert torch.equal(model.generate(**inputs, **opts), stock)
                 assert pool_tensor(model) is None
-                assert nanoserve.cache_stats(model)["kept_pool_bytes"] == 0
+                stats = nanoserve.cache_stats(model)
+                assert stats["kept_pool_bytes"] == stats["cached_blocks"] == 0
         finally:
             nanoserve.unpatch_model(model)
     with pytest.raises(ValueError, match="^keep_pools"):
