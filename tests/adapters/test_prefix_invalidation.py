@@ -321,8 +321,6 @@ def test_an_activation_held_as_a_function_changed_between_calls(change):
 _silu, _gelu = torch.nn.functional.silu, torch.nn.functional.gelu
 
 
-# callables a module may hold that carry no code of their own (a ufunc, an operator, a
-# wrapper): one of each pair swapped for the other must change the structure key
 def _scripted(factor: float):
     """A TorchScript function named ``scaled`` (the name alone does not tell two apart)."""
     with warnings.catch_warnings():
@@ -331,6 +329,8 @@ def _scripted(factor: float):
         return torch.jit.CompilationUnit(source).scaled
 
 
+# callables a module may hold that carry no Python code of their own (a ufunc, an operator,
+# a wrapper, TorchScript): one of each pair swapped for the other must change the key
 OPAQUE_SWAPS = {
     "ufunc": (np.exp, np.log),
     "torch operator": (torch.ops.aten.add, torch.ops.aten.mul),
@@ -480,11 +480,11 @@ def test_odd_things_a_model_holds_neither_crash_nor_miss():
     """A model holding things no forward reads (a property that raises, an extra_repr that
     raises, a dead weakref proxy, a dict key whose repr raises, sparse, quantized and nested
     tensors; then a scripted submodule) gives stock's tokens and finds its prefix again (but
-    past the scripted module, whose forward counts as wrapped). Planted,
-    one at a time: module_attr without its guard, _adapters_on printing the root's
-    active_adapters method (the model's repr), _tensor_layout's data_ptr unguarded, the
-    quantized tensor fingerprinted as it is: each crashed (a RuntimeError, a segfault for
-    the quantized tensor)."""
+    past the scripted module, whose forward counts as wrapped). Planted, one at a time:
+    module_attr without its guard, _adapters_on printing the root's active_adapters method
+    (the model's repr), _tensor_layout's data_ptr unguarded, _attributes without its guard
+    (the dead proxy), the quantized tensor fingerprinted as it is: each crashed (a
+    RuntimeError or ReferenceError, a segfault for the quantized tensor)."""
     model = sharp_model()
     reference = copy.deepcopy(model)
     odd = _Odd()
