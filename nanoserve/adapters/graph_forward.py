@@ -23,6 +23,7 @@ from nanoserve.adapters.fused_decode import FusedDecode
 from nanoserve.adapters.fused_inputs import FUSED_DTYPES
 from nanoserve.adapters.model_walk import ModelWalk
 from nanoserve.adapters.numeric_modes import numeric_modes
+from nanoserve.adapters.prefix_salt import tensor_place
 from nanoserve.adapters.registry import family_for
 from nanoserve.adapters.step import (
     CACHE_KWARGS,
@@ -176,17 +177,8 @@ def memory_signature(model, cache) -> tuple:
     tensors = (*paged.key_pools, *paged.value_pools, *paged.key_scales, *paged.value_scales)
     walk = cache.walk if cache.walk is not None else ModelWalk(model)
     tensors += (*walk.parameters, *walk.buffers)
-    addresses = tuple(_address(t) for t in tensors if t is not None)
+    addresses = tuple(tensor_place(t) for t in tensors if t is not None)
     return addresses, walk.structure, replay_modes()
-
-
-def _address(t: torch.Tensor) -> tuple:
-    """Where a tensor's values lie, its dtype and shape (a sparse or nested buffer has no
-    single address: its layout instead)."""
-    try:
-        return t.data_ptr(), t.dtype, tuple(t.shape)
-    except RuntimeError:
-        return None, t.dtype, t.layout
 
 
 def replay_modes() -> tuple:

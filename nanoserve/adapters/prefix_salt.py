@@ -104,14 +104,23 @@ def _tensor_attributes(module) -> list[torch.Tensor]:
     return found
 
 
-def _tensor_layout(t: torch.Tensor) -> tuple:
-    """A tensor's address, in-place version, dtype, shape and layout (sparse, nested and
-    quantized tensors have no single address or shape)."""
+def tensor_place(t: torch.Tensor) -> tuple:
+    """Where a tensor's values lie: (address, dtype, shape, layout); sparse and nested
+    tensors have no single address, nested ones no shape: None there."""
     try:
-        address, shape = t.data_ptr(), tuple(t.shape)
+        address = t.data_ptr()
     except RuntimeError:
-        address, shape = None, None
-    return (address, _version(t), t.dtype, shape, t.layout)
+        address = None
+    try:
+        shape = tuple(t.shape)
+    except RuntimeError:
+        shape = None
+    return (address, t.dtype, shape, t.layout)
+
+
+def _tensor_layout(t: torch.Tensor) -> tuple:
+    """``tensor_place`` and the tensor's in-place version."""
+    return (*tensor_place(t), _version(t))
 
 
 def _value_views(t: torch.Tensor) -> list[torch.Tensor]:
