@@ -59,14 +59,22 @@ def assert_same(out, stock):
         torch.testing.assert_close(ours, theirs, atol=bound, rtol=0.0)
 
 
+def stored_and_found(model, call):
+    """The patched ``model`` runs ``call`` twice: the second finds the blocks the first
+    stored (one row's prefix hit). Returns the second output."""
+    generate(model, call)
+    out, hits = generate(model, call)
+    assert hits == 1  # unchanged: found again
+    return out
+
+
 def check_change_invalidates(model, call, change, backend="auto"):
     """A call stores the prompt, a second finds it; after ``change`` (applied to the patched
     model and to an unpatched copy alike) the next call finds nothing and gives the copy's
     output. Returns the unpatched copy."""
     reference = copy.deepcopy(model)
     nanoserve.patch_model(model, block_size=4, num_blocks=64, backend=backend)
-    generate(model, call)
-    assert generate(model, call)[1] == 1  # unchanged: found again
+    stored_and_found(model, call)
     change(model)
     change(reference)
     out, hits = generate(model, call)
@@ -498,9 +506,7 @@ def test_odd_things_a_model_holds_neither_crash_nor_miss():
     model.model.odd = odd
     call = padded_batch([13], 13, seed=3)
     with patched(model, block_size=4, num_blocks=64):
-        generate(model, call)
-        out, hits = generate(model, call)
-        assert hits == 1
+        out = stored_and_found(model, call)
         assert_same(out, generate(reference, call)[0])
         assert memory_signature(model, out.past_key_values) is not None  # (a GPU call's)
         # a scripted submodule's forward counts as wrapped: nothing is shared, nothing fails
@@ -632,8 +638,7 @@ def test_a_complex_buffer_is_fingerprinted(backend):
     model.model.register_buffer("table", torch.polar(torch.ones(8), torch.arange(8.0)))
     call = padded_batch([13], 13, seed=3)
     with patched(model, block_size=4, num_blocks=64, backend=backend):
-        generate(model, call)
-        assert generate(model, call)[1] == 1
+        stored_and_found(model, call)
         with torch.no_grad():
             model.model.table.data[3] = model.model.table[3].conj()  # no new version
         assert generate(model, call)[1] == 0
@@ -646,7 +651,5 @@ def test_inference_tensors_in_the_model():
         reference = copy.deepcopy(model)
     call = padded_batch([13], 13, seed=3)
     with patched(model, block_size=4, num_blocks=64):
-        generate(model, call)
-        out, hits = generate(model, call)
-        assert hits == 1
+        out = stored_and_found(model, call)
     assert_same(out, generate(reference, call)[0])
