@@ -5,8 +5,10 @@ and buffers once to name its cached prefixes (``prefix_salt.prefix_salt``). This
 the 1B shape of ``bench_generate.py`` (bf16, 148 tensors, 2.47 GB), each a whole call with
 its read back to the host (``do_bench``, eager, L2 cleared): the content hash
 (``content_digest``, one Triton launch), the float fingerprint it replaced on CUDA
-(``_float_fingerprint``: two reductions a tensor), ``prefix_salt`` end to end (the module
-walk, the hash, the key's digest), and a pure read of the same bytes (the ceiling). The
+(``_float_fingerprint``: two reductions a tensor), a ``DigestPlan`` laid out once and
+launched again (what a call whose weights lie where they did runs), ``prefix_salt`` end to
+end (the module walk, the hash, the key's digest) with the plan kept between calls and laid
+out each call, and a pure read of the same bytes (the ceiling). The
 check column compares the kernel's digest with the torch reference on the first tensors.
 Usage: python3 benchmarks/bench_content_hash.py [--quick]; writes $OUT/content_hash.csv.
 """
@@ -30,17 +32,20 @@ from bench_generate import build_model  # noqa: E402
 from harness import ceiling, set_quick, show_table, time_eager, versions  # noqa: E402
 
 from nanoserve.adapters.prefix_salt import _float_fingerprint, prefix_salt  # noqa: E402
-from nanoserve.kernels.content_hash import content_digest  # noqa: E402
+from nanoserve.kernels.content_hash import DigestPlan, content_digest  # noqa: E402
 
 COLUMNS = ["provider", "check", "ms", "GB/s", "vs_read"]
 
 
 class _SaltState:
-    """The two fields of a PatchState that prefix_salt reads and writes."""
+    """The fields of a PatchState that prefix_salt reads and writes; ``digest_plans`` None
+    lays the hash out anew each call (as before plans were kept)."""
 
-    backend = "auto"
-    salt_key = None
-    salt = b""
+    def __init__(self, keep_plans: bool):
+        self.backend = "auto"
+        self.salt_key = None
+        self.salt = b""
+        self.digest_plans = {} if keep_plans else None
 
 
 def main() -> None:
@@ -55,12 +60,15 @@ def main() -> None:
     head = tensors[:4]
     check = content_digest(head) == content_digest(head, backend="torch")
     read = ceiling(nbytes, 1, graph=False).median
-    state = _SaltState()
+    kept, anew = _SaltState(keep_plans=True), _SaltState(keep_plans=False)
+    plan = DigestPlan(tensors)
     providers = {
         "pure read (ceiling)": None,
         "content_digest (Triton)": lambda: content_digest(tensors),
+        "DigestPlan.launch (laid out once)": lambda: plan.launch().result(),
         "float fingerprint (before)": lambda: _float_fingerprint(torch.device("cuda"), tensors),
-        "prefix_salt (whole)": lambda: prefix_salt(model, None, state),
+        "prefix_salt (whole)": lambda: prefix_salt(model, None, kept),
+        "prefix_salt (whole, hash laid out each call)": lambda: prefix_salt(model, None, anew),
     }
     rows = []
     for name, fn in providers.items():

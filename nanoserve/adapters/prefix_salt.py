@@ -28,7 +28,7 @@ from transformers import PretrainedConfig
 
 from nanoserve.adapters.module_attrs import module_attr
 from nanoserve.adapters.numeric_modes import numeric_modes
-from nanoserve.kernels.content_hash import PendingDigest, kernel_runs_on, launch_digest
+from nanoserve.kernels.content_hash import DigestPlan, PendingDigest, kernel_runs_on
 from nanoserve.log import get_logger
 
 if TYPE_CHECKING:
@@ -74,7 +74,8 @@ def prefix_salt(model, user_salt, state, walk: ModelWalk | None = None) -> bytes
 
 def begin_prefix_salt(model, state, walk: ModelWalk | None = None) -> PendingSalt:
     """``prefix_salt``'s first half: reads the tensors' layout and queues their fingerprint
-    (a hash kernel on CUDA), without waiting for it and without changing ``state``."""
+    (a hash kernel on CUDA), without waiting for it and without changing ``state``'s key
+    (its ``digest_plans``, the hash's layout kept for the next call, may change)."""
     reason = unnameable(model, walk)
     if reason is not None:
         return PendingSalt(reason, (), ())
@@ -86,7 +87,8 @@ def begin_prefix_salt(model, state, walk: ModelWalk | None = None) -> PendingSal
             if t is not None:
                 tensors += _value_views(t)
                 layout.append(_tensor_layout(t))
-    return PendingSalt(None, tuple(layout), _start_fingerprint(tensors, state.backend))
+    plans = state.digest_plans
+    return PendingSalt(None, tuple(layout), _start_fingerprint(tensors, state.backend, plans))
 
 
 def _tensor_attributes(module) -> list[torch.Tensor]:
@@ -277,9 +279,12 @@ def _fingerprint(tensors: list[torch.Tensor], backend: str = "auto") -> tuple:
     return _read_fingerprint(_start_fingerprint(tensors, backend))
 
 
-def _start_fingerprint(tensors: list[torch.Tensor], backend: str = "auto") -> tuple:
+def _start_fingerprint(
+    tensors: list[torch.Tensor], backend: str = "auto", plans: dict | None = None
+) -> tuple:
     """``_fingerprint``'s work: per device a ``PendingDigest`` (the hash queued, not read) or
-    the float fingerprint's values."""
+    the float fingerprint's values. ``plans``: {device: ``DigestPlan``} of the last call,
+    launched again where the tensors still lie as planned, replaced where not."""
     per_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
@@ -287,10 +292,17 @@ def _start_fingerprint(tensors: list[torch.Tensor], backend: str = "auto") -> tu
             per_device.setdefault(t.device, []).append(t.detach())
     prints = []
     for device, group in per_device.items():
-        if kernel_runs_on(backend, device):
-            prints.append(launch_digest(group, backend=backend))
-        else:
+        if not kernel_runs_on(backend, device):
             prints.append(_float_fingerprint(device, group))
+            continue
+        plan = plans.get(device) if plans is not None else None
+        if plan is None or not plan.fits(group):
+            plan = DigestPlan(group, backend=backend)
+            if plans is not None and plan.reusable:
+                plans[device] = plan
+            elif plans is not None:  # (a plan of copies holds them: not kept)
+                plans.pop(device, None)
+        prints.append(plan.launch())
     return tuple(prints)
 
 

@@ -114,6 +114,8 @@ class PatchState:
     # the digest of the model's part of the latest prefix salt, and that part (prefix_salt.py)
     salt_key: tuple | str | None = None
     salt: bytes = b""
+    # the weights' hash laid out per device, launched again while they lie where they did
+    digest_plans: dict = field(default_factory=dict)
     # one paged call at a time per model: a second thread waits for the first to finish
     lock: threading.RLock = field(default_factory=threading.RLock)
 

@@ -18,6 +18,7 @@ split. Not a cryptographic hash: changes made to cancel can pass.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -62,26 +63,74 @@ def content_digest(tensors: Sequence[torch.Tensor], *, backend: str = "auto") ->
 def launch_digest(tensors: Sequence[torch.Tensor], *, backend: str = "auto") -> PendingDigest:
     """``content_digest``'s work queued without waiting for it (same arguments, same checks):
     the host goes on while the device reads the bytes, until ``result()``."""
-    check_backend(backend)
-    groups = word_groups(tensors)
-    if not groups:
-        return PendingDigest((), None)
-    device = next(iter(groups.values()))[0][1].device
-    if _use_triton(backend, device):
-        from nanoserve.kernels.triton_hash import group_sums_triton  # imports triton
+    return DigestPlan(tensors, backend=backend).launch()
 
-        sums = torch.stack([group_sums_triton(items) for items in groups.values()])
-    else:
-        sums = torch.stack([group_sums_ref(items) for items in groups.values()])
-    return PendingDigest(tuple(groups), sums)
+
+class DigestPlan:
+    """``content_digest``'s work over ``tensors`` laid out once (their words grouped by width
+    and, for the kernel, its work items), to be launched again while the tensors lie where
+    they did: ``fits(tensors)`` says whether they do, ``launch()`` queues the digest of the
+    values they hold then. Laying out reads every tensor's metadata (a few microseconds a
+    tensor, milliseconds a model); a check that the layout still holds, a fraction of that.
+    Same arguments and checks as ``content_digest``. A plan that read some tensor through a
+    copy (strided, complex or lazily negated) holds that copy's values, not the tensor's:
+    ``reusable`` is then False and ``fits`` never says yes."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], *, backend: str = "auto"):
+        check_backend(backend)
+        groups, copied = _word_groups(tensors)
+        self.widths = tuple(groups)
+        self.reusable = not copied
+        self.places = places(tensors) if self.reusable else None
+        # a copy's words must outlive the launch that reads them (the kernel's launch
+        # holds only the lowest-addressed words); views read tensors the caller holds
+        self._copies = groups if copied else None
+        self._launches: list = []
+        if not groups:
+            return
+        device = next(iter(groups.values()))[0][1].device
+        if _use_triton(backend, device):
+            from nanoserve.kernels.triton_hash import prepare_group  # imports triton
+
+            self._launches = [prepare_group(items) for items in groups.values()]
+        else:
+            self._launches = [functools.partial(group_sums_ref, items) for items in groups.values()]
+
+    def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """True when ``tensors`` are where this plan reads: the same count, each at the same
+        address with the same device, dtype and shape, contiguous, neither negated nor
+        conjugated lazily (then ``launch()`` hashes their values now)."""
+        return self.reusable and places(tensors) == self.places
+
+    def launch(self) -> PendingDigest:
+        """The digest of the planned tensors' values as they are now, queued on their
+        device (``PendingDigest``; one read back to the host in its ``result()``)."""
+        if not self._launches:
+            return PendingDigest((), None)
+        return PendingDigest(self.widths, torch.stack([launch() for launch in self._launches]))
+
+
+def places(tensors: Sequence[torch.Tensor]) -> tuple:
+    """What decides which memory ``DigestPlan`` reads for each of ``tensors``: address,
+    device, dtype, shape, contiguity, lazy negation and conjugation."""
+    return tuple(
+        (t.data_ptr(), t.device, t.dtype, t.shape, t.is_contiguous(), t.is_neg(), t.is_conj())
+        for t in tensors
+    )
 
 
 def word_groups(tensors: Sequence[torch.Tensor]) -> dict[int, list[tuple[int, torch.Tensor]]]:
     """{word width: [(tensor number, its words as a flat int32/int16/uint8 tensor)]}, widths
     descending; tensors without elements are left out. Raises ValueError naming ``tensors``
     for meta tensors or tensors on more than one device."""
+    return _word_groups(tensors)[0]
+
+
+def _word_groups(tensors: Sequence[torch.Tensor]) -> tuple[dict, bool]:
+    """(``word_groups(tensors)``, whether any tensor's words are a copy of its values)."""
     groups: dict[int, list[tuple[int, torch.Tensor]]] = {4: [], 2: [], 1: []}
     devices = set()
+    copied = False
     for number, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"tensors[{number}]: expected a torch.Tensor, got {type(tensor)}")
@@ -97,13 +146,14 @@ def word_groups(tensors: Sequence[torch.Tensor]) -> dict[int, list[tuple[int, to
             if flat.is_complex():
                 flat = torch.view_as_real(flat.resolve_conj()).reshape(-1)
             flat = flat.contiguous()
+            copied = True
         nbytes, address = flat.numel() * flat.element_size(), flat.data_ptr()
         width = next(w for w in (4, 2, 1) if nbytes % w == 0 and address % w == 0)
         groups[width].append((number, flat.view(WORD_DTYPES[width])))
     if len(devices) > 1:
         names = ", ".join(sorted(str(d) for d in devices))
         raise ValueError(f"tensors: expected one device, got tensors on {names}")
-    return {width: items for width, items in groups.items() if items}
+    return {width: items for width, items in groups.items() if items}, copied
 
 
 def group_sums_ref(items: list[tuple[int, torch.Tensor]]) -> torch.Tensor:

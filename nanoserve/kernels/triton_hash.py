@@ -7,6 +7,7 @@ from the group's lowest-addressed tensor) and writes its two partial sums; torch
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 import torch
@@ -72,19 +73,35 @@ def group_sums_triton(
 ) -> torch.Tensor:
     """int64 [2] on the words' device: the two sums over ``items`` (tensor number, words of
     one width), each partial reduced modulo 2**32 (the caller reduces the total)."""
+    return prepare_group(items, chunk_words)()
+
+
+def prepare_group(items: list[tuple[int, torch.Tensor]], chunk_words: int = CHUNK_WORDS):
+    """``group_sums_triton(items, chunk_words)`` as a function of no arguments, laid out
+    now and launched at each call: it reads the words' memory as it is then. It holds the
+    lowest-addressed words tensor and the work-item table, not the others."""
     base, table = _device_table(items, chunk_words)
-    num_items = table.shape[1]
-    partials = torch.empty(num_items, 2, dtype=torch.int64, device=base.device)
     width = base.element_size()
     # 16-byte aligned items let the loads be vectorized
     aligned = chunk_words * width % 16 == 0 and all(w.data_ptr() % 16 == 0 for _, w in items)
+    return functools.partial(
+        _launch,
+        base,
+        table,
+        16 // width if aligned else 1,
+        min(BLOCK_WORDS, triton.next_power_of_2(chunk_words)),
+    )
+
+
+def _launch(base: torch.Tensor, table: torch.Tensor, align: int, block: int) -> torch.Tensor:
+    num_items = table.shape[1]
+    partials = torch.empty(num_items, 2, dtype=torch.int64, device=base.device)
     (index_a, tensor_a, offset_a), (index_b, tensor_b, offset_b) = LANES
     _hash_kernel[(num_items,)](
         base, table, partials, num_items,
         INDEX_A=index_a, TENSOR_A=tensor_a, OFFSET_A=offset_a,
         INDEX_B=index_b, TENSOR_B=tensor_b, OFFSET_B=offset_b,
-        WIDTH=width, ALIGN=16 // width if aligned else 1,
-        BLOCK=min(BLOCK_WORDS, triton.next_power_of_2(chunk_words)), num_warps=4,
+        WIDTH=base.element_size(), ALIGN=align, BLOCK=block, num_warps=4,
     )  # fmt: skip
     return partials.sum(0)
 

@@ -167,6 +167,24 @@ def test_values_reordered_without_a_new_version_find_nothing(change, backend):
     nanoserve.unpatch_model(model)
 
 
+@BACKENDS
+def test_a_weight_transposed_in_place_between_calls_finds_nothing(backend):
+    """A square weight set through ``.data`` to its own transpose: the same address, shape,
+    dtype and version, the same bytes in memory, other values at each place. The hash's
+    layout kept from the last call must not be launched over it as before. Planted:
+    contiguity left out of what the kept layout compares: the stale prefix was found."""
+
+    def transpose(m):
+        weight = m.model.layers[0].self_attn.q_proj.weight
+        weight.data = weight.data.t()
+
+    call = padded_batch([13], 13, seed=3)
+    model = sharp_model()
+    assert model.model.layers[0].self_attn.q_proj.weight.shape[0] == model.config.hidden_size
+    check_change_invalidates(model, call, transpose, backend)
+    nanoserve.unpatch_model(model)
+
+
 def test_a_reordering_moves_the_fingerprint_beyond_rounding():
     """Swapped rows, swapped columns, a reversed vector, integer or float: the fingerprint
     moves by far more than float rounding (which alone may or may not move a sum of

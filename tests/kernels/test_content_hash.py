@@ -9,6 +9,7 @@ from kernel_inputs import needs_interpreter
 
 from nanoserve.kernels.content_hash import (
     MASK32,
+    DigestPlan,
     content_digest,
     group_sums_ref,
     kernel_runs_on,
@@ -72,6 +73,58 @@ def test_a_launched_digest_holds_the_values_at_its_launch(backend):
     assert pending.result() == before
     assert content_digest(tensors, backend=backend) != before
     assert launch_digest([], backend=backend).result() == ()
+
+
+def contiguous_tensors(gen: torch.Generator) -> list[torch.Tensor]:
+    """Tensors a plan reads in place (of every word width), among them a square matrix."""
+    return [
+        torch.randn(6, 6, generator=gen),
+        torch.randn(129, generator=gen).to(torch.bfloat16),
+        torch.randn(3, generator=gen).to(torch.float16),
+        torch.randint(0, 256, (7,), generator=gen, dtype=torch.uint8),
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_plan_launched_again_hashes_the_values_then(backend):
+    """A plan laid out once and launched after writes in place (same addresses) gives the
+    digest of the new values, as a fresh ``content_digest`` does. Planted: the launch
+    reading the values saved at lay-out: failed."""
+    gen = torch.Generator().manual_seed(6)
+    tensors = contiguous_tensors(gen)
+    plan = DigestPlan(tensors, backend=backend)
+    before = content_digest(tensors, backend=backend)
+    assert plan.reusable and plan.fits(tensors)
+    assert plan.launch().result() == before
+    tensors[0].mul_(1.5)
+    tensors[3].add_(1)
+    assert plan.fits(tensors)
+    after = plan.launch().result()
+    assert after == content_digest(tensors, backend=backend) != before
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_plan_fits_only_tensors_where_it_reads(backend):
+    """``fits`` says no when a tensor moved, or lies at the same address as another view of
+    the same bytes (transposed: the same address and shape; negated lazily), or the list
+    changed; a plan that read a strided tensor through a copy is never reused. Planted:
+    contiguity left out of what a plan compares: the transposed matrix fitted, and its
+    launch gave the untransposed digest: failed."""
+    gen = torch.Generator().manual_seed(7)
+    tensors = contiguous_tensors(gen)
+    plan = DigestPlan(tensors, backend=backend)
+    square = tensors[0]
+    before = content_digest(tensors, backend=backend)
+    for changed, same_values in (
+        ([square.clone(), *tensors[1:]], True),  # moved
+        ([square.t(), *tensors[1:]], False),  # same address and shape, transposed
+        ([torch._neg_view(square), *tensors[1:]], False),
+        (tensors[:3], False),
+    ):
+        assert not plan.fits(changed)
+        assert (content_digest(changed, backend=backend) == before) is same_values
+    strided = DigestPlan([square.t(), *tensors[1:]], backend=backend)
+    assert not strided.reusable and not strided.fits([square.t(), *tensors[1:]])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
