@@ -13,6 +13,18 @@ from __future__ import annotations
 import torch
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+# torch's per-backend float32 precision settings (its newer API, which a torch may lack)
+_PRECISION_OWNERS = (
+    ("backends",),
+    ("backends", "mkldnn"),
+    ("backends", "mkldnn", "matmul"),
+    ("backends", "mkldnn", "conv"),
+    ("backends", "mkldnn", "rnn"),
+    ("backends", "cuda", "matmul"),
+    ("backends", "cudnn"),
+    ("backends", "cudnn", "conv"),
+    ("backends", "cudnn", "rnn"),
+)
 
 
 def numeric_modes() -> tuple:
@@ -24,9 +36,28 @@ def numeric_modes() -> tuple:
     matmul = torch.backends.cuda.matmul
     return (
         autocast,
-        torch.get_float32_matmul_precision(),
-        getattr(matmul, "fp32_precision", None),
-        getattr(torch.backends.cudnn, "fp32_precision", None),
+        _legacy_matmul_precision(),
+        tuple(_fp32_precision(owner) for owner in _PRECISION_OWNERS),
         matmul.allow_bf16_reduced_precision_reduction,
         matmul.allow_fp16_reduced_precision_reduction,
     )
+
+
+def _legacy_matmul_precision() -> str:
+    """``torch.get_float32_matmul_precision()``; torch refuses to answer it once the newer
+    per-backend settings were used beside it (those then say the precision)."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return "per backend"
+
+
+def _fp32_precision(owner: tuple[str, ...]) -> str | None:
+    """The ``fp32_precision`` setting of ``torch.<owner>``, or None where this torch has none."""
+    found = torch
+    for name in owner:
+        found = getattr(found, name, None)
+    try:
+        return getattr(found, "fp32_precision", None)
+    except RuntimeError:
+        return "unreadable"

@@ -135,6 +135,33 @@ def test_a_call_under_autocast_serves_no_later_plain_call(backend):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_torch_per_backend_precision_settings_between_calls():
+    """torch's newer float32 precision settings, per backend
+    (``torch.backends.mkldnn.matmul.fp32_precision``): each call runs as stock does under
+    the setting of its time, and none serves its blocks to a call under another. Found by a
+    probe: the numeric settings read ``torch.get_float32_matmul_precision()``, which torch
+    refuses to answer once the newer settings are used: every patched call raised. Planted:
+    that read unguarded: raised; the per-backend settings left out: the tf32 call found the
+    bf16 call's blocks."""
+    matmul = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this torch has no per-backend float32 precision")
+    model = sharpen(tiny_model("llama", seed=3))
+    stock = copy.deepcopy(model)
+    ids = torch.randint(3, 97, (1, 13), generator=torch.Generator().manual_seed(3))
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    nanoserve.patch_model(model, block_size=4, num_blocks=64)
+    try:
+        for setting, hits in (("bf16", 0), ("tf32", 0), ("none", 0), ("none", 1)):
+            matmul.fp32_precision = setting
+            ours = generate(model, inputs)
+            assert nanoserve.cache_stats(model)["prefix_hits"] == hits, setting
+            assert torch.equal(ours, generate(stock, inputs)), setting
+    finally:
+        matmul.fp32_precision = "none"
+        nanoserve.unpatch_model(model)
+
+
 def test_a_call_under_inference_mode_then_one_under_no_grad():
     """The kept pool of a call under ``torch.inference_mode`` takes no write outside it: the
     next call under ``no_grad`` makes its own pool, with stock's tokens. Planted: the kept
