@@ -721,12 +721,11 @@ def _paged_generate(self, *args, **kwargs):
                 "use_cache: False, with a PagedCache passed back to continue; stock would "
                 "store every column again in it: pass use_cache=True, or no cache"
             )
-        if walk.batch_dependent is not None:
-            name, why = cache_kwarg(type(self)), walk.batch_dependent
+        if walk.stock_only is not None:
+            name, why = cache_kwarg(type(self)), walk.stock_only
             raise ValueError(
-                f"{name}: a PagedCache passed back, but {why}: its tokens depend on what else "
-                "a forward holds, so nanoserve runs such a model as stock does, on stock's "
-                "cache; start a new call without the cache"
+                f"{name}: a PagedCache passed back, but {why}: nanoserve runs such a model as "
+                "stock does, on stock's cache; start a new call without the cache"
             )
         with state.lock:
             if state_of(self) is not state:
@@ -759,8 +758,8 @@ def _paged_generate(self, *args, **kwargs):
     if option("output_attentions"):
         _log.info("fallback: stock generate (output_attentions: paged kernels compute no weights)")
         return stock(*args, **kwargs)  # stock's cache and attention, which return the weights
-    if walk.batch_dependent is not None:
-        _log.info("fallback: stock generate (%s)", walk.batch_dependent)
+    if walk.stock_only is not None:
+        _log.info("fallback: stock generate (%s)", walk.stock_only)
         return stock(*args, **kwargs)  # stock's cache, forwards and loop: stock's tokens
     implementation = option("cache_implementation")
     # stock drops "hybrid" (Gemma's hub default) and runs "dynamic" as its default cache

@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from nanoserve.adapters.module_attrs import module_attr
 from nanoserve.adapters.prefix_salt import drops_out, length_dependent_rope, structure_key
 from nanoserve.adapters.user_hooks import HookScan, scan_hooks
 
@@ -36,9 +37,10 @@ class ModelWalk:
         return drops_out(self.model, self.modules)
 
     @functools.cached_property
-    def batch_dependent(self) -> str | None:
-        """``tokens_depend_on_the_batch``'s phrase, or None."""
-        return tokens_depend_on_the_batch(self.named)
+    def stock_only(self) -> str | None:
+        """Why this model must run as stock does, on stock's cache (a phrase), or None:
+        ``tokens_depend_on_the_batch``, ``attends_both_ways``."""
+        return tokens_depend_on_the_batch(self.named) or attends_both_ways(self.named)
 
     @functools.cached_property
     def rope(self) -> str | None:
@@ -80,6 +82,16 @@ def tokens_depend_on_the_batch(named: list[tuple[str, torch.nn.Module]]) -> str 
         if type(module).__module__.startswith(_DYNAMIC_QUANTIZED):
             where = name or "the model"
             return f"{where} ({type(module).__name__}) is quantized dynamically"
+    return None
+
+
+def attends_both_ways(named: list[tuple[str, torch.nn.Module]]) -> str | None:
+    """Which module has ``is_causal`` set False, as a phrase, or None. Stock's sdpa and flash
+    attention read that flag off the module (sdpa where no mask is needed, flash always) and
+    then let a prompt's tokens attend to later ones; paged attention is causal."""
+    for name, module in named:
+        if module_attr(module, "is_causal", True) is False:
+            return f"{name or 'the model'}.is_causal is False (attention both ways)"
     return None
 
 

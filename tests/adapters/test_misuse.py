@@ -564,6 +564,43 @@ def test_a_dynamically_quantized_model_runs_as_stock():
         assert cache.paged.seq_lens() == lens
 
 
+def _set_is_causal(model, value: bool) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = value
+
+
+def test_attention_modules_set_non_causal_run_as_stock():
+    """``is_causal = False`` on the attention modules (the config left causal): stock's sdpa
+    then attends both ways over an unpadded prompt. A call runs stock's generate; set back,
+    the paged path runs again; a PagedCache passed back meanwhile is refused before anything
+    changes. Found by a probe: the paged kernels stayed causal (other tokens, logits off by
+    7). Planted: the module flag not read: failed (the paged loop ran)."""
+    model = sharpen(tiny_model("llama"))
+    reference = copy.deepcopy(model)
+    ids = torch.randint(3, 97, (1, 12), generator=torch.Generator().manual_seed(4))
+    call = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    opts = dict(max_new_tokens=6, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    with patched(model), torch.no_grad():
+        first = model.generate(**call, **opts)
+        for value in (False, True):
+            _set_is_causal(model, value)
+            _set_is_causal(reference, value)
+            out = model.generate(**call, **opts)
+            loop = nanoserve.decode_graph_stats(model)["decode_loop"]
+            assert loop.startswith("stock") if not value else loop == "nanoserve"
+            stock = stock_generate(reference, **call, **opts)
+            assert torch.equal(out.sequences, stock.sequences), value
+            for ours, theirs in zip(out.logits, stock.logits, strict=True):
+                torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        cache = first.past_key_values
+        lens = cache.paged.seq_lens()
+        _set_is_causal(model, False)
+        following = dict(**continued(call, first.sequences), **{cache_name(model): cache})
+        with pytest.raises(ValueError, match="is_causal is False"):
+            model.generate(**following, max_new_tokens=2, **GREEDY)
+        assert cache.paged.seq_lens() == lens
+
+
 def test_a_returned_cache_continued_after_unpatching_asks_for_the_patch():
     """A returned cache given to the unpatched model is refused by its first layer with a
     message that says to patch again, and loses nothing: patched again (another block size
