@@ -80,10 +80,12 @@ def begin_prefix_salt(model, state, walk: ModelWalk | None = None) -> PendingSal
     if reason is not None:
         return PendingSalt(reason, (), ())
     tensors, layout = [], []
+    modules = walk.modules if walk is not None else list(model.modules())
+    seen = {id(module) for module in modules}  # a module in a container is read once, apart
     # every module once; parameters() and buffers() would walk them twice
-    for module in walk.modules if walk is not None else model.modules():
+    for module in modules:
         held = (*module._parameters.values(), *module._buffers.values())
-        for t in (*held, *_tensor_attributes(module)):
+        for t in (*held, *_tensor_attributes(module, seen)):
             if t is not None:
                 tensors += _value_views(t)
                 layout.append(_tensor_layout(t))
@@ -91,19 +93,56 @@ def begin_prefix_salt(model, state, walk: ModelWalk | None = None) -> PendingSal
     return PendingSalt(None, tuple(layout), _start_fingerprint(tensors, state.backend, plans))
 
 
-def _tensor_attributes(module) -> list[torch.Tensor]:
-    """A module's public tensors held as plain attributes, or in a list, tuple or dict
-    attribute (neither parameter nor buffer: a scale a custom layer reads, a rotary module's
-    ``original_inv_freq``): their values are fingerprinted with the weights, as a write
-    through ``.data`` keeps their version."""
+def _tensor_attributes(module, seen: set) -> list[torch.Tensor]:
+    """A module's public tensors held as plain attributes or in containers (lists, tuples,
+    sets, dicts, to ``_DEPTH``), neither parameter nor buffer: a scale a custom layer reads,
+    a rotary module's ``original_inv_freq``; and every tensor of a module held in such a
+    container (not registered: no walk reaches its parameters). Their values are
+    fingerprinted with the weights, as a write through ``.data`` keeps their version.
+    ``seen``: ids of the modules read otherwise (the model's own: the walk reads them),
+    to which the modules found are added (one held twice, or holding itself, read once)."""
     found = []
     for name, value in module.__dict__.items():
         if name[0] == "_":
             continue
         kind = type(value)  # (isinstance on a dead weakref.proxy raises)
-        items = value.values() if kind is dict else value if kind in (list, tuple) else (value,)
-        found += [t for t in items if issubclass(type(t), torch.Tensor)]
+        if issubclass(kind, torch.Tensor):
+            found.append(value)
+        elif kind in _CONTAINERS or (kind not in _SCALARS and _is_container(value)):
+            _tensors_held(value, found, 1, seen)
     return found
+
+
+_CONTAINERS = {list, tuple, dict, set, frozenset}
+
+
+def _is_container(value) -> bool:
+    try:
+        return isinstance(value, (list, tuple, dict, set, frozenset))
+    except Exception:  # (a dead weakref.proxy)
+        return False
+
+
+def _tensors_held(value, found: list, depth: int, seen: set) -> None:
+    """Appends to ``found`` the tensors in container ``value`` and, of each module in it,
+    its parameters, buffers and tensor attributes, and its submodules'."""
+    if depth > _DEPTH:
+        return
+    items = value.values() if isinstance(value, dict) else value
+    for item in items:
+        kind = type(item)
+        if issubclass(kind, torch.Tensor):
+            found.append(item)
+        elif issubclass(kind, torch.nn.Module):
+            for sub in item.modules():
+                if id(sub) in seen:
+                    continue
+                seen.add(id(sub))
+                held = (*sub._parameters.values(), *sub._buffers.values())
+                found += [t for t in held if t is not None]
+                found += _tensor_attributes(sub, seen)
+        elif kind in _CONTAINERS or (kind not in _SCALARS and _is_container(item)):
+            _tensors_held(item, found, depth + 1, seen)
 
 
 def tensor_place(t: torch.Tensor) -> tuple:

@@ -22,7 +22,7 @@ from test_new_families import tiny_model as new_family_model
 import nanoserve
 from nanoserve.adapters.decode_loop import _CACHE_FIELD as CACHE_FIELD
 from nanoserve.adapters.graph_forward import memory_signature
-from nanoserve.adapters.prefix_salt import structure_key, unnameable
+from nanoserve.adapters.prefix_salt import begin_prefix_salt, structure_key, unnameable
 
 OPTS = dict(max_new_tokens=3, do_sample=False, eos_token_id=None, output_logits=True,
             return_dict_in_generate=True)  # fmt: skip
@@ -403,6 +403,60 @@ def test_a_tensor_attribute_written_through_data_finds_nothing(backend):
     change = lambda m: m.model.layers[0].self_attn.k_proj.scale.data.fill_(-3.0)  # noqa: E731
     check_change_invalidates(model, call, change, backend)
     nanoserve.unpatch_model(model)
+
+
+class _HeldProjection(torch.nn.Module):
+    """k_proj's stand-in that adds a table nested two containers deep and a helper Linear
+    kept in a plain list (neither registered: no module walk reaches them)."""
+
+    def __init__(self, old: torch.nn.Linear):
+        super().__init__()
+        self.inner = old
+        self.tables = {"shift": [torch.zeros(old.out_features)]}
+        helper = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+        torch.nn.init.zeros_(helper.weight)
+        self.helpers = [helper]
+        self.owners = [self]  # (a module holding itself: read once)
+
+    def forward(self, x):
+        return self.inner(x) + self.tables["shift"][0] + self.helpers[0](x)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda p: p.tables["shift"][0].data.fill_(2.0),
+        lambda p: p.helpers[0].weight.data.normal_(generator=torch.Generator().manual_seed(1)),
+        lambda p: torch.no_grad()(p.helpers[0].weight.add_)(0.5),
+    ],
+    ids=["nested-tensor-data", "held-module-data", "held-module-in-place"],
+)
+@BACKENDS
+def test_tensors_held_in_containers_are_fingerprinted(change, backend):
+    """A tensor two containers deep, and a module kept in a list attribute (its weight
+    written through ``.data`` or in place): the next call finds nothing and gives stock's
+    output. Found by a probe: the salt read tensors one container deep and no module held
+    in a container (stale K/V served, logits off by 7). Planted: containers read one level
+    and modules in them skipped (the salt before): each case found the stale block."""
+    model = sharp_model()
+    attention = model.model.layers[0].self_attn
+    attention.k_proj = _HeldProjection(attention.k_proj)
+    call = padded_batch([13], 13, seed=3)
+    check_change_invalidates(
+        model, call, lambda m: change(m.model.layers[0].self_attn.k_proj), backend
+    )
+    nanoserve.unpatch_model(model)
+
+
+def test_a_module_held_in_a_container_is_read_once():
+    """A list attribute holding the model's own modules (a back-reference) or one module
+    twice adds nothing to the tensors the salt reads: those are the walk's, read once."""
+    model = sharp_model()
+    state = types.SimpleNamespace(backend="auto", digest_plans={})
+    before = len(begin_prefix_salt(model, state).layout)
+    model.model.layers[0].mlp.owners = [model, model.model.layers[1]]
+    model.model.layers[1].mlp.owners = (model, {"again": [model]})
+    assert len(begin_prefix_salt(model, state).layout) == before
 
 
 @dataclasses.dataclass
