@@ -2,8 +2,10 @@
 
 The default pool holds every row's prompt plus ``max_new_tokens``, reserved up front. A
 ``max_new_tokens`` far past what the rows will generate (stock grows its cache only as
-tokens come) can ask for more than the devices hold: that would end in an out-of-memory
-error from deep inside the allocator, so the call is refused first, naming the argument.
+tokens come) can ask for more than the devices hold; so can a pool fixed by
+``patch_model(num_blocks=...)`` or ``max_memory=``. That would end in an out-of-memory error
+from deep inside the allocator (or the process killed), so the call is refused first,
+naming the argument.
 """
 
 from __future__ import annotations
@@ -16,12 +18,10 @@ from nanoserve.adapters.sizing import PoolOptions, PoolSize
 def check_pool_fits(
     size: PoolSize, options: PoolOptions, model, reclaimable: int = 0, parameters=None
 ) -> None:
-    """ValueError naming ``max_new_tokens`` when the pool sized for this call (no
-    ``num_blocks`` or ``max_memory`` given) needs more bytes than are free on the devices
-    holding ``model``'s parameters, plus ``reclaimable`` (a kept pool the call lets go).
-    ``parameters``: ``model.parameters()`` when already listed."""
-    if options.fixed:
-        return
+    """ValueError naming ``max_new_tokens`` (a pool sized for this call), or ``num_blocks`` /
+    ``max_memory`` (a pool of fixed size), when the pool needs more bytes than are free on the
+    devices holding ``model``'s parameters, plus ``reclaimable`` (a kept pool the call lets
+    go). ``parameters``: ``model.parameters()`` when already listed."""
     sizes = options.group_block_bytes(model.dtype)
     blocks = size.group_blocks or (size.num_blocks,)
     need = sum(b * s for b, s in zip(blocks, sizes, strict=True))
@@ -31,11 +31,19 @@ def check_pool_fits(
     if not devices or any(f is None for f in free) or need <= sum(free) + reclaimable:
         return
     gib = 2**30
+    pool = f"{size.num_blocks} blocks of {options.block_size} tokens"
+    where = f"{need / gib:.1f} GiB, more than the {sum(free) / gib:.1f} GiB free on " + ", ".join(
+        map(str, devices)
+    )
+    if options.fixed:
+        name = "num_blocks" if options.num_blocks is not None else "max_memory"
+        raise ValueError(
+            f"{name}: the KV pool patch_model was given ({pool}) needs {where}; give a "
+            f"smaller {name}, or leave it out to size each call's pool by its rows"
+        )
     raise ValueError(
-        f"max_new_tokens: this call's KV pool ({size.num_blocks} blocks of "
-        f"{options.block_size} tokens, room for every row's prompt and max_new_tokens) needs "
-        f"{need / gib:.1f} GiB, more than the {sum(free) / gib:.1f} GiB free on "
-        f"{', '.join(map(str, devices))}; lower max_new_tokens (or max_length), or give "
+        f"max_new_tokens: this call's KV pool ({pool}, room for every row's prompt and "
+        f"max_new_tokens) needs {where}; lower max_new_tokens (or max_length), or give "
         "patch_model a pool size (max_memory= or num_blocks=): a call then raises "
         "OutOfBlocks only if its rows really outgrow it"
     )

@@ -17,6 +17,7 @@ from test_misuse import cache_name
 
 import nanoserve
 from nanoserve.adapters.sizing import coarse_blocks, coarse_width
+from nanoserve.adapters.step import state_of
 
 GREEDY = dict(do_sample=False, eos_token_id=None)
 
@@ -315,6 +316,34 @@ def test_a_pool_past_the_free_memory_is_refused_naming_max_new_tokens():
             with pytest.raises(ValueError, match="^max_new_tokens: this call's KV pool"):
                 model.generate(**more, **{cache_name(model): cache})
             assert (cache.paged.allocator.num_blocks, cache.get_seq_length()) == held
+
+
+@pytest.mark.parametrize("option", ["num_blocks", "max_memory"])
+def test_a_fixed_pool_past_the_free_memory_is_refused_naming_its_argument(option, monkeypatch):
+    """A pool fixed by patch_model larger than the free memory: the call is refused before
+    anything is allocated, naming the argument; the same pool within the free memory runs
+    as stock. Found by a probe: max_memory=2**70 raised a bare MemoryError from the block
+    allocator, 10**12 an allocator error from inside the forward, num_blocks=10**7 got the
+    process killed. Planted: fixed pools left out of the check: the call ran (past what
+    the test's stand-in free memory allows)."""
+    from nanoserve.adapters import pool_memory
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(1))
+    opts = dict(input_ids=ids, max_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        stock = model.generate(**opts)
+    with patched(model):
+        block = sum(state_of(model).pool.group_block_bytes(model.dtype))  # K and V, all layers
+    size = {"num_blocks": 64, "max_memory": 64 * block}[option]
+    monkeypatch.setattr(pool_memory, "free_bytes", lambda device: 32 * block)
+    with patched(model, **{option: size}), torch.no_grad():
+        with pytest.raises(ValueError, match=f"^{option}: the KV pool patch_model was given"):
+            model.generate(**opts)
+        assert nanoserve.cache_stats(model)["kept_pool_blocks"] == 0  # nothing made
+    monkeypatch.setattr(pool_memory, "free_bytes", lambda device: 128 * block)
+    with patched(model, **{option: size}), torch.no_grad():
+        assert torch.equal(model.generate(**opts), stock)
 
 
 def test_sequences_grow_as_rows_generate(monkeypatch):
