@@ -782,8 +782,15 @@ def _paged_generate(self, *args, **kwargs):
             f"attention_mask: passed to generate must be 2-D [batch, length], got shape "
             f"{tuple(mask.shape)}"
         )
-    if isinstance(mask, torch.Tensor):
-        check_left_padded(mask)
+    inputs = call_inputs(args, kwargs)
+    rows = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else None
+    if isinstance(mask, torch.Tensor) and mask.shape[0] == 1 and rows is not None and rows > 1:
+        mask = kwargs["attention_mask"] = mask.expand(rows, -1)  # stock broadcasts one row
+    if isinstance(mask, torch.Tensor) and not check_left_padded(mask).any(dim=1).all():
+        # stock's attention gives a row of nothing but padding an answer of its own (eager:
+        # even weights over every column), which no paged attention reproduces
+        _log.info("fallback: stock generate (attention_mask: a row of padding only)")
+        return stock(*args, **kwargs)
     pending_salt = None
     if state.prefix_sharing and hooks.rows is None and not option("prefill_chunk_size"):
         # the weights' hash runs on the device while the host sizes the pool below

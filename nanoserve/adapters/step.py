@@ -345,9 +345,10 @@ def _rows(flags: torch.Tensor) -> str:
     return ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
 
 
-def check_left_padded(mask: torch.Tensor, cached_lens: list[int] | None = None) -> None:
+def check_left_padded(mask: torch.Tensor, cached_lens: list[int] | None = None) -> torch.Tensor:
     """ValueError naming ``attention_mask`` when a row of ``mask`` [B, n] has padding after a
-    real token, or any padding after tokens it already cached (``cached_lens``)."""
+    real token, or any padding after tokens it already cached (``cached_lens``). Returns the
+    mask as bool on the CPU."""
     mask = mask.to("cpu", torch.bool)
     holes = (mask[:, 1:] < mask[:, :-1]).any(dim=1)
     if cached_lens:
@@ -358,3 +359,4 @@ def check_left_padded(mask: torch.Tensor, cached_lens: list[int] | None = None) 
             "pad_token_id inside a sequence whose mask generate inferred) is not supported by "
             'nanoserve\'s paged cache; tokenize with padding_side="left" and pass the mask'
         )
+    return mask

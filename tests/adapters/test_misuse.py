@@ -601,6 +601,43 @@ def test_attention_modules_set_non_causal_run_as_stock():
         assert cache.paged.seq_lens() == lens
 
 
+def test_a_mask_of_one_row_is_broadcast_over_the_rows():
+    """An attention_mask of one row for a batch of several (stock broadcasts it): stock's
+    tokens. Found by a probe: the pool sizing's concatenation raised a RuntimeError.
+    Planted: the mask not broadcast: raised."""
+    model = sharpen(tiny_model("llama"))
+    ids = torch.randint(3, 97, (3, 9), generator=torch.Generator().manual_seed(6))
+    call = dict(input_ids=ids, attention_mask=torch.ones(1, 9, dtype=torch.long))
+    expected = stock_generate(model, **call, max_new_tokens=5, **GREEDY)
+    with patched(model), torch.no_grad():
+        assert torch.equal(model.generate(**call, max_new_tokens=5, **GREEDY), expected)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_row_of_padding_only_runs_as_stock(attention):
+    """A batch with a row whose attention_mask is all zeros: stock's attention gives it an
+    answer of its own (eager: even weights over every column), so the call runs stock's
+    generate: stock's tokens and logits for every row; a call without such a row runs
+    paged again. Found by a probe: under eager attention the padded row's tokens differed
+    (logits off by 3-4). Planted: no fallback: the eager case's tokens differed (sdpa's
+    matched; it failed on the loop it ran)."""
+    model = sharpen(tiny_model("llama", attn_implementation=attention))
+    reference = copy.deepcopy(model)
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1] = 0
+    opts = dict(max_new_tokens=5, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    with patched(model), torch.no_grad():
+        for call in (dict(input_ids=ids, attention_mask=mask), dict(input_ids=ids)):
+            out = model.generate(**call, **opts)
+            loop = nanoserve.decode_graph_stats(model)["decode_loop"]
+            assert loop.startswith("stock") if "attention_mask" in call else loop == "nanoserve"
+            stock = stock_generate(reference, **call, **opts)
+            assert torch.equal(out.sequences, stock.sequences)
+            for ours, theirs in zip(out.logits, stock.logits, strict=True):
+                torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
 def test_a_returned_cache_continued_after_unpatching_asks_for_the_patch():
     """A returned cache given to the unpatched model is refused by its first layer with a
     message that says to patch again, and loses nothing: patched again (another block size
