@@ -783,7 +783,12 @@ def _paged_generate(self, *args, **kwargs):
             f"{tuple(mask.shape)}"
         )
     inputs = call_inputs(args, kwargs)
-    rows = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else None
+    if isinstance(inputs, torch.Tensor) and inputs.dim() < 2:
+        raise ValueError(  # (stock's IndexError comes from deep inside its preparation)
+            f"input_ids: expected a 2-D tensor [batch, length], got shape {tuple(inputs.shape)}"
+            "; one prompt is input_ids[None]"
+        )
+    rows = inputs.shape[0] if isinstance(inputs, torch.Tensor) else None
     if isinstance(mask, torch.Tensor) and mask.shape[0] == 1 and rows is not None and rows > 1:
         mask = kwargs["attention_mask"] = mask.expand(rows, -1)  # stock broadcasts one row
     if isinstance(mask, torch.Tensor) and not check_left_padded(mask).any(dim=1).all():

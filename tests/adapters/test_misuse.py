@@ -613,6 +613,20 @@ def test_a_mask_of_one_row_is_broadcast_over_the_rows():
         assert torch.equal(model.generate(**call, max_new_tokens=5, **GREEDY), expected)
 
 
+def test_one_dimensional_input_ids_are_named():
+    """1-D input_ids (stock raises an IndexError from deep inside): a ValueError naming
+    input_ids, before anything changes; the next call gives stock's tokens. Found by a
+    probe: "not enough values to unpack" from the pool sizing. Planted: the check dropped:
+    that message again."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(8))
+    expected = stock_generate(model, input_ids=ids, max_new_tokens=3, **GREEDY)
+    with patched(model), torch.no_grad():
+        with pytest.raises(ValueError, match=r"^input_ids: expected a 2-D tensor.*\(6,\)"):
+            model.generate(input_ids=ids[0], max_new_tokens=3, **GREEDY)
+        assert torch.equal(model.generate(input_ids=ids, max_new_tokens=3, **GREEDY), expected)
+
+
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_a_row_of_padding_only_runs_as_stock(attention):
     """A batch with a row whose attention_mask is all zeros: stock's attention gives it an
