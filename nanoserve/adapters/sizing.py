@@ -204,13 +204,13 @@ def window_slack(model, kwargs: dict) -> int:
 
 
 def generate_option(model, kwargs: dict, name: str):
-    """Generate's option ``name``: from the call's keywords, else its generation config,
-    else the model's (transformers fills what a passed config leaves unset from the
+    """Generate's option ``name``: from the call's keywords (where None too overrides the
+    configs: transformers sets the call's keywords last, as given), else its generation
+    config, else the model's (transformers fills what a passed config leaves unset from the
     model's, unless the call says ``use_model_defaults=False``); None when none sets it.
     ``kwargs`` are keywords only (a positional generation config moved into them)."""
-    value = kwargs.get(name)
-    if value is not None:
-        return value
+    if name in kwargs:
+        return kwargs[name]
     passed = kwargs.get("generation_config")
     if passed is not None:
         value = getattr(passed, name, None)

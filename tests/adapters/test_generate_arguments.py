@@ -117,3 +117,19 @@ def test_a_callers_max_length_criteria_sizes_the_pool(by_position):
     stock, ours, loop = both(model, lambda: model.generate(*args, **kwargs))
     assert stock.shape == (3, 67) and torch.equal(stock, ours)
     assert loop == "nanoserve"
+
+
+def test_a_keyword_given_as_none_overrides_the_models_config():
+    """``max_new_tokens=None, max_length=L`` on a model whose generation config sets
+    max_new_tokens (as hub configs do): transformers sets the call's keywords last, None
+    included, so the call runs to ``max_length``; the pool is sized for that. Found by a
+    probe: the model's max_new_tokens sized the pool (OutOfBlocks). Planted: a keyword of
+    None read as not given: OutOfBlocks."""
+    model = tiny_model("llama", seed=10)
+    model.generation_config.max_new_tokens = 4
+    inputs = padded_batch([13, 6, 2], 13)
+    call = lambda: model.generate(  # noqa: E731
+        **inputs, max_new_tokens=None, max_length=60, do_sample=False, eos_token_id=None
+    )
+    stock, ours, loop = both(model, call)
+    assert stock.shape[1] == 60 and torch.equal(ours, stock) and loop == "nanoserve"
