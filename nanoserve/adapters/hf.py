@@ -308,9 +308,11 @@ def decode_graph_stats(model) -> dict:
     """The patched model's CUDA-graph figures: graphs held, captures, replays (of them,
     ``extend_replays``: extend steps), why decode graphs (``disabled``) or extend
     graphs (``extend_disabled``) were turned off (None while they are on), and which loop
-    the latest greedy / sampling call ran (``decode_loop``: "nanoserve", "stock: <why>", or
-    None before any), ``eager_reason``: why the latest call's steps replayed no graph (a
-    forward hook on a submodule, which a replay would skip; a module dropping out), or None,
+    the latest call ran for greedy or sampled decoding (``decode_loop``: "nanoserve",
+    "stock: <why>", or None before any call and after one that decoded otherwise: beam
+    search, assisted or prompt-lookup decoding run transformers' own loops),
+    ``eager_reason``: why the latest call's steps replayed no graph (a forward hook on a
+    submodule, which a replay would skip; a module dropping out), or None,
     ``fused_decode``: how many modules have run fused in graph steps
     (``fuse_decode``: {"attention": q/k/v groups, "mlp": gated MLPs, "norm": RMSNorms,
     "rotary": rotary calls in a step}), and ``loop_steps``: of nanoserve's latest loop,
@@ -708,6 +710,7 @@ def _paged_generate(self, *args, **kwargs):
     if state.graphs is not None:
         state.graphs.recheck = True  # the weights may have moved since the last call
     state.eager_reason = None
+    state.last_loop = None  # (set again by a greedy or sampling loop this call runs)
     walk = ModelWalk(self)  # what the checks below read off every module, listed once
     # what the hooks rule out: graph replays, prefix sharing, nanoserve's decode loop
     hooks = scan_hooks(self, walk.named)

@@ -133,3 +133,20 @@ def test_a_keyword_given_as_none_overrides_the_models_config():
     )
     stock, ours, loop = both(model, call)
     assert stock.shape[1] == 60 and torch.equal(ours, stock) and loop == "nanoserve"
+
+
+def test_the_loop_reported_is_the_latest_calls():
+    """``decode_graph_stats(model)["decode_loop"]`` after a beam search or prompt-lookup
+    call that follows a sampled one: None (transformers' own loops ran), then "nanoserve"
+    again for greedy. Found by a probe: the sampled call's "nanoserve" stayed. Planted: no
+    reset at a call's start: failed."""
+    model = tiny_model("llama", seed=10)
+    ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(2))
+    opts = dict(input_ids=ids, max_new_tokens=4, eos_token_id=None)
+    seen = []
+    with patched(model), torch.no_grad():
+        for extra in (dict(do_sample=True), dict(num_beams=2), dict(do_sample=True),
+                      dict(prompt_lookup_num_tokens=2), dict(do_sample=False)):  # fmt: skip
+            model.generate(**opts, **extra)
+            seen.append(nanoserve.decode_graph_stats(model)["decode_loop"])
+    assert seen == ["nanoserve", None, "nanoserve", None, "nanoserve"]
