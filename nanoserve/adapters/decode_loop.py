@@ -190,6 +190,7 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     batch = ActiveRows(rows, device, pad, compact=compact)
     watch = ReadBack(device, rows, streamer, batch.pad_value, rule.eos is not None)
     length, stop_at = prompt_len, None
+    fed_pad = _pad_to_feed(model, batch.pad_value) if pad is not None else None
     rng = _RandomStates(device) if config.do_sample else None
     # steps whose scores and logits are not returned choose on fixed buffers, replayed as a
     # graph on CUDA; the others run the same ops eagerly
@@ -230,6 +231,8 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
                     step.select(index)
                 choice.reset()
             ids = tokens[:, None]
+            if fed_pad is not None:
+                ids = torch.where(ids == batch.pad_value, fed_pad, ids)
             try:
                 step_logits = loop_decode_step(model, cache, fixed, ids, positions)
                 lent = step_logits is not None
@@ -267,6 +270,22 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
         hidden_states=None,
         **{_CACHE_FIELD: cache},
     )
+
+
+def _pad_to_feed(model, pad: int) -> int | None:
+    """A token id to feed finished rows in place of ``pad`` when the embedding has no row
+    ``pad`` (a tokenizer's added pad token, -1), else None. Steps issued before the loop
+    reads back that every row stopped feed pads that stock never feeds (its loop stops
+    first), and none of their values is returned. Where stock feeds one (a row finished
+    while others go on, its scores or logits kept) it raises an IndexError; here that row's
+    values past its EOS are those of this id."""
+    try:
+        size = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    except (AttributeError, NotImplementedError):
+        return None
+    if not isinstance(size, int) or 0 <= pad < size:
+        return None
+    return 0
 
 
 def _poll(watch: ReadBack, rng, drain: bool) -> int | None:

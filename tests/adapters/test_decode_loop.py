@@ -92,6 +92,26 @@ def test_eos_at_different_steps():
     assert_same(stock, hf_loop, ours)
 
 
+@pytest.mark.parametrize("pad", [97, -1])
+def test_a_pad_id_outside_the_embedding(pad):
+    """``pad_token_id`` with no embedding row (a tokenizer's added pad token; -1): stock
+    never feeds it where every row stops at one step (its loop stops first); nanoserve's
+    loop issues steps before it reads that back, and feeds them another id: stock's tokens,
+    at batch 1 and with rows ending together. Found by a probe: the embedding raised
+    IndexError. Planted: the pads fed: IndexError."""
+    model = eos_early(tiny_model("llama", seed=10), 3.0)
+    ids = torch.randint(3, 97, (1, 13), generator=torch.Generator().manual_seed(4))
+    for inputs in (dict(input_ids=ids), dict(input_ids=ids.repeat(2, 1))):
+        opts = dict(max_new_tokens=30, do_sample=False, eos_token_id=EOS, pad_token_id=pad)
+        with torch.no_grad():
+            stock = model.generate(**inputs, **opts)
+        assert stock.shape[1] < 13 + 30  # stopped at EOS
+        with patched(model), torch.no_grad():
+            ours = model.generate(**inputs, **opts)
+            assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
+        assert torch.equal(ours, stock)
+
+
 def test_chunked_prefill_then_the_loop():
     """``prefill_chunk_size``: HF's ``_prefill`` feeds the prompt in chunks, the loop
     decodes after it (and compacts) with stock's sequences."""
