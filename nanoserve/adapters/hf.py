@@ -564,6 +564,23 @@ def _options(model, state: PatchState, dropout: str | None, hooks: HookScan) -> 
     )  # fmt: skip
 
 
+def _broadcast_mask(args: tuple, kwargs: dict) -> None:
+    """ValueError naming ``input_ids`` when they are not 2-D (stock's IndexError comes from
+    deep inside its preparation); an ``attention_mask`` of one row for several rows of
+    inputs broadcast over them in ``kwargs``, as stock's attention broadcasts it."""
+    inputs = call_inputs(args, kwargs)
+    if not isinstance(inputs, torch.Tensor):
+        return
+    if inputs.dim() < 2:
+        raise ValueError(
+            f"input_ids: expected a 2-D tensor [batch, length], got shape {tuple(inputs.shape)}"
+            "; one prompt is input_ids[None]"
+        )
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == 1 < len(inputs):
+        kwargs["attention_mask"] = mask.expand(len(inputs), -1)
+
+
 def _check_attention(model) -> None:
     """ValueError when the attention implementation was switched after patching
     (``set_attn_implementation``): stock attention would read the paged pools as its cache."""
@@ -717,6 +734,7 @@ def _paged_generate(self, *args, **kwargs):
     user_salt = kwargs.pop("cache_salt", None)
     if user_salt is not None and not isinstance(user_salt, (str, bytes)):
         raise ValueError(f"cache_salt: expected a str or bytes, got {type(user_salt).__name__}")
+    _broadcast_mask(args, kwargs)
     passed = find_cache(kwargs)
     if isinstance(passed, PagedCache):
         if option("use_cache") is False:
@@ -785,15 +803,6 @@ def _paged_generate(self, *args, **kwargs):
             f"attention_mask: passed to generate must be 2-D [batch, length], got shape "
             f"{tuple(mask.shape)}"
         )
-    inputs = call_inputs(args, kwargs)
-    if isinstance(inputs, torch.Tensor) and inputs.dim() < 2:
-        raise ValueError(  # (stock's IndexError comes from deep inside its preparation)
-            f"input_ids: expected a 2-D tensor [batch, length], got shape {tuple(inputs.shape)}"
-            "; one prompt is input_ids[None]"
-        )
-    rows = inputs.shape[0] if isinstance(inputs, torch.Tensor) else None
-    if isinstance(mask, torch.Tensor) and mask.shape[0] == 1 and rows is not None and rows > 1:
-        mask = kwargs["attention_mask"] = mask.expand(rows, -1)  # stock broadcasts one row
     if isinstance(mask, torch.Tensor) and not check_left_padded(mask).any(dim=1).all():
         # stock's attention gives a row of nothing but padding an answer of its own (eager:
         # even weights over every column), which no paged attention reproduces

@@ -128,7 +128,10 @@ def _tensors_held(value, found: list, depth: int, seen: set) -> None:
     its parameters, buffers and tensor attributes, and its submodules'."""
     if depth > _DEPTH:
         return
-    items = value.values() if isinstance(value, dict) else value
+    try:
+        items = list(value.values() if isinstance(value, dict) else value)
+    except Exception:  # (a container of its own kind whose iteration raises: not read)
+        return
     for item in items:
         kind = type(item)
         if issubclass(kind, torch.Tensor):

@@ -556,15 +556,23 @@ class _BadRepr:
         raise RuntimeError("no repr")
 
 
+class _Unlisted(list):
+    """A list whose iteration raises."""
+
+    def __iter__(self):
+        raise TypeError("not iterable today")
+
+
 def test_odd_things_a_model_holds_neither_crash_nor_miss():
     """A model holding things no forward reads (a property that raises, an extra_repr that
-    raises, a dead weakref proxy, a dict key whose repr raises, sparse, quantized and nested
-    tensors; then a scripted submodule) gives stock's tokens and finds its prefix again (but
-    past the scripted module, whose forward counts as wrapped). Planted, one at a time:
-    module_attr without its guard, _adapters_on printing the root's active_adapters method
-    (the model's repr), _tensor_layout's data_ptr unguarded, _attributes without its guard
-    (the dead proxy), the quantized tensor fingerprinted as it is: each crashed (a
-    RuntimeError or ReferenceError, a segfault for the quantized tensor)."""
+    raises, a dead weakref proxy, a dict key whose repr raises, a list whose iteration
+    raises, sparse, quantized and nested tensors; then a scripted submodule) gives stock's
+    tokens and finds its prefix again (but past the scripted module, whose forward counts
+    as wrapped). Planted, one at a time: module_attr without its guard, _adapters_on
+    printing the root's active_adapters method (the model's repr), _tensor_layout's data_ptr
+    unguarded, _attributes without its guard (the dead proxy), the quantized tensor
+    fingerprinted as it is, _tensors_held without its guard: each crashed (a RuntimeError,
+    ReferenceError or TypeError, a segfault for the quantized tensor)."""
     model = sharp_model()
     reference = copy.deepcopy(model)
     odd = _Odd()
@@ -572,6 +580,7 @@ def test_odd_things_a_model_holds_neither_crash_nor_miss():
     odd.proxy = weakref.proxy(referent)
     del referent  # (the proxy is dead from here on)
     odd.table = {_BadRepr(): 1}
+    odd.stubborn = _Unlisted([1, 2])
     odd.register_buffer("sparse", torch.eye(3).to_sparse())  # (the graphs' signature too)
     odd.quantized = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
     odd.nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
