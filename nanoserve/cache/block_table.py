@@ -32,6 +32,7 @@ class BlockTable:
         self._dropped = 0  # leading entries of _block_ids released by drop_before (DROPPED)
         self.pending_copies: list[tuple[int, int]] = []
         self.version = 0  # bumped whenever block_ids change (lets readers cache them)
+        self.released = False  # a hold's table let go (PagedKVCache.release): ended
 
     @property
     def block_ids(self) -> list[int]:

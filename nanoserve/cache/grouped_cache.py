@@ -243,18 +243,21 @@ class GroupedKVCache:
         indices = checked_indices(indices, self.num_seqs)  # before any group changes
         for group in self._groups:
             group.reorder(indices)
+        self._step = None
 
     def drop_last(self, n: int) -> None:
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"n: must be an int >= 0, got {n!r}")
         for group in self._groups:
             group.drop_last(n)
+        self._step = None
 
     def truncate_rows(self, lengths: list[int]) -> None:
         """Cut row i back to ``lengths[i]`` tokens in every group."""
         lengths = checked_lengths(lengths, self.seq_lens())  # before any group changes
         for group in self._groups:
             group.truncate_rows(lengths)
+        self._step = None
 
     def hold(self) -> list:
         """``PagedKVCache.hold`` of every group."""

@@ -63,7 +63,7 @@ from nanoserve.kernels.quant import (
     int8_scale_shape,
 )
 from nanoserve.kernels.slot_scatter import slot_scatter
-from nanoserve.kernels.validation import check_positive
+from nanoserve.kernels.validation import FLOAT_DTYPES, check_positive
 
 # Calibrated FP8 scales map this many times the first write's per-head amax to e4m3's
 # largest value (448): room for later tokens larger than the prompt's (see
@@ -287,7 +287,7 @@ class PagedKVCache:
         self._written_dtypes: list[torch.dtype | None] = [None] * num_layers
         self._attached = False  # whether a sequence took cached blocks from the allocator
         self.tables: list[BlockTable] = []
-        self.step: StepMetadata | None = None
+        self.step = None  # the current step's metadata (``step``)
         self._rows = np.zeros((0, 0), np.int32)  # see _block_table_rows
         self._row_sources: list[tuple[BlockTable, int] | None] = []
 
@@ -306,6 +306,17 @@ class PagedKVCache:
         """The window past which this cache releases layer ``layer_idx``'s blocks."""
         return self.sliding_window
 
+    @property
+    def step(self) -> StepMetadata | None:
+        """The metadata ``write`` scatters this step's rows by (``begin_step``'s, or one a
+        caller sets for a replayed forward), or None."""
+        return self._step
+
+    @step.setter
+    def step(self, meta: StepMetadata | None) -> None:
+        self._step = meta
+        self._layers_written: set[int] = set()  # each layer takes one write a step
+
     def add_sequences(self, n: int) -> None:
         """Start ``n`` empty sequences after the existing ones."""
         self.tables.extend(BlockTable(self.allocator, self.block_size) for _ in range(n))
@@ -323,6 +334,7 @@ class PagedKVCache:
         for table in self.tables:
             table.free()
         self.tables = new_tables
+        self.step = None  # (its slots were the old rows')
 
     def keep_past_window(self, tokens: int) -> None:
         """From the next step on, keep at least ``tokens`` past the window before releasing
@@ -358,6 +370,7 @@ class PagedKVCache:
             raise ValueError(f"n: must be an int >= 0, got {n!r}")
         for table in self.tables:
             table.truncate(max(0, table.num_tokens - n))
+        self.step = None
 
     def truncate_rows(self, lengths: list[int]) -> None:
         """Cut sequence i back to ``lengths[i]`` tokens (a failed forward's tokens); every
@@ -365,6 +378,7 @@ class PagedKVCache:
         lengths = checked_lengths(lengths, self.seq_lens())
         for table, length in zip(self.tables, lengths, strict=True):
             table.truncate(length)
+        self.step = None
 
     def hold(self) -> list[BlockTable]:
         """A fork of every sequence's table, sharing its blocks by reference count: while
@@ -387,14 +401,16 @@ class PagedKVCache:
         self._check_held(held)
         for table in held:
             table.free()
+            table.released = True
 
     def _check_held(self, held: list[BlockTable]) -> None:
         """ValueError naming ``held`` when it is not a hold still open: a restored hold's
-        tables are the live rows (releasing them would empty the cache)."""
+        tables are the live rows (releasing them would empty the cache), a released one's
+        hold nothing (restoring them would empty every row)."""
         live = {id(table) for table in self.tables}
-        if any(id(table) in live for table in held):
+        if any(id(table) in live or table.released for table in held):
             raise ValueError(
-                "held: these tables are the cache's rows (restored already); a hold ends once, "
+                "held: this hold has ended (restored or released already); a hold ends once, "
                 "by restore or by release"
             )
 
@@ -716,6 +732,11 @@ class PagedKVCache:
             layer_idx = self._layer_index(layer_idx)
         if self.step is None:
             raise RuntimeError("write() before begin_step(): the step boundary is missing")
+        if layer_idx in self._layers_written:  # (a begin_step that failed left the last step)
+            raise RuntimeError(
+                f"write(): layer {layer_idx} already holds this step's rows; begin_step() "
+                "starts the next step"
+            )
         if key.dim() != 3:
             raise ValueError(f"key: expected [tokens, kv_heads, head_dim], got {tuple(key.shape)}")
         if check:  # before a pool is made or replaced, or FP8 scales calibrated from the rows
@@ -745,6 +766,7 @@ class PagedKVCache:
             k_scale=k_scale, v_scale=v_scale, check=check, backend=backend or self.backend,
         )  # fmt: skip
         self._written_dtypes[layer_idx] = key.dtype
+        self._layers_written.add(layer_idx)
         return key_pool, value_pool
 
     def _layer_index(self, layer_idx: object) -> int:
@@ -799,6 +821,12 @@ def _check_rows(key: torch.Tensor, value: torch.Tensor, slots: int) -> None:
         raise ValueError(
             f"value: must match key's shape, dtype and device "
             f"({tuple(key.shape)}, {key.dtype}, {key.device}), got {got}"
+        )
+    if key.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"key: K/V rows must be floating point, got {key.dtype}")
+    if 0 in key.shape[1:]:
+        raise ValueError(
+            f"key: [tokens, kv_heads, head_dim] with none zero, got {tuple(key.shape)}"
         )
     if key.shape[0] != slots:
         raise ValueError(f"key: {key.shape[0]} rows for the step's {slots} slots (S * q)")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nanoserve import BlockAllocator, BlockTable, OutOfBlocks, PagedKVCache
+from nanoserve.cache import block_digests
 from nanoserve.cache.block_table import DROPPED
 from nanoserve.cache.paged_cache import filled_slots
 from nanoserve.kernels import paged_decode_attention_ref, slot_scatter_ref
@@ -96,6 +97,58 @@ def test_out_of_blocks_loses_nothing():
             assert torch.equal(read_back(cache, layer, row)[0], k[row])
 
 
+@pytest.mark.parametrize("change", ["failed begin_step", "reorder", "drop_last", "truncate_rows"])
+def test_no_write_lands_through_a_step_that_no_longer_holds(change):
+    """After a begin_step that ran out of blocks (the last step stays: nothing changed) a
+    second write of a layer into that step is refused; after a beam reorder, a drop_last or
+    a truncate_rows (the step's slots were the old rows') any write without a new
+    begin_step is. Every cached token stays. Found by a probe: the write was accepted and
+    overwrote cached K/V (after a reorder, in a block two rows share). Planted: no check of
+    a layer written twice: the first case overwrote; the step kept after the changes: the
+    others did."""
+    blocks = 3 if change == "failed begin_step" else 8
+    cache = PagedKVCache(1, num_blocks=blocks, block_size=4)
+    written = step(cache, torch.ones(2, 4, dtype=torch.bool), 1)
+    if change == "failed begin_step":
+        with pytest.raises(OutOfBlocks):
+            cache.begin_step(torch.ones(2, 1, dtype=torch.bool), "cpu")
+        rows = 2 * 4  # the last step's
+    else:  # a step begun, not yet written, then the rows change under it
+        cache.begin_step(torch.ones(2, 1, dtype=torch.bool), "cpu")
+        rows = 2
+        if change == "reorder":
+            cache.reorder([0, 0])
+        elif change == "drop_last":
+            cache.drop_last(1)
+        else:
+            cache.truncate_rows([4, 4])
+    with pytest.raises(RuntimeError, match="begin_step"):
+        cache.write(0, torch.full((rows, HEADS, DIM), 9.0), torch.full((rows, HEADS, DIM), 9.0))
+    sources = [0, 0] if change == "reorder" else [0, 1]
+    for seq, row in enumerate(sources):
+        assert torch.equal(read_back(cache, 0, seq)[0][:4], written[0][0][row])
+
+
+def test_rows_no_pool_can_take_change_no_pool():
+    """A write of integer rows, or of rows with no heads, into a cache given another cache's
+    pools: refused before the layer's pool is replaced and the pools' cached prefixes
+    dropped. Found by a probe: the given pool was replaced by an int32 one and the prefix
+    blocks cleared before slot_scatter refused. Planted: the rows' checks after the pools:
+    the pool was replaced."""
+    first = PagedKVCache(1, num_blocks=4, block_size=2, backend="torch")
+    step(first, torch.ones(1, 4, dtype=torch.bool), 1)
+    first.publish(0, block_digests([1, 2, 3, 4], 2))
+    first.reset()
+    pools, allocator = first.pool_lists, first.allocator
+    pool = pools[0][0]
+    cache = PagedKVCache(1, num_blocks=4, block_size=2, pools=pools, allocator=allocator)
+    cache.begin_step(torch.ones(1, 1, dtype=torch.bool), "cpu")
+    for rows in (torch.ones(1, HEADS, DIM, dtype=torch.int32), torch.ones(1, 0, DIM)):
+        with pytest.raises(ValueError, match="^key: "):
+            cache.write(0, rows, rows.clone())
+        assert pools[0][0] is pool and allocator.num_cached == 2
+
+
 def test_reorder_shares_blocks_and_copies_on_write():
     cache = PagedKVCache(1, num_blocks=16, block_size=4)
     ((k0, _),) = step(cache, torch.ones(2, 6, dtype=torch.bool), 1)
@@ -141,8 +194,9 @@ def test_bad_reorder_and_truncate_change_nothing():
 def test_a_hold_ends_once():
     """hold() then restore() makes the held tables the live rows; a release() of them after
     (the try / except / finally pattern) freed every row silently, and a second restore
-    kept nothing. Both are refused naming ``held``, and the rows stay. Planted, reverted:
-    the check removed: seq_lens [0, 0] after the release."""
+    kept nothing; a restore of a released hold emptied every row. Each is refused naming
+    ``held``, and the rows stay. Planted, reverted: the check removed: seq_lens [0, 0] after
+    the release; released tables not marked: [0, 0] after the restore."""
     cache = PagedKVCache(1, num_blocks=8, block_size=4)
     step(cache, torch.ones(2, 5, dtype=torch.bool), 1)
     held = cache.hold()
@@ -155,6 +209,9 @@ def test_a_hold_ends_once():
         assert cache.seq_lens() == [5, 5]
     again = cache.hold()
     cache.release(again)
+    assert cache.seq_lens() == [5, 5]
+    with pytest.raises(ValueError, match="^held: "):  # (a probe: every row emptied)
+        cache.restore(again)
     assert cache.seq_lens() == [5, 5]
     step(cache, torch.ones(2, 1, dtype=torch.bool), 1)
     assert cache.seq_lens() == [6, 6]
