@@ -89,7 +89,7 @@ def small_batch_linear(
     rows, k = x.shape
     sizes = [w.shape[0] for w in weights]
     width = sizes[0] if gated else sum(sizes)
-    if not use_triton(backend, x):
+    if not use_triton(backend, x) or k == 0:  # (K = 0: the bias alone, no tile to load)
         return small_batch_linear_ref(x, weights, biases, gated=gated)
     from nanoserve.kernels.triton_linear import _linear_kernel, _sum_shares_kernel
 

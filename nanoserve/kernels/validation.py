@@ -41,9 +41,12 @@ def check_tensor(
     device: torch.device | None = None,
     contiguous: bool = False,
 ) -> torch.Tensor:
-    """Check that ``tensor`` is a torch.Tensor of ``ndim`` dims with one of ``dtypes``."""
+    """Check that ``tensor`` is a torch.Tensor (not a meta one) of ``ndim`` dims with one of
+    ``dtypes``."""
     if not isinstance(tensor, torch.Tensor):
         _fail(name, f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type == "meta":
+        _fail(name, "a meta tensor holds no values (load the weights onto a device first)")
     if tensor.dim() != ndim:
         _fail(name, f"expected {ndim} dims, got shape {tuple(tensor.shape)}")
     if tensor.dtype not in dtypes:

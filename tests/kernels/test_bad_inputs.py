@@ -221,3 +221,32 @@ def test_memory_overlap_is_measured_in_each_tensors_own_bytes():
     assert not _overlap(halves[1012:1100], pool) and not _overlap(pool, halves[1012:1100])
     assert not _overlap(halves[:500], pool)  # [0, 1000)
     assert _overlap(arena.view(torch.float32)[250:252], pool)  # [1000, 1008)
+
+
+def test_meta_tensors_are_named():
+    """Meta tensors (a model built on the meta device, weights not loaded) hold no values:
+    each launcher refuses them naming the argument. Found by a probe: two meta pools were
+    "sharing memory" (both at address 0), and the norm, rotary and linear launchers raised
+    NotImplementedError from a copy. Planted: the meta checks dropped: those errors again."""
+    from nanoserve.kernels.rms_norm import rms_norm
+    from nanoserve.kernels.rotary import apply_rotary
+    from nanoserve.kernels.small_batch_linear import small_batch_linear
+
+    meta = dict(device="meta")
+    pool = torch.empty(4, 8, 2, 64, **meta)
+    args = dict(_attention_args(), key_cache=pool, value_cache=torch.empty_like(pool))
+    for op in ("decode", "extend"):
+        with pytest.raises(ValueError, match="^key_cache: a meta tensor"):
+            ATTENTION_OPS[op](**args)
+    kv = torch.empty(2, 2, 64, **meta)
+    with pytest.raises(ValueError, match="^key_cache: a meta tensor"):
+        slot_scatter(kv, kv, pool, torch.empty_like(pool), torch.tensor([3, 7]), backend="triton")
+    x = torch.empty(2, 64, **meta)
+    with pytest.raises(ValueError, match="^x: a meta tensor"):
+        rms_norm(x, torch.empty(64, **meta), 1e-6, backend="triton")
+    with pytest.raises(ValueError, match="^x: a meta tensor"):
+        small_batch_linear(x, [torch.empty(8, 64, **meta)], backend="triton")
+    q = torch.empty(1, 4, 3, 64, **meta)
+    cos = torch.empty(1, 3, 64, **meta)
+    with pytest.raises(ValueError, match="^q: a meta tensor"):
+        apply_rotary(q, q.clone(), cos, cos.clone(), backend="triton")

@@ -146,3 +146,16 @@ def test_config_fills_the_machine_and_splits_only_few_tiles(monkeypatch):
     assert down.split == 4 and down.block_k == 128  # 64 tiles: four K shares of 2,048
     assert gate_up.split == 1 and gate_up.block_n == 64
     assert short_k.split == 1  # a share under 2,048 of K would not pay for the second pass
+
+
+@needs_interpreter
+@pytest.mark.parametrize("gated", [False, True])
+def test_no_input_features_give_the_bias(gated):
+    """K = 0 (an empty input): the reference's answer (zeros, the bias; gated: their
+    activation's product). Found by a probe: the launcher divided by zero. Planted: K = 0
+    launched: ZeroDivisionError."""
+    x = torch.randn(3, 0)
+    weights = [torch.randn(8, 0), torch.randn(8, 0)] if gated else [torch.randn(8, 0)]
+    biases = None if gated else [torch.randn(8)]
+    out = small_batch_linear(x, weights, biases, gated=gated, backend="triton")
+    assert torch.equal(out, small_batch_linear_ref(x, weights, biases, gated=gated))
