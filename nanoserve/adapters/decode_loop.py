@@ -50,7 +50,13 @@ from nanoserve.adapters.loop_choice import TokenChoice
 from nanoserve.adapters.prefix_salt import length_dependent_rope
 from nanoserve.adapters.read_back import READ_BACK_LAG, InvalidDraw, ReadBack
 from nanoserve.adapters.registry import family_for
-from nanoserve.adapters.step import CACHE_KWARGS, find_cache, host_to_device, state_of
+from nanoserve.adapters.step import (
+    CACHE_KWARGS,
+    find_cache,
+    host_to_device,
+    pad_to_feed,
+    state_of,
+)
 from nanoserve.cache.allocator import OutOfBlocks
 from nanoserve.log import get_logger
 
@@ -190,7 +196,7 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     batch = ActiveRows(rows, device, pad, compact=compact)
     watch = ReadBack(device, rows, streamer, batch.pad_value, rule.eos is not None)
     length, stop_at = prompt_len, None
-    fed_pad = _pad_to_feed(model, batch.pad_value) if pad is not None else None
+    fed_pad = pad_to_feed(model, batch.pad_value) if pad is not None else None
     rng = _RandomStates(device) if config.do_sample else None
     # steps whose scores and logits are not returned choose on fixed buffers, replayed as a
     # graph on CUDA; the others run the same ops eagerly
@@ -270,22 +276,6 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
         hidden_states=None,
         **{_CACHE_FIELD: cache},
     )
-
-
-def _pad_to_feed(model, pad: int) -> int | None:
-    """A token id to feed finished rows in place of ``pad`` when the embedding has no row
-    ``pad`` (a tokenizer's added pad token, -1), else None. Steps issued before the loop
-    reads back that every row stopped feed pads that stock never feeds (its loop stops
-    first), and none of their values is returned. Where stock feeds one (a row finished
-    while others go on, its scores or logits kept) it raises an IndexError; here that row's
-    values past its EOS are those of this id."""
-    try:
-        size = getattr(model.get_input_embeddings(), "num_embeddings", None)
-    except (AttributeError, NotImplementedError):
-        return None
-    if not isinstance(size, int) or 0 <= pad < size:
-        return None
-    return 0
 
 
 def _poll(watch: ReadBack, rng, drain: bool) -> int | None:

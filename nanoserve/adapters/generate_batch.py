@@ -19,6 +19,7 @@ import time
 import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
+from nanoserve.adapters.step import pad_to_feed
 from nanoserve.log import get_logger
 
 _log = get_logger(__name__)
@@ -83,6 +84,16 @@ def left_padded(inputs, pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(device), mask.to(device)
 
 
+def _fill_defaults(config) -> None:
+    """``config``'s unset options set to generate's own defaults, so that generate takes none
+    from the model's generation config (transformers' generate_batch reads only the config
+    it is given)."""
+    defaults = getattr(type(config), "_get_default_generation_params", None)
+    for name, value in (defaults() if defaults is not None else {}).items():
+        if getattr(config, name, None) is None:
+            setattr(config, name, value)
+
+
 def _request_ids(num_inputs: int, copies: int) -> list[str]:
     """Row order of the generate call (copies of a prompt side by side) to transformers'
     request ids: the forked children first, the parent last."""
@@ -121,8 +132,16 @@ def paged_generate_batch(
             "per-token timestamps (nanoserve.unpatch_model(model) for transformers' own)"
         )
     config = copy.deepcopy(generation_config or model.generation_config)
+    if generation_config is not None:
+        _fill_defaults(config)  # (transformers' own reads no option of the model's then)
     # the rows' copies, EOS and pad below must be the ones generate uses
     kwargs = config.update(**kwargs)
+    if config.max_new_tokens is None:
+        raise ValueError(
+            "max_new_tokens: none given (in the call or the generation config); transformers' "
+            "own generate_batch then runs every request to EOS, nanoserve's one generate call "
+            "needs a limit: pass max_new_tokens"
+        )
     _check_row_ends(config, kwargs)
     logprobs = bool(getattr(continuous_batching_config, "return_logprobs", False))
     eos = eos_ids(config)
@@ -132,7 +151,8 @@ def paged_generate_batch(
     config.return_dict_in_generate = True
     config.output_scores = logprobs
     pad = config.pad_token_id if config.pad_token_id is not None else min(eos, default=0)
-    ids, mask = left_padded(inputs, pad, model.device)
+    fill = pad_to_feed(model, pad)  # (padding columns are looked up, masked or not)
+    ids, mask = left_padded(inputs, pad if fill is None else fill, model.device)
     copies = config.num_return_sequences or 1
     if (config.num_beams or 1) > 1 and logprobs:
         raise ValueError(

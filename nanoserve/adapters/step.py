@@ -360,3 +360,20 @@ def check_left_padded(mask: torch.Tensor, cached_lens: list[int] | None = None) 
             'nanoserve\'s paged cache; tokenize with padding_side="left" and pass the mask'
         )
     return mask
+
+
+def pad_to_feed(model, pad: int) -> int | None:
+    """A token id to feed the model in place of ``pad`` when its input embedding has no row
+    ``pad`` (a tokenizer's added pad token, -1), else None: finished rows in the decode loop
+    (steps issued before the loop reads back that every row stopped feed pads that stock
+    never feeds: its loop stops first; none of their values is returned; where stock feeds
+    one, a row finished while others go on with its scores or logits kept, it raises an
+    IndexError, and here that row's values past its EOS are those of this id) and the
+    padding columns of a batch of prompts (masked out, but looked up all the same)."""
+    try:
+        size = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    except (AttributeError, NotImplementedError):
+        return None
+    if not isinstance(size, int) or 0 <= pad < size:
+        return None
+    return 0

@@ -260,3 +260,28 @@ def test_no_eos_and_no_pad_id_runs_to_max_new_tokens():
             alone, _ = stock_alone(model, prompt, max_new_tokens=3, do_sample=False,
                                    eos_token_id=[], pad_token_id=0)  # fmt: skip
             assert results[f"req_{i}"].generated_tokens == alone
+
+
+def test_what_transformers_own_reads_and_what_it_needs():
+    """Three probe findings against transformers' own generate_batch: a pad id outside the
+    vocabulary with prompts of different lengths (an IndexError: the padding columns were
+    looked up), the model's ``do_sample=True`` beside a passed config that leaves it unset
+    (it sampled; transformers' own reads only the passed config: greedy), and no
+    max_new_tokens (it stopped at generate's 20; transformers' own runs to EOS): refused
+    naming max_new_tokens. Planted, one at a time: the pad fed, the model's options merged,
+    the check dropped: each failed."""
+    model = tiny_model("llama", seed=4)
+    vocab = model.config.vocab_size
+    prompts = random_prompts(3, 9)
+    assert len({len(p) for p in prompts}) > 1  # (padded)
+    options = dict(max_new_tokens=5, do_sample=False, eos_token_id=None)
+    expected = [stock_alone(model, p, **options)[0] for p in prompts]
+    model.generation_config.do_sample, model.generation_config.top_k = True, 5
+    with patched(model):
+        for extra in (dict(pad_token_id=vocab + 3), dict(pad_token_id=0)):
+            config = GenerationConfig(max_new_tokens=5, eos_token_id=None, **extra)
+            results = model.generate_batch(prompts, config)
+            got = [results[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+            assert got == expected, extra
+        with pytest.raises(ValueError, match="^max_new_tokens: none given"):
+            model.generate_batch(prompts, GenerationConfig(eos_token_id=None))
