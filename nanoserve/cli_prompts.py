@@ -29,7 +29,9 @@ def read_prompts(path: str) -> list[dict]:
     except UnicodeDecodeError as error:
         raise ValueError(f"--prompts: {path} is not UTF-8 text ({error.reason})") from None
     records, ids = [], set()
-    for number, line in enumerate(text.splitlines(), start=1):
+    # lines end at \n only: JSON strings may hold U+2028 and the like, which splitlines cuts at
+    for number, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         try:
@@ -66,10 +68,12 @@ def read_prompts(path: str) -> list[dict]:
 
 
 def check_out(path: str, prompts: str) -> None:
-    """ValueError naming ``--out`` when its folder does not exist or it is the ``--prompts``
-    file (opening it for the answers would empty it)."""
+    """ValueError naming ``--out`` when its folder does not exist, it is a folder, or it is
+    the ``--prompts`` file (opening it for the answers would empty it)."""
     if not Path(path).resolve().parent.is_dir():
         raise ValueError(f"--out: no such folder for {path}")
+    if Path(path).is_dir():
+        raise ValueError(f"--out: {path} is a folder; name a file in it")
     if Path(path).resolve() == Path(prompts).resolve():
         raise ValueError(f"--out: {path} is the --prompts file; write the answers elsewhere")
 

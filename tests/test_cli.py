@@ -9,6 +9,7 @@ import torch
 
 import nanoserve
 from nanoserve import __main__ as cli
+from nanoserve import cli_prompts
 from nanoserve.default_model import smollm2_folder
 
 
@@ -289,6 +290,15 @@ def test_file_mode_samples_with_a_seed(tiny_model_and_prompts, tmp_path):
         (["--top-k", "5"], ["--top-k", "--do-sample"]),
         # the answers would empty the prompts (a probe found it done silently)
         (["--prompts", "{in}", "--out", "{in}"], ["--out", "the --prompts file"]),
+        # found by a probe: tracebacks after the model loaded, or flags ignored silently;
+        # planted, reverted: each check dropped: failed
+        (["--prompts", "{in}", "--out", "{dir}"], ["--out", "is a folder"]),
+        (["--block-size", "16385"], ["--block-size", "16384"]),
+        (["--device", "meta"], ["--device", "meta"]),
+        (["  "], ["PROMPT", "empty"]),
+        (["--seed", "3"], ["--seed", "--prompts"]),
+        (["--batch-size", "4"], ["--batch-size", "--prompts"]),
+        (["--no-chat-template"], ["--no-chat-template", "--prompts"]),
     ],
 )
 def test_file_mode_arguments_fail_in_one_line(no_load, capsys, tmp_path, argv, words):
@@ -301,7 +311,8 @@ def test_file_mode_arguments_fail_in_one_line(no_load, capsys, tmp_path, argv, w
     (tmp_path / "flags.jsonl").write_text('{"input_ids": [5, true]}\n')
     (tmp_path / "taken.jsonl").write_text('{"prompt": "x", "id": 1}\n{"prompt": "y"}\n')
     files = ("in", "bad", "latin1", "twice", "flags", "taken")
-    argv = [a.format(**{k: str(tmp_path / f"{k}.jsonl") for k in files}) for a in argv]
+    names = {k: str(tmp_path / f"{k}.jsonl") for k in files} | {"dir": str(tmp_path)}
+    argv = [a.format(**names) for a in argv]
     fails_in_one_line(capsys, ["generate", *argv], *words)
 
 
@@ -332,3 +343,14 @@ def test_file_mode_refuses_a_prompt_the_model_cannot_take(
     for word in words:
         assert word in err[0]
     assert not out.exists()
+
+
+def test_a_prompts_file_holds_line_separators_in_its_strings(tmp_path):
+    """JSON strings may hold U+2028, U+2029 and U+0085 (json.dumps with ensure_ascii=False
+    writes them as they are): lines end at newlines only (CRLF too). Found by a probe: the
+    file was split at them ("not JSON"). Planted: splitlines: failed."""
+    texts = ["a\u2028b", "c\u2029d", "e\u0085f"]
+    lines = [json.dumps({"prompt": t}, ensure_ascii=False) for t in texts]
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(("\r\n".join(lines) + "\n").encode())
+    assert [r["prompt"] for r in cli_prompts.read_prompts(str(path))] == texts
