@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from nanoserve.adapters.attention import DOOR
+from nanoserve.adapters.attention import ATTN_NAME, DOOR
 from nanoserve.adapters.family import KVLayout
 from nanoserve.adapters.generate_batch import paged_generate_batch
 from nanoserve.adapters.hf import patch_model
@@ -93,9 +93,11 @@ def _not_patched(*args, **kwargs):
 
 
 def _pass_door(model, paged_config: PagedConfig | None):
-    """``model`` patched when it asks for ``DOOR``; ValueError when ``paged_config`` is given
-    to a model that does not."""
-    if getattr(model.config, "_attn_implementation", None) != DOOR:
+    """``model`` patched when it asks for ``DOOR`` (or for ``ATTN_NAME``, the patched
+    models' own attention, which a loader is given by name or in a config a patched model
+    holds: unpatched, it would run stock attention without a word); ValueError when
+    ``paged_config`` is given to a model that does not."""
+    if getattr(model.config, "_attn_implementation", None) not in (DOOR, ATTN_NAME):
         if paged_config is not None:
             raise ValueError(f'paged_config: given without attn_implementation="{DOOR}"')
         return model

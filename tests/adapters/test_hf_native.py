@@ -87,6 +87,27 @@ def test_from_config_door():
     assert torch.equal(generate(door.eval()), expected)
 
 
+def test_the_patched_attentions_own_name_passes_the_door():
+    """A loader given the patched models' attention name ("nanoserve_paged", registered once
+    a model is patched), by hand or in the config of a model the door patched: the model is
+    patched, not left running stock attention under that name. Found by a probe: the second
+    ``from_config`` of a config the door had patched gave an unpatched model, silently.
+    Planted: only "nanoserve" passing the door: failed."""
+    stock = tiny_model("llama", seed=3)
+    expected = generate(stock)
+    config = stock.config
+    first = AutoModelForCausalLM.from_config(config, attn_implementation="nanoserve")
+    for model in (
+        AutoModelForCausalLM.from_config(config),  # the config the door patched
+        AutoModelForCausalLM.from_config(config, attn_implementation="nanoserve_paged"),
+    ):
+        assert state_of(model) is not None
+        model.load_state_dict(stock.state_dict())
+        assert torch.equal(generate(model.eval()), expected)
+        nanoserve.unpatch_model(model)
+    nanoserve.unpatch_model(first)
+
+
 def test_a_model_built_under_the_name_without_the_door_refuses_to_run():
     """A model constructed directly under ``attn_implementation="nanoserve"`` was never
     patched: its first forward raises naming patch_model instead of running stock attention."""
