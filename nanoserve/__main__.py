@@ -188,9 +188,12 @@ def generate(args) -> int:
         except ValueError as error:
             print(f"generate: error: {error}", file=sys.stderr)
             return 2
-        nanoserve.patch_model(model, block_size=args.block_size)
+        if not _patched(model, args.block_size):
+            return 2
         try:
             return cli_prompts.serve(args, model, tokenizer, prompts)
+        except ValueError as error:  # a call nanoserve refuses (a pool past the memory, ...)
+            return _one_line(error)
         finally:
             nanoserve.unpatch_model(model)
     inputs = _prompt_ids(tokenizer, args.prompt, device)
@@ -200,11 +203,16 @@ def generate(args) -> int:
     print(f"prompt: {args.prompt!r} ({prompt_len} tokens)\n")
     options = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
-    nanoserve.patch_model(model, block_size=args.block_size)
+    if not _patched(model, args.block_size):
+        return 2
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
-    with torch.no_grad():
-        paged = model.generate(**inputs, streamer=streamer, **options)
+    try:
+        with torch.no_grad():
+            paged = model.generate(**inputs, streamer=streamer, **options)
+    except ValueError as error:  # a call nanoserve refuses (a pool past the memory, ...)
+        nanoserve.unpatch_model(model)
+        return _one_line(error)
     seconds = time.perf_counter() - start
     stats = nanoserve.cache_stats(model)
     nanoserve.unpatch_model(model)
@@ -219,6 +227,26 @@ def generate(args) -> int:
     line, code = _verdict(torch.equal(stock, paged), args.dtype)
     print(line)
     return code
+
+
+def _patched(model, block_size: int) -> bool:
+    """``patch_model(model, block_size=...)``; False, after a one-line error, for a model
+    nanoserve cannot patch (its family, its attention)."""
+    import nanoserve
+
+    try:
+        nanoserve.patch_model(model, block_size=block_size)
+    except (ValueError, NotImplementedError) as error:
+        _one_line(error)
+        return False
+    return True
+
+
+def _one_line(error: Exception) -> int:
+    """Prints ``error``'s first line as the command's error; the exit code (2)."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    print(f"generate: error: {first}", file=sys.stderr)
+    return 2
 
 
 def info(args) -> int:

@@ -354,3 +354,26 @@ def test_a_prompts_file_holds_line_separators_in_its_strings(tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_bytes(("\r\n".join(lines) + "\n").encode())
     assert [r["prompt"] for r in cli_prompts.read_prompts(str(path))] == texts
+
+
+def test_a_call_nanoserve_refuses_fails_in_one_line_after_loading(
+    tiny_model_and_prompts, monkeypatch, capsys
+):
+    """A pool past the free memory (here the free memory made small) and a model nanoserve
+    cannot patch fail in one line, exit 2, after the model loads. Found by a probe: a
+    traceback, exit 1. Planted: the errors left to propagate: tracebacks."""
+    from nanoserve.adapters import pool_memory
+
+    folder = str(tiny_model_and_prompts[0])
+    monkeypatch.setattr(pool_memory, "free_bytes", lambda device: 1)
+    assert cli.main(["generate", "w5 w6", "--model", folder, "--max-new-tokens", "4"]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "max_new_tokens: this call's KV pool" in err
+    monkeypatch.setattr(nanoserve, "patch_model", _refuse)
+    assert cli.main(["generate", "w5 w6", "--model", folder, "--max-new-tokens", "4"]) == 2
+    out, err = capsys.readouterr()
+    assert err == "generate: error: nanoserve does not support this\n"
+
+
+def _refuse(model, **options):
+    raise NotImplementedError("nanoserve does not support this\nsecond line")
