@@ -114,7 +114,10 @@ class BlockAllocator:
 
     def publish(self, block_id: int, digest: bytes) -> bool:
         """Make the allocated, full ``block_id`` findable under ``digest``; False (and no
-        change) when the digest or the block is published already."""
+        change) when the digest or the block is published already. ValueError naming
+        ``digest`` when it is not bytes (``lookup`` takes bytes)."""
+        if not isinstance(digest, bytes):
+            raise ValueError(f"digest: expected bytes, got {type(digest).__name__}")
         (block,) = self._live([block_id])
         if digest in self._block_of or block in self._digest_of:
             return False

@@ -319,6 +319,7 @@ class PagedKVCache:
 
     def add_sequences(self, n: int) -> None:
         """Start ``n`` empty sequences after the existing ones."""
+        n = as_index(n, "n", minimum=0)
         self.tables.extend(BlockTable(self.allocator, self.block_size) for _ in range(n))
 
     def seq_lens(self) -> list[int]:

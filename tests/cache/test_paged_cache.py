@@ -310,6 +310,18 @@ def test_counts_must_be_ints():
     table.append(3)
     with pytest.raises(ValueError, match="num_tokens"):
         table.truncate(torch.tensor(1))
+    # found by a probe: a negative count started no sequence silently, a float raised a
+    # TypeError, a digest of another type was published and broke the next lookup;
+    # planted, reverted: the checks removed: failed
+    cache = PagedKVCache(1, num_blocks=4, block_size=4)
+    for bad in (-2, 2.5):
+        with pytest.raises(ValueError, match="^n: "):
+            cache.add_sequences(bad)
+    assert cache.num_seqs == 0
+    block = cache.allocator.allocate(1)[0]
+    with pytest.raises(ValueError, match="^digest: expected bytes"):
+        cache.allocator.publish(block, "not bytes")
+    assert cache.allocator.lookup(b"x" * 16) is None
 
 
 def test_step_metadata_follows_every_table_change():
