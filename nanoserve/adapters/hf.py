@@ -803,9 +803,10 @@ def _paged_generate(self, *args, **kwargs):
             f"attention_mask: passed to generate must be 2-D [batch, length], got shape "
             f"{tuple(mask.shape)}"
         )
-    if isinstance(mask, torch.Tensor) and not check_left_padded(mask).any(dim=1).all():
-        # stock's attention gives a row of nothing but padding an answer of its own (eager:
-        # even weights over every column), which no paged attention reproduces
+    empty_row = isinstance(mask, torch.Tensor) and not check_left_padded(mask).any(dim=1).all()
+    if empty_row and state.original_attn != "sdpa":
+        # eager attention gives a row of nothing but padding even weights over every column,
+        # flash attention none; the paged kernels answer it as sdpa does
         _log.info("fallback: stock generate (attention_mask: a row of padding only)")
         return stock(*args, **kwargs)
     pending_salt = None
