@@ -59,14 +59,20 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def float_input_problem(name: str, tensor: torch.Tensor) -> str | None:
     """Why an activation argument of a norm, rotary or linear launcher is refused for its
     dtype (the ValueError's message), or None: those take float16, bfloat16 and float32 (and
-    float64 on the torch reference); an integer or FP8 tensor would come back truncated. A
-    meta tensor holds no values to compute from."""
-    if tensor.device.type == "meta":
-        return f"{name}: a meta tensor holds no values (load the weights onto a device first)"
+    float64 on the torch reference); an integer or FP8 tensor would come back truncated."""
     if tensor.dtype in FLOAT_DTYPES:
         return None
     dtype = str(tensor.dtype).removeprefix("torch.")
     return f"{name}: expected float16, bfloat16, float32 or float64, got {dtype}"
+
+
+def meta_problem(name: str, tensor: torch.Tensor) -> str | None:
+    """Why a launcher refuses ``tensor`` for lying on the meta device (it holds no values to
+    compute from), or None. Checked after the shapes, which meta tensors can test without
+    memory."""
+    if tensor.device.type == "meta":
+        return f"{name}: a meta tensor holds no values (load the weights onto a device first)"
+    return None
 
 
 def refuse_interpreted_bfloat16(*tensors: torch.Tensor) -> None:

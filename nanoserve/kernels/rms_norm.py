@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.kernels.dispatch import float_input_problem, next_pow2, pdl_launch, use_triton
+from nanoserve.kernels.dispatch import (
+    float_input_problem,
+    meta_problem,
+    next_pow2,
+    pdl_launch,
+    use_triton,
+)
 
 MAX_WIDTH = 65536
 
@@ -35,7 +41,7 @@ def input_problem(x: torch.Tensor, weight: torch.Tensor, eps) -> str | None:
         )
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         return f"eps: expected a number >= 0, got {eps!r}"
-    return None
+    return meta_problem("x", x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "auto"):

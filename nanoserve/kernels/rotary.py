@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.kernels.dispatch import float_input_problem, next_pow2, pdl_launch, use_triton
+from nanoserve.kernels.dispatch import (
+    float_input_problem,
+    meta_problem,
+    next_pow2,
+    pdl_launch,
+    use_triton,
+)
 
 # elements of one half-head tile a program holds, per tensor (x1, x2 and the products)
 _TILE = 2048
@@ -47,7 +53,7 @@ def input_problem(q, k, cos, sin) -> str | None:
     for name, t in (("k", k), ("cos", cos), ("sin", sin)):
         if t.dtype != q.dtype or t.device != q.device:
             return f"{name}: expected q's dtype and device, got {t.dtype} on {t.device}"
-    return None
+    return meta_problem("q", q)
 
 
 def apply_rotary(

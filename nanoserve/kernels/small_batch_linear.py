@@ -16,7 +16,13 @@ from typing import NamedTuple
 
 import torch
 
-from nanoserve.kernels.dispatch import float_input_problem, pdl_launch, sm_count, use_triton
+from nanoserve.kernels.dispatch import (
+    float_input_problem,
+    meta_problem,
+    pdl_launch,
+    sm_count,
+    use_triton,
+)
 
 MAX_ROWS = 64
 MAX_WEIGHTS = 3
@@ -204,4 +210,4 @@ def input_problem(
             return (
                 f"biases[{i}]: expected a contiguous [{w.shape[0]}] tensor of x's dtype and device"
             )
-    return None
+    return meta_problem("x", x)

@@ -269,7 +269,7 @@ def test_fp8_error_does_not_grow_with_length():
         ("k_scale", torch.ones(2, 1), "dims"),
         ("v_scale", torch.tensor([1.0, 0.0]), "positive"),
         ("k_scale", torch.tensor([1.0, float("nan")]), "positive"),
-        ("k_scale", "meta", "on meta"),
+        ("k_scale", "meta", "a meta tensor"),
         ("v_scale", "strided", "contiguous"),
         ("v_scale", "in_value_pool", "shares memory with the pools"),
     ],
