@@ -84,13 +84,18 @@ def begin_prefix_salt(model, state, walk: ModelWalk | None = None) -> PendingSal
     seen = {id(module) for module in modules}  # a module in a container is read once, apart
     # every module once; parameters() and buffers() would walk them twice
     for module in modules:
-        held = (*module._parameters.values(), *module._buffers.values())
-        for t in (*held, *_tensor_attributes(module, seen)):
-            if t is not None:
-                tensors += _value_views(t)
-                layout.append(_tensor_layout(t))
+        for t in _module_tensors(module, seen):
+            tensors += _value_views(t)
+            layout.append(_tensor_layout(t))
     plans = state.digest_plans
     return PendingSalt(None, tuple(layout), _start_fingerprint(tensors, state.backend, plans))
+
+
+def _module_tensors(module, seen: set) -> list[torch.Tensor]:
+    """``module``'s own parameters and buffers (not its submodules') and the tensors of
+    ``_tensor_attributes(module, seen)``."""
+    held = (*module._parameters.values(), *module._buffers.values())
+    return [t for t in held if t is not None] + _tensor_attributes(module, seen)
 
 
 def _tensor_attributes(module, seen: set) -> list[torch.Tensor]:
@@ -108,17 +113,21 @@ def _tensor_attributes(module, seen: set) -> list[torch.Tensor]:
         kind = type(value)  # (isinstance on a dead weakref.proxy raises)
         if issubclass(kind, torch.Tensor):
             found.append(value)
-        elif kind in _CONTAINERS or (kind not in _SCALARS and _is_container(value)):
+        elif _is_container(value):
             _tensors_held(value, found, 1, seen)
     return found
 
 
-_CONTAINERS = {list, tuple, dict, set, frozenset}
+_CONTAINERS = (list, tuple, dict, set, frozenset)
 
 
 def _is_container(value) -> bool:
+    """Whether ``value`` is one of ``_CONTAINERS`` (a subclass too)."""
+    kind = type(value)
+    if kind in _CONTAINERS or kind in _SCALARS:  # (the common cases, without isinstance)
+        return kind in _CONTAINERS
     try:
-        return isinstance(value, (list, tuple, dict, set, frozenset))
+        return isinstance(value, _CONTAINERS)
     except Exception:  # (a dead weakref.proxy)
         return False
 
@@ -138,13 +147,10 @@ def _tensors_held(value, found: list, depth: int, seen: set) -> None:
             found.append(item)
         elif issubclass(kind, torch.nn.Module):
             for sub in item.modules():
-                if id(sub) in seen:
-                    continue
-                seen.add(id(sub))
-                held = (*sub._parameters.values(), *sub._buffers.values())
-                found += [t for t in held if t is not None]
-                found += _tensor_attributes(sub, seen)
-        elif kind in _CONTAINERS or (kind not in _SCALARS and _is_container(item)):
+                if id(sub) not in seen:
+                    seen.add(id(sub))
+                    found += _module_tensors(sub, seen)
+        elif _is_container(item):
             _tensors_held(item, found, depth + 1, seen)
 
 
