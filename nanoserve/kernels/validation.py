@@ -13,6 +13,7 @@ import numbers
 
 import torch
 
+from nanoserve.kernels.dispatch import FLOAT_DTYPES, meta_problem
 from nanoserve.kernels.quant import (
     INT8_DTYPE,
     INT8_K_GROUP,
@@ -21,7 +22,6 @@ from nanoserve.kernels.quant import (
     int8_scale_shape,
 )
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # What the kernels compute in when the pools hold FP8 or INT8 (query, new K/V rows).
 FP8_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 POOL_DTYPES = (*FLOAT_DTYPES, *QUANTIZED_DTYPES)
@@ -45,8 +45,8 @@ def check_tensor(
     ``dtypes``."""
     if not isinstance(tensor, torch.Tensor):
         _fail(name, f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type == "meta":
-        _fail(name, "a meta tensor holds no values (load the weights onto a device first)")
+    if (problem := meta_problem(name, tensor)) is not None:
+        raise ValueError(problem)
     if tensor.dim() != ndim:
         _fail(name, f"expected {ndim} dims, got shape {tuple(tensor.shape)}")
     if tensor.dtype not in dtypes:
