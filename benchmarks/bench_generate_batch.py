@@ -45,14 +45,14 @@ COLUMNS = ["workload", "provider", "tok/s", "seconds", "x_transformers", "tokens
 COLUMNS += ["equal_stock", "first_diff_stock"]
 
 
-def stock_generate(model, prompts: list[list[int]], config, device: str) -> dict[str, list]:
+def stock_generate(model, prompts: list[list[int]], config) -> dict[str, list]:
     """{request id: new tokens} of stock greedy ``generate`` (model unpatched) on the prompts
     left-padded into one batch."""
     config = copy.deepcopy(config)
     # as generate_batch reads it: None and -1 (which transformers' call writes into the
     # config it is given) mean no EOS, not the model's
     config.eos_token_id = sorted(eos_ids(config))
-    ids, mask = left_padded(prompts, config.pad_token_id or 0, device)
+    ids, mask = left_padded(prompts, config.pad_token_id or 0, model)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     new = out[:, ids.shape[1] :].tolist()
@@ -100,7 +100,7 @@ def main() -> None:
     for name, (ids, _, lens) in make_batches(args.tiny, device, model.config.vocab_size).items():
         prompts = [row[-n:].tolist() for row, n in zip(ids, lens, strict=True)]
         theirs, hf_seconds = timed_batch(model, prompts, config, device)
-        stock = stock_generate(model, prompts, config, device)
+        stock = stock_generate(model, prompts, config)
         total = sum(len(t) for t in theirs.values())
         equal, first = agreement(theirs, stock)
         rows.append(dict(workload=name, provider="transformers generate_batch",

@@ -133,7 +133,6 @@ def serve(args, model, tokenizer, prompts: list[list[int]]) -> int:
 
     import nanoserve
     from nanoserve.adapters.generate_batch import eos_ids, left_padded
-    from nanoserve.adapters.step import pad_to_feed
 
     records = args.records
     options = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
@@ -143,14 +142,13 @@ def serve(args, model, tokenizer, prompts: list[list[int]]) -> int:
         torch.manual_seed(args.seed)
     eos = eos_ids(model.generation_config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
-    fill = pad_to_feed(model, pad)  # (padding columns are looked up, masked or not)
     largest: dict = {}
     new_tokens = 0
     start = time.perf_counter()
     with open(args.out, "w") as out, tqdm(total=len(records), unit="prompt") as bar:
         for first in range(0, len(records), args.batch_size):
             rows = prompts[first : first + args.batch_size]
-            ids, mask = left_padded(rows, pad if fill is None else fill, args.torch_device)
+            ids, mask = left_padded(rows, pad, model)
             with torch.no_grad():
                 sequences = model.generate(
                     input_ids=ids, attention_mask=mask, pad_token_id=pad, **options

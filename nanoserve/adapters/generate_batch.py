@@ -73,15 +73,18 @@ def eos_ids(config) -> set[int]:
     return {int(t) for t in eos if int(t) >= 0}
 
 
-def left_padded(inputs, pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) int64 [B, longest prompt], padded on the left."""
+def left_padded(inputs, pad: int, model) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) int64 [B, longest prompt] on ``model``'s device, padded
+    on the left with ``pad`` (with ``pad_to_feed``'s id where ``model`` has no embedding row
+    for it: padding columns are masked out but looked up all the same)."""
     width = max(len(row) for row in inputs)
-    ids = torch.full((len(inputs), width), pad, dtype=torch.long)
+    fill = pad_to_feed(model, pad)
+    ids = torch.full((len(inputs), width), pad if fill is None else fill, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, row in enumerate(inputs):
         ids[i, width - len(row) :] = torch.tensor(row)
         mask[i, width - len(row) :] = 1
-    return ids.to(device), mask.to(device)
+    return ids.to(model.device), mask.to(model.device)
 
 
 def _fill_defaults(config) -> None:
@@ -151,8 +154,7 @@ def paged_generate_batch(
     config.return_dict_in_generate = True
     config.output_scores = logprobs
     pad = config.pad_token_id if config.pad_token_id is not None else min(eos, default=0)
-    fill = pad_to_feed(model, pad)  # (padding columns are looked up, masked or not)
-    ids, mask = left_padded(inputs, pad if fill is None else fill, model.device)
+    ids, mask = left_padded(inputs, pad, model)
     copies = config.num_return_sequences or 1
     if (config.num_beams or 1) > 1 and logprobs:
         raise ValueError(
