@@ -64,6 +64,13 @@ def paged_attention(
             "before generate, or nanoserve.unpatch_model(model) to generate with dropout"
         )
     layer = getattr(module, "layer_idx", None)
+    if layer is None or key is not current.cache.paged.layer_pools(layer)[0]:
+        raise RuntimeError(
+            f"{type(module).__name__} (layer {layer}) attends over tensors other than its "
+            "layer's paged pool while a paged forward runs: a forward of another model that "
+            "shares this model's config, inside the patched one (from a hook, say); patch that "
+            "model too (nanoserve.patch_model), or give it a config of its own"
+        )
     meta = current.meta
     if meta.group_metas:
         if layer is None:

@@ -78,7 +78,7 @@ class StaticStep:
         size = rows * (3 + groups * (1 + width))
         buf = torch.zeros(size, dtype=torch.int32, device=device)
         on_cuda = device.type == "cuda"
-        host = torch.zeros(size - 2 * rows, dtype=torch.int32, pin_memory=on_cuda)
+        host = torch.zeros(size - 2 * rows, dtype=torch.int32, device="cpu", pin_memory=on_cuda)
         ids, pos, lens = (buf[i * rows : (i + 1) * rows] for i in range(3))
         tables_at = (3 + groups) * rows
         token_index = torch.arange(rows, device=device)

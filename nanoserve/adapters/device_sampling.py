@@ -145,7 +145,7 @@ class _EosBlocked(_Step):
 
     def __init__(self, minimum: int, skip: int, eos_token_id):
         self.minimum, self.skip = minimum, skip
-        self.eos = torch.as_tensor(eos_token_id).reshape(-1)
+        self.eos = _id_list(eos_token_id)
         self.mask: torch.Tensor | None = None
 
     def branch(self, length):
@@ -258,6 +258,14 @@ def sample_once(
     return tokens, ratio.gather(1, tokens[:, None]).isnan().any()
 
 
+def _id_list(ids) -> torch.Tensor:
+    """Token ids (an int, a list or a tensor) as a 1-D tensor: a tensor stays where it is, the
+    others are made on the host whatever the default device (``torch.device`` contexts)."""
+    if isinstance(ids, torch.Tensor):
+        return ids.reshape(-1)
+    return torch.tensor(ids, device="cpu").reshape(-1)
+
+
 class StopRule:
     """HF's ``MaxLengthCriteria`` (a host length) and ``EosTokenCriteria`` (on the device)."""
 
@@ -266,7 +274,7 @@ class StopRule:
             c.max_length for c in stopping_criteria if type(c) is sc.MaxLengthCriteria
         )
         eos = [c.eos_token_id for c in stopping_criteria if type(c) is sc.EosTokenCriteria]
-        ids = [torch.as_tensor(e).reshape(-1) for e in eos]
+        ids = [_id_list(e) for e in eos]
         self.eos = torch.cat(ids).to(device) if ids else None
 
     def not_eos(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,7 @@ class StaticExtend:
         size = 3 * tokens + seqs + seqs + 1 + seqs * width
         buf = torch.zeros(size, dtype=torch.int32, device=device)
         on_cuda = device.type == "cuda"
-        host = torch.zeros(size - 2 * tokens, dtype=torch.int32, pin_memory=on_cuda)
+        host = torch.zeros(size - 2 * tokens, dtype=torch.int32, device="cpu", pin_memory=on_cuda)
         ids, pos, slots = (buf[i * tokens : (i + 1) * tokens] for i in range(3))
         lens = buf[3 * tokens :][:seqs]
         cu = buf[3 * tokens + seqs :][: seqs + 1]

@@ -79,10 +79,12 @@ def left_padded(inputs, pad: int, model) -> tuple[torch.Tensor, torch.Tensor]:
     for it: padding columns are masked out but looked up all the same)."""
     width = max(len(row) for row in inputs)
     fill = pad_to_feed(model, pad)
-    ids = torch.full((len(inputs), width), pad if fill is None else fill, dtype=torch.long)
+    ids = torch.full(
+        (len(inputs), width), pad if fill is None else fill, dtype=torch.long, device="cpu"
+    )
     mask = torch.zeros_like(ids)
     for i, row in enumerate(inputs):
-        ids[i, width - len(row) :] = torch.tensor(row)
+        ids[i, width - len(row) :] = torch.tensor(row, device="cpu")
         mask[i, width - len(row) :] = 1
     return ids.to(model.device), mask.to(model.device)
 

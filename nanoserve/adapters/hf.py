@@ -52,6 +52,7 @@ from nanoserve.adapters.step import (
     forget_original_attn,
     new_token_mask,
     no_cache,
+    no_paged_step,
     paged_step,
     remember_original_attn,
     state_of,
@@ -177,11 +178,12 @@ def patch_model(
         keep_pools=keep_pools,
         prefix_sharing=prefix_sharing,
         decode_loop=decode_loop,
-        original_attn=remember_original_attn(model.config, current),
+        original_attn=remember_original_attn(model.config, current, model),
         previous_generate=model.__dict__.get("generate"),
         previous_forward=model.__dict__.get("forward"),
     )
     model.__dict__[STATE_ATTR] = state
+    weakref.finalize(model, _collected_unpatched, weakref.ref(model.config))
     try:
         if state.cuda_graphs:
             state.graphs = DecodeGraphs(agree=capture_agreement(model))
@@ -221,9 +223,21 @@ def _restore(model, state: PatchState) -> None:
     unhook(model)
     # a config shared with another patched model stays switched until that one is unpatched;
     # the door's name (set by hand on a patched model) refuses to run unpatched: back too
-    names = (ATTN_NAME, DOOR)
-    if forget_original_attn(model.config) and model.config._attn_implementation in names:
-        model.set_attn_implementation(state.original_attn)
+    original = forget_original_attn(model.config, model)
+    if original is not None and model.config._attn_implementation in (ATTN_NAME, DOOR):
+        model.set_attn_implementation(original)
+
+
+def _collected_unpatched(config_ref) -> None:
+    """A patched model was collected without ``unpatch_model``: its config (shared with
+    another model, or saved with one) goes back to its attention when no patched model uses
+    it any more, as an unpatch would have left it."""
+    config = config_ref()
+    if config is None:
+        return
+    original = forget_original_attn(config, collected=True)
+    if original is not None and config._attn_implementation in (ATTN_NAME, DOOR):
+        config._attn_implementation = original
 
 
 def _state(model) -> PatchState:
@@ -286,6 +300,7 @@ def release_memory(model) -> None:
     with state.lock:
         state.kept_pools = None
         state.last_cache = no_cache
+        state.failed_cache = None
         _forget_cached(state)
         if state.graphs is not None:
             state.graphs.reset()
@@ -366,7 +381,9 @@ def _paged_forward(self, *args, **kwargs):
         args = ()
     cache = find_cache(kwargs)
     if not isinstance(cache, PagedCache):
-        return stock(**kwargs)  # attention and mask run as before patching
+        with no_paged_step():  # (called inside another paged forward, that one's step)
+            return stock(**kwargs)  # attention and mask run as before patching
+    _check_retired(cache, type(self))
     _check_attention(self)
     if kwargs.get("output_attentions"):
         raise ValueError(
@@ -384,6 +401,7 @@ def _paged_forward(self, *args, **kwargs):
             cache.mask_checked = True
         if not cache.generating:  # a forward of the caller's own: hooks may change between
             _note_hooks(state, cache, scan_hooks(self), self)
+            cache.paged.leave_inference_mode()  # (a cache returned under inference mode)
         run_step = functools.partial(_run_step, self, state, stock, cache)
         if state.prefix_sharing:
             output = first_forward(run_step, cache, kwargs)
@@ -459,7 +477,7 @@ def _keywords(forward, args: tuple, kwargs: dict) -> dict:
 # -- generate -----------------------------------------------------------------------------
 
 
-def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype):
+def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype, retired=None):
     """(num_blocks, pool lists, allocators) of this call's cache, one entry per layer group:
     the kept ones (the allocators carry the cached prefixes) or (size's blocks, None, None).
     The kept pool of an earlier call serves when nothing can reach the store that used it
@@ -468,15 +486,17 @@ def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype):
     under ``max_memory``, a split between layer groups serves every call whose needs it
     holds): the same memory keeps the captured decode graphs valid. Otherwise the kept
     pool is let go before a new one is made. (A pool tensor taken out of a cache by hand is the
-    caller's to copy.)"""
+    caller's to copy.) ``retired``: the store of a failed call's cache that ``_retire_failed``
+    emptied, which no longer owns the pool."""
     kept, state.kept_pools = state.kept_pools, None
     wanted = list(size.group_blocks) or [size.num_blocks]
     fresh = wanted, [None] * len(wanted), [None] * len(wanted)
     inference = kept is not None and not torch.is_inference_mode_enabled()
     inference = inference and kept.made_for_inference()
-    if kept is None or kept.owner() is not None or kept.dtype != dtype or inference:
+    owned = kept is not None and kept.owner() not in (None, retired)
+    if kept is None or owned or kept.dtype != dtype or inference:
         if kept is not None:
-            why = "a returned cache holds it" if kept.owner() is not None else f"{kept.dtype}"
+            why = "a returned cache holds it" if owned else f"{kept.dtype}"
             why = "made under torch.inference_mode" if inference else why
             _log.info("pool: the kept pool is not reused (%s)", why)
         return fresh
@@ -507,6 +527,31 @@ def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype):
         return fresh
     each = (kept, *kept.others)
     return held, [k.pools for k in each], [k.allocator for k in each]
+
+
+def _retire_failed(state: PatchState):
+    """The store of the latest call's cache when that call raised (held for ``last_cache``
+    until now), emptied so that this call can take its pool and the prefixes stored in it;
+    the cache is marked retired (``_check_retired``). None when the latest call did not
+    raise."""
+    failed, state.failed_cache = state.failed_cache, None
+    if failed is None:
+        return None
+    if state.last_cache() is failed:
+        state.last_cache = no_cache
+    failed.reset()  # its rows' blocks back to the pool (the stored prefixes stay)
+    failed.retired = True
+    return failed.paged
+
+
+def _check_retired(cache: PagedCache, model_class) -> None:
+    """ValueError naming the cache argument when ``cache`` is a failed call's cache whose
+    pool a later call took (``_retire_failed``)."""
+    if cache.retired:
+        raise ValueError(
+            f"{cache_kwarg(model_class)}: the cache of a generate call that raised, whose pool "
+            "a later call has taken (it holds nothing now); start a new call without it"
+        )
 
 
 def _may_share(kwargs: dict, option) -> bool:
@@ -737,6 +782,7 @@ def _paged_generate(self, *args, **kwargs):
     _broadcast_mask(args, kwargs)
     passed = find_cache(kwargs)
     if isinstance(passed, PagedCache):
+        _check_retired(passed, type(self))
         if option("use_cache") is False:
             raise ValueError(
                 "use_cache: False, with a PagedCache passed back to continue; stock would "
@@ -761,6 +807,7 @@ def _paged_generate(self, *args, **kwargs):
             _room_to_continue(state, passed, self, args, kwargs)
             passed.mask_checked = False
             passed.drops_out = dropout  # (training mode may have changed since)
+            passed.paged.leave_inference_mode()  # (returned by a call under inference mode)
             # a failed call (OutOfBlocks, say) leaves the cache as given: its rows' blocks are
             # held through the call, which beam reorders and windows would otherwise free
             held = passed.hold()
@@ -825,11 +872,12 @@ def _paged_generate(self, *args, **kwargs):
             and _may_share(kwargs, option)
         )
         size = pool_size(state.pool, self, args, kwargs, share)
+        retired = _retire_failed(state)
         kept = state.kept_pools
         reclaimable = kept.nbytes() if kept is not None else 0
         check_pool_fits(size, state.pool, self, reclaimable, walk.parameters)
         pool_dtype = state.pool.pool_dtype(self.dtype)
-        num_blocks, pools, allocators = _pools_for(state, size, pool_dtype)
+        num_blocks, pools, allocators = _pools_for(state, size, pool_dtype, retired)
         slack = window_slack(self, kwargs)
         paged = _new_store(state, size, num_blocks, pools, allocators, slack)
         cache = PagedCache(paged)
@@ -861,6 +909,7 @@ def _paged_generate(self, *args, **kwargs):
                 return stock(*args, **kwargs)
         except BaseException:
             state.last_cache = lambda: cache  # held, so the caller can see what was kept
+            state.failed_cache = cache
             raise
         finally:
             state.last_stats = cache.stats()

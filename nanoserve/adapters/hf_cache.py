@@ -82,6 +82,9 @@ class PagedCache(Cache):
         self.row_hooks: str | None = None
         self.batch_hooks: str | None = None
         self.generating = False  # inside a generate call (its start looked for hooks)
+        # set when a later call took the pool of this cache, its call having raised: such a
+        # cache holds nothing and may not be continued
+        self.retired = False
         # inside a generate call, what its start read off the model's modules (a
         # ``model_walk.ModelWalk``); None outside one
         self.walk = None

@@ -179,7 +179,9 @@ def _value_views(t: torch.Tensor) -> list[torch.Tensor]:
     unread: named by its layout only)."""
     if t.is_quantized:
         if t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
-            scale = torch.tensor([t.q_scale(), float(t.q_zero_point())], dtype=torch.float64)
+            scale = torch.tensor(
+                [t.q_scale(), float(t.q_zero_point())], dtype=torch.float64, device="cpu"
+            )
         else:
             scale = torch.cat([t.q_per_channel_scales(), t.q_per_channel_zero_points()])
         return [t.int_repr(), scale.to(t.device)]
@@ -290,15 +292,34 @@ def drops_out(model, modules=None) -> str | None:
     phrase, or None. Such a model computes other K/V and logits for each copy of a prompt,
     so no row may take another's. ``modules``: the model's modules when already listed."""
     for module in model.modules() if modules is None else modules:
-        rate = module.p if isinstance(module, torch.nn.Dropout) else _attention_dropout(module)
-        if module.training and rate > 0:
+        if module.training and _dropout_rate(module) > 0:
             return f"{type(module).__name__} drops out at random in training mode"
     return None
 
 
-def _attention_dropout(module) -> float:
+_DROPOUT_MODULES = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+
+
+def _dropout_rate(module) -> float:
+    """A dropout module's rate, or the largest rate a module keeps for ``F.dropout`` in its
+    own forward: ``attention_dropout``, and any public number named like one (Starcoder2's
+    ``residual_dropout`` / ``embedding_dropout``, GPT-2-style ``resid_pdrop``)."""
+    if isinstance(module, _DROPOUT_MODULES):
+        return float(module.p)
     rate = module_attr(module, "attention_dropout", 0.0)
-    return float(rate) if isinstance(rate, (int, float)) else 0.0
+    rates = [rate] + [
+        value
+        for name, value in module.__dict__.items()
+        if name[0] != "_" and ("dropout" in name or name.endswith("pdrop"))
+    ]
+    return max((float(r) for r in rates if type(r) in (int, float)), default=0.0)
 
 
 def _version(t: torch.Tensor) -> int | None:

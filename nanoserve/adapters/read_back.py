@@ -35,9 +35,11 @@ class ReadBack:
         self.streamer, self.pad_value, self.has_eos = streamer, pad_value, has_eos
         self.cuda = device.type == "cuda"
         slots = READ_BACK_LAG + 2
-        self.unfinished = torch.zeros(slots, rows, dtype=torch.bool, pin_memory=self.cuda)
-        self.tokens = torch.zeros(slots, rows, dtype=torch.long, pin_memory=self.cuda)
-        self.invalid = torch.zeros(slots, dtype=torch.bool, pin_memory=self.cuda)
+        self.unfinished = torch.zeros(
+            slots, rows, dtype=torch.bool, device="cpu", pin_memory=self.cuda
+        )
+        self.tokens = torch.zeros(slots, rows, dtype=torch.long, device="cpu", pin_memory=self.cuda)
+        self.invalid = torch.zeros(slots, dtype=torch.bool, device="cpu", pin_memory=self.cuda)
         self.events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]
         # (length, slot, batch rows, whether ``invalid`` holds the step's flag)
         self.pending: deque[tuple[int, int, list[int], bool]] = deque()
@@ -83,7 +85,9 @@ class ReadBack:
                 raise InvalidDraw(length)
             width = len(batch_rows)
             if self.streamer is not None:
-                tokens = torch.full((self.tokens.shape[1],), self.pad_value, dtype=torch.long)
+                tokens = torch.full(
+                    (self.tokens.shape[1],), self.pad_value, dtype=torch.long, device="cpu"
+                )
                 tokens[batch_rows] = self.tokens[slot, :width]
                 try:
                     self.streamer.put(tokens)

@@ -104,7 +104,7 @@ class PoolOptions:
 def check_fp8_scale(value) -> None:
     """``kv_scale`` must be a finite positive number that float32 holds as one."""
     check_positive("kv_scale", value)
-    as_float32 = float(torch.tensor(float(value), dtype=torch.float32))
+    as_float32 = float(torch.tensor(float(value), dtype=torch.float32, device="cpu"))
     if not (math.isfinite(as_float32) and as_float32 > 0):
         raise ValueError(f"kv_scale: {value} is not a finite positive float32 value")
 

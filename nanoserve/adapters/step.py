@@ -109,6 +109,9 @@ class PatchState:
     fused_decode: FusedDecode | None = None  # built on first use
     # the latest generate call's PagedCache: weakly, or strongly after a call that raised
     last_cache: Callable[[], object | None] = no_cache
+    # the PagedCache of the latest call, when it raised: held (last_cache) until the next
+    # fresh call empties it and takes its pool, with the prefixes stored in it
+    failed_cache: object | None = None
     last_stats: dict = field(default_factory=dict)  # its figures as that call left them
     kept_pools: KeptPools | None = None
     # the digest of the model's part of the latest prefix salt, and that part (prefix_salt.py)
@@ -170,34 +173,44 @@ def state_of(model) -> PatchState | None:
 # Attention modules read ``config._attn_implementation``; models built from one config object
 # share it, so patching one switches all of them. A model that shares the config but is not
 # patched (or a patched one outside a paged forward) must still run what it ran before:
-# the original name is kept per config object, with the number of patched models using it.
+# the original name is kept per config object, with the patched models using it (weakly: a
+# patched model dropped without unpatching leaves the set when it is collected).
 
-_ORIGINAL_ATTN: dict[int, tuple[weakref.ref, str, int]] = {}
-
-
-def remember_original_attn(config, name: str) -> str:
-    """Record ``config``'s attention before the first patch of a model using it; returns the
-    original name (the recorded one when another patched model shares this config)."""
-    entry = _ORIGINAL_ATTN.get(id(config))
-    if entry is not None and entry[0]() is config:
-        _ORIGINAL_ATTN[id(config)] = (entry[0], entry[1], entry[2] + 1)
-        return entry[1]
-    key = id(config)
-    ref = weakref.ref(config, lambda _: _ORIGINAL_ATTN.pop(key, None))
-    _ORIGINAL_ATTN[key] = (ref, name, 1)
-    return name
+_ORIGINAL_ATTN: dict[int, tuple[weakref.ref, str, weakref.WeakSet, list[int]]] = {}
 
 
-def forget_original_attn(config) -> bool:
-    """One patched model of ``config`` is gone; True when it was the last one."""
+def remember_original_attn(config, name: str, model=None) -> str:
+    """Record ``config``'s attention before the first patch of a model using it, and
+    ``model`` as one of its patched models (None: a patch state's deep copy, counted
+    instead); returns the original name (the recorded one when another patched model
+    shares this config)."""
     entry = _ORIGINAL_ATTN.get(id(config))
     if entry is None or entry[0]() is not config:
-        return True
-    if entry[2] > 1:
-        _ORIGINAL_ATTN[id(config)] = (entry[0], entry[1], entry[2] - 1)
-        return False
+        key = id(config)
+        ref = weakref.ref(config, lambda _: _ORIGINAL_ATTN.pop(key, None))
+        entry = _ORIGINAL_ATTN[key] = (ref, name, weakref.WeakSet(), [0])
+    if model is not None:
+        entry[2].add(model)
+    else:
+        entry[3][0] += 1
+    return entry[1]
+
+
+def forget_original_attn(config, model=None, collected: bool = False) -> str | None:
+    """``model`` is no longer patched (``collected``: a patched model was collected, and
+    the set has let it go); the name to switch ``config`` back to when no patched model
+    uses it any more, else None."""
+    entry = _ORIGINAL_ATTN.get(id(config))
+    if entry is None or entry[0]() is not config:
+        return None if collected else "sdpa"
+    if model is not None and model in entry[2]:
+        entry[2].discard(model)
+    elif not collected and entry[3][0] > 0:  # (a deep copy's model, counted)
+        entry[3][0] -= 1
+    if entry[3][0] or any(True for _ in entry[2]):  # (iteration skips collected models)
+        return None
     del _ORIGINAL_ATTN[id(config)]
-    return True
+    return entry[1]
 
 
 def original_attn(config) -> str:
@@ -243,6 +256,18 @@ def paged_step(cache, meta: StepMetadata, backend: str) -> Iterator[Step]:
         _CURRENT.reset(token)
 
 
+@contextlib.contextmanager
+def no_paged_step() -> Iterator[None]:
+    """No paged step for the duration of a forward that runs without a paged cache (one
+    called from inside another model's paged forward, by a hook, say): its attention and
+    mask run as before patching."""
+    token = _CURRENT.set(None)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
 def find_cache(kwargs: dict):
     """The cache object HF passes to ``forward`` or ``generate`` (either name), or None."""
     for name in CACHE_KWARGS:
@@ -267,7 +292,7 @@ def new_token_mask(kwargs: dict, cached_lens: Callable[[], list[int]]) -> torch.
     batch, q_len = tokens.shape[:2]
     mask = kwargs.get("attention_mask")
     if mask is None:
-        return torch.ones(batch, q_len, dtype=torch.bool)
+        return torch.ones(batch, q_len, dtype=torch.bool, device="cpu")
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(
             "attention_mask: nanoserve's paged cache takes a 2-D [batch, columns] padding mask; "
@@ -287,7 +312,7 @@ def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """int64 tensor of ``values`` on ``device``, copied without waiting for the device's
     queued work (``torch.tensor(values, device=...)`` synchronizes the stream first, which
     would drain the decode steps issued ahead)."""
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
 
 
 def check_whole_mask(kwargs: dict, cached_lens: list[int] | None = None, columns: int = 0) -> None:
@@ -313,7 +338,7 @@ def check_cached_columns(mask: torch.Tensor | None, cached_lens: list[int], colu
     first ``columns - cached_lens[r]`` as padding (stored as none), the rest as its tokens.
     Stock's cache keeps padding K/V, and a mask marking them real makes it attend them; one
     marking a cached token as padding makes it skip it. The paged cache can do neither."""
-    lens = torch.tensor(cached_lens, dtype=torch.long)
+    lens = torch.tensor(cached_lens, dtype=torch.long, device="cpu")
     if mask is None:
         if bool((lens < columns).any()):
             raise ValueError(
@@ -328,7 +353,7 @@ def check_cached_columns(mask: torch.Tensor | None, cached_lens: list[int], colu
             f"attention_mask: {mask.shape[1]} columns, fewer than the {columns} the cache "
             "holds; pass a mask over every column (the cached ones, then the new ones)"
         )
-    held = torch.arange(columns)[None, :] >= (columns - lens)[:, None]
+    held = torch.arange(columns, device="cpu")[None, :] >= (columns - lens)[:, None]
     differs = (mask[:, :columns].to("cpu", torch.bool) != held).any(dim=1)
     if bool(differs.any()):
         raise ValueError(
@@ -352,7 +377,7 @@ def check_left_padded(mask: torch.Tensor, cached_lens: list[int] | None = None) 
     mask = mask.to("cpu", torch.bool)
     holes = (mask[:, 1:] < mask[:, :-1]).any(dim=1)
     if cached_lens:
-        holes |= torch.tensor([n > 0 for n in cached_lens]) & ~mask.all(dim=1)
+        holes |= torch.tensor([n > 0 for n in cached_lens], device="cpu") & ~mask.all(dim=1)
     if bool(holes.any()):
         raise ValueError(
             "attention_mask: padding after a real token (right padding, or a token equal to "

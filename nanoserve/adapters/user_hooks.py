@@ -9,7 +9,9 @@ Stock runs every hook at every forward, on the whole batch. Three shortcuts woul
   on a submodule may compute each row differently (by its batch index) or each call
   differently (by its own state), and no key can name that.
 - nanoserve's decode loop drops finished rows from the batch: any hook, one on the model
-  itself included, would see fewer rows than stock shows it.
+  itself included, would see fewer rows than stock shows it. It also runs a few forwards
+  past a stop before it reads the stop back: a parametrized module in training mode (whose
+  forward may update state, as ``spectral_norm``'s power iteration does) runs HF's loop.
 
 Exempt: the hooks a replay may skip (``REPLAY_SAFE_HOOKS``), and accelerate's hooks that
 only move or cast tensors (device maps, offload), which change no value a row computes.
@@ -72,6 +74,10 @@ def scan_hooks(model, named=None) -> HookScan:
             if any(not _neutral(h, module) for h in hooks):
                 batch = batch or "a forward hook on the model"
             continue
+        if batch is None and module.training and "parametrizations" in module._modules:
+            # its weights computed at each forward may update state (spectral_norm's power
+            # iteration does in training mode): HF's loop runs no forward past a stop
+            batch = f"a parametrization on {name} in training mode"
         forward = module.__dict__.get("forward")
         unsafe = [(h, "forward hook") for h in hooks if not _replay_safe(h)]
         if forward is not None and not _replay_safe(forward):

@@ -32,6 +32,14 @@ def stock_slides(model) -> bool:
     return True
 
 
+def _sliding_layers(config) -> bool:
+    """Whether ``config`` gives a window and marks a layer sliding in ``layer_types`` (where
+    transformers' DynamicCache keeps a sliding layer for it, whatever the attention does)."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    window = getattr(config, "sliding_window", None)
+    return window is not None and "sliding_attention" in layer_types
+
+
 def check_windows(model, layout: KVLayout) -> None:
     """ValueError naming ``config.sliding_window`` (or ``layer_types``) when the windows of
     ``model`` are not ones its paged pools were laid out for (``layout``, from
@@ -41,13 +49,16 @@ def check_windows(model, layout: KVLayout) -> None:
     config = model.config
     family = family_for(config)
     now = local_layout(family.layout(config), model)
-    if (now.sliding_window is not None or now.layer_groups) and not stock_slides(model):
+    windowed = now.sliding_window is not None or now.layer_groups or _sliding_layers(config)
+    if windowed and not stock_slides(model):
         raise ValueError(
             f"config.sliding_window: {config.sliding_window} on a {config.model_type} model, "
             "whose attention ignores it; transformers' DynamicCache then keeps only the last "
-            "window of keys for the decode steps while the prefill sees every position, "
-            "which nanoserve does not reproduce; set model.config.sliding_window = None "
-            "(every step then attends to all positions, as the prefill does) and patch again"
+            "window of keys for the decode steps (of every layer config.layer_types marks "
+            "sliding) while the prefill sees every position, which nanoserve does not "
+            "reproduce; set model.config.sliding_window = None and config.layer_types to full "
+            "attention (every step then attends to all positions, as the prefill does) and "
+            "patch again"
         )
     if not _fits(now, layout):
         raise ValueError(

@@ -274,6 +274,11 @@ class GroupedKVCache:
         for group, tables in zip(self._groups, held, strict=True):
             group.release(tables)
 
+    def leave_inference_mode(self) -> None:
+        """``PagedKVCache.leave_inference_mode`` of every group."""
+        for group in self._groups:
+            group.leave_inference_mode()
+
     def reset(self) -> None:
         for group in self._groups:
             group.reset()
@@ -366,6 +371,11 @@ class GroupedKVCache:
         return self._groups[group].write(local, key, value, check=check, backend=backend)
 
     # -- pools and figures -------------------------------------------------------------------
+
+    def layer_pools(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``PagedKVCache.layer_pools`` of layer ``layer_idx``, from its group."""
+        group, local = self._where[self._layer(layer_idx)]
+        return self._groups[group].layer_pools(local)
 
     @property
     def key_pools(self) -> list[torch.Tensor | None]:

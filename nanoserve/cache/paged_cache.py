@@ -415,6 +415,17 @@ class PagedKVCache:
                 "by restore or by release"
             )
 
+    def leave_inference_mode(self) -> None:
+        """Outside ``torch.inference_mode``, the pools and scales made under it (which take no
+        in-place write outside it) become copies of themselves that do; blocks, tables and
+        cached prefixes stay as they are. Under inference mode nothing changes."""
+        if torch.is_inference_mode_enabled():
+            return
+        for tensors in self.pool_lists:
+            for i, t in enumerate(tensors):
+                if t is not None and t.is_inference():
+                    tensors[i] = t.clone()
+
     def reset(self) -> None:
         """Free every sequence; the pools stay allocated for reuse."""
         for table in self.tables:
@@ -619,7 +630,7 @@ class PagedKVCache:
             table.pending_copies = []
         if not pairs:
             return
-        host = torch.tensor(pairs, dtype=torch.int64)  # [n, 2]: (source, destination)
+        host = torch.tensor(pairs, dtype=torch.int64, device="cpu")  # [n, 2]: (source, destination)
         per_device: dict[torch.device, torch.Tensor] = {}
         for pool in itertools.chain(*self._block_indexed()):
             if pool is not None:
@@ -634,6 +645,11 @@ class PagedKVCache:
     def pool_lists(self) -> tuple[list, list, list, list]:
         """(key_pools, value_pools, key_scales, value_scales): what ``pools=`` takes back."""
         return self.key_pools, self.value_pools, self.key_scales, self.value_scales
+
+    def layer_pools(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(key pool, value pool) of layer ``layer_idx``; (None, None) before its first write."""
+        index = self._layer_index(layer_idx)
+        return self.key_pools[index], self.value_pools[index]
 
     def _block_indexed(self) -> list[list[torch.Tensor | None]]:
         """The per-layer lists of tensors indexed by block: the pools, and the INT8 pools'

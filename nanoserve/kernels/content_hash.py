@@ -161,7 +161,10 @@ def group_sums_ref(items: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
     words) of one width, in plain torch (int64 arithmetic, ``CHUNK_WORDS`` words at a time)."""
     total = torch.zeros(2, dtype=torch.int64, device=items[0][1].device)
     for number, words in items:
-        keys = [_fmix32(torch.tensor((number * mul + add) & MASK32)) for _, mul, add in LANES]
+        keys = [
+            _fmix32(torch.tensor((number * mul + add) & MASK32, device="cpu"))
+            for _, mul, add in LANES
+        ]
         word_mask = (1 << (8 * words.element_size())) - 1
         for start in range(0, words.numel(), CHUNK_WORDS):
             w = words[start : start + CHUNK_WORDS].to(torch.int64) & word_mask

@@ -80,7 +80,7 @@ def check_positive(name: str, value: object, *, integer: bool = False) -> None:
     if integer and number > MAX_WINDOW:
         _fail(name, f"must be at most 2**62, got {value} (None for no limit)")
     if not integer:
-        single = torch.tensor(number, dtype=torch.float32).item()
+        single = torch.tensor(number, dtype=torch.float32, device="cpu").item()
         if not math.isfinite(single) or single == 0.0:
             _fail(name, f"{value} is outside float32's range, the kernels' type for it")
 
@@ -271,7 +271,7 @@ def check_attention_args(
         if bool((q_lens > lens).any()):
             _fail("cu_seqlens_q", "a sequence has more new tokens than seq_lens counts")
     used_blocks = (lens + block_size - 1) // block_size
-    cols = torch.arange(block_tables.shape[1])
+    cols = torch.arange(block_tables.shape[1], device="cpu")
     used = block_tables.cpu()[cols[None, :] < used_blocks[:, None]]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
         _fail(

@@ -5,6 +5,7 @@ captured graphs: a soak of random calls and the RL pattern (generate, then train
 
 from __future__ import annotations
 
+import copy
 import inspect
 import random
 import weakref
@@ -366,3 +367,55 @@ def test_sequences_grow_as_rows_generate(monkeypatch):
     assert torch.equal(stock, ours) and (stock[:, 13:] == 5).sum() > 10
     wider = decode_loop._wider(torch.zeros(2, 3, dtype=torch.long), 7, torch.tensor(12345))
     assert (wider[:, :3] == 0).all() and (wider[:, 3:] == 12345).all()
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _HangsUp:
+    """A streamer whose reader goes away after ``after`` puts (a client disconnecting)."""
+
+    def __init__(self, after: int):
+        self.after = after
+
+    def put(self, value):
+        self.after -= 1
+        if self.after < 0:
+            raise _Interrupted
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("failure", ["streamer", "out of blocks"])
+def test_a_failed_call_keeps_the_stored_prefixes_for_the_next(failure):
+    """A call that raises (a streamer whose reader went away, OutOfBlocks in a fixed pool)
+    leaves its cache for ``last_cache`` to show; the next call empties that cache and takes
+    its pool, with every prefix stored before: it finds them, gives stock's tokens and
+    makes no second pool. The failed cache then refuses to be continued. (Found by a probe:
+    the held cache kept the pool from the next call, which made a new one and recomputed
+    every stored prefix.)"""
+    model = tiny_model("llama")
+    stock = copy.deepcopy(model)
+    prompt = padded_batch([33], 33)
+    with patched(model, block_size=4, num_blocks=24), torch.no_grad():
+        model.generate(**prompt, max_new_tokens=2, **GREEDY)  # stores 8 full blocks
+        pool = state_of(model).kept_pools.pools[0][0]
+        with pytest.raises(nanoserve.OutOfBlocks if failure != "streamer" else _Interrupted):
+            if failure == "streamer":
+                model.generate(**prompt, max_new_tokens=6, streamer=_HangsUp(2), **GREEDY)
+            else:  # 33 + 80 tokens need 29 blocks
+                model.generate(**prompt, max_new_tokens=80, **GREEDY)
+        failed = nanoserve.adapters.last_cache(model)
+        assert failed is not None and failed.get_seq_length() > 0
+        out = model.generate(**prompt, max_new_tokens=5, **GREEDY)
+        assert nanoserve.cache_stats(model)["prefix_hits"] == 1
+        assert state_of(model).kept_pools.pools[0][0] is pool
+        assert nanoserve.adapters.last_cache(model) is None
+        assert failed.get_seq_length() == 0
+        following = dict(input_ids=out, attention_mask=torch.ones_like(out))
+        with pytest.raises(ValueError, match=f"^{cache_name(model)}: the cache of a"):
+            model.generate(**following, max_new_tokens=2, **{cache_name(model): failed})
+    with torch.no_grad():
+        assert torch.equal(out, stock.generate(**prompt, max_new_tokens=5, **GREEDY))

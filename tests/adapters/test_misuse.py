@@ -151,6 +151,34 @@ def test_two_models_sharing_one_config_stay_independent():
     assert all(torch.equal(a, b) for a, b in zip(both(), stock, strict=True))
 
 
+def test_a_patched_model_dropped_without_unpatching_gives_the_config_back():
+    """A patched model collected without ``unpatch_model`` no longer counts as patched: the
+    config it shared goes back to its attention once no patched model uses it (a model
+    saved with that config then loads where nanoserve is not imported), and stays switched
+    while another patched model does. (Found by a probe: the count of patched models never
+    fell, and the config named nanoserve's attention for good.)"""
+    import gc
+
+    first = tiny_model("llama", seed=0)
+    second = transformers.LlamaForCausalLM(first.config).eval()
+    third = transformers.LlamaForCausalLM(first.config).eval()
+    config = first.config
+    nanoserve.patch_model(first)
+    nanoserve.patch_model(third)
+    del first
+    gc.collect()
+    assert config._attn_implementation == "nanoserve_paged"  # third is patched
+    nanoserve.patch_model(second)
+    nanoserve.unpatch_model(second)
+    assert config._attn_implementation == "nanoserve_paged"
+    del third
+    gc.collect()
+    assert config._attn_implementation == "sdpa"
+    nanoserve.patch_model(second)
+    nanoserve.unpatch_model(second)
+    assert second.config._attn_implementation == "sdpa"
+
+
 def _snapshot(model):
     return (model.config._attn_implementation, dict(model.__dict__))
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import BACKENDS, patched, sharpen
 from test_families import padded_batch, tiny_model
+from test_more_families import tiny_model as more_family_model
 from test_new_families import tiny_model as new_family_model
 
 import nanoserve
@@ -660,12 +661,40 @@ def test_attention_dropout_in_training_mode_is_refused():
     assert_same(out, generate(reference, call)[0])
 
 
-def test_copies_of_a_prompt_draw_their_own_dropout_in_training_mode():
-    """A model in training mode with a dropout module (Phi-3's residual dropout) computes
-    each copy of a prompt differently, as stock does: no row takes another's prefill, so
-    the copies' first logits differ. Planted: the first forward sharing copies regardless
-    (cache.drops_out left None): failed, a row took the other's prefill."""
-    model = new_family_model("phi3", resid_pdrop=0.5).train()
+def _dropping_model(kind: str):
+    """A model in training mode that drops out by ``kind``: Phi-3's dropout modules,
+    Starcoder2's and Seed-OSS's rates read by ``F.dropout`` in their forwards, a
+    ``Dropout1d`` (no subclass of ``nn.Dropout``) in an MLP."""
+    if kind == "phi3 modules":
+        return new_family_model("phi3", resid_pdrop=0.5).train()
+    if kind == "dropout1d":
+        model = new_family_model("phi3")
+        model.model.layers[0].mlp.activation_fn = torch.nn.Sequential(
+            model.model.layers[0].mlp.activation_fn, torch.nn.Dropout1d(0.5)
+        )
+        return model.train()
+    family, rate = kind.split()  # (Seed-OSS's default attention dropout would be refused)
+    return more_family_model(family, **{rate: 0.5, "attention_dropout": 0.0}).train()
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "phi3 modules",
+        "dropout1d",
+        "starcoder2 residual_dropout",
+        "starcoder2 embedding_dropout",
+        "seed_oss residual_dropout",
+    ],
+)
+def test_copies_of_a_prompt_draw_their_own_dropout_in_training_mode(kind):
+    """A model in training mode that drops out (a dropout module, or a rate its forward
+    passes to ``F.dropout``) computes each copy of a prompt differently, as stock does: no
+    row takes another's prefill, so the copies' first logits differ. Planted: the first
+    forward sharing copies regardless (cache.drops_out left None): failed, a row took the
+    other's prefill; found by a probe: Starcoder2's and Seed-OSS's rates and a
+    ``Dropout1d`` were not seen (the copies shared one prefill)."""
+    model = _dropping_model(kind)
     prompt = padded_batch([9], 9, seed=3)["input_ids"].repeat(2, 1)
     with patched(model, block_size=4), torch.no_grad():
         torch.manual_seed(0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from test_decode_loop import EOS, eos_early
 from test_families import padded_batch, tiny_model
@@ -154,3 +155,102 @@ def test_a_compiled_patched_model_runs_stocks_forward_and_generates_paged():
     finally:
         nanoserve.unpatch_model(model)
         torch._dynamo.reset()
+
+
+def _calls_from_a_hook(model, other, inputs, seen: list):
+    """``model`` with a forward hook on its first layer that runs ``other`` (no cache) on
+    ``inputs`` and records the last column's logits."""
+
+    def hook(module, args, out):
+        with torch.no_grad():
+            seen.append(other(**inputs, use_cache=False).logits[:, -1])
+
+    model.model.layers[0].register_forward_hook(hook)
+
+
+def test_a_patched_model_called_inside_another_ones_forward_runs_as_stock():
+    """A hook of one patched model runs another patched model's forward (a reward or
+    reference model scoring on the side): the inner forward has no paged cache and runs
+    its attention and mask as before patching, so both models give stock's tokens and
+    logits. (Found by a probe: the inner attention took the outer forward's paged step
+    and raised an IndexError.)"""
+    outer, inner = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
+    side = padded_batch([7, 4], 7, seed=3)
+    inputs = padded_batch([9, 5], 9)
+    results = {}
+    for name in ("stock", "paged"):
+        a, b, seen = copy.deepcopy(outer), copy.deepcopy(inner), []
+        if name == "paged":
+            nanoserve.patch_model(a, block_size=4)
+            nanoserve.patch_model(b, block_size=4)
+        _calls_from_a_hook(a, b, side, seen)
+        with torch.no_grad():
+            tokens = a.generate(**inputs, max_new_tokens=4, do_sample=False, eos_token_id=None)
+        results[name] = tokens, torch.stack(seen)
+    assert torch.equal(results["paged"][0], results["stock"][0])
+    torch.testing.assert_close(results["paged"][1], results["stock"][1], rtol=0, atol=1e-5)
+
+
+def test_an_unpatched_model_sharing_the_config_inside_a_paged_forward_is_named():
+    """An unpatched model that shares the patched model's config runs nanoserve's attention
+    (the config names it); inside the patched model's paged forward it would read that
+    forward's pools: a RuntimeError says so instead, and the patched model generates again
+    once the hook is gone."""
+    model = tiny_model("llama", seed=1)
+    other = type(model)(model.config).eval()  # the same config object
+    nanoserve.patch_model(model, block_size=4)
+    seen = []
+    handle = model.model.layers[0].register_forward_hook(
+        lambda module, args, out: seen.append(other(torch.tensor([[5, 6, 7]])))
+    )
+    inputs = padded_batch([9, 5], 9)
+    with pytest.raises(RuntimeError, match="shares this model's config"), torch.no_grad():
+        model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    handle.remove()
+    with torch.no_grad():
+        model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert nanoserve.cache_stats(model)["tokens"] > 0
+
+
+class CountForwards(torch.nn.Module):
+    """An identity parametrization that counts the forwards computing its weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, weight):
+        self.calls += 1
+        return weight
+
+
+def test_a_parametrized_model_in_training_mode_runs_stocks_forwards():
+    """``spectral_norm`` updates its buffers at every forward in training mode (an RL loop
+    that generates without ``model.eval()``): a patched call runs HF's loop, as many
+    forwards as stock, and leaves the buffers as stock does. (Found by a probe: the decode
+    loop ran forwards past EOS before reading it back, 6 against stock's 3, and the next
+    training step's gradients differed.)"""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    model = tiny_model("llama", seed=4)
+    for layer in model.model.layers:
+        spectral_norm(layer.self_attn.q_proj)
+        parametrize.register_parametrization(layer.self_attn.k_proj, "weight", CountForwards())
+    model.train()  # (no dropout in the tiny model)
+    inputs = padded_batch([9, 5], 9)
+    with torch.no_grad():
+        free = copy.deepcopy(model).generate(**inputs, max_new_tokens=8, do_sample=False)
+    options = dict(max_new_tokens=8, do_sample=False, eos_token_id=int(free[0, 11]))
+    stock = copy.deepcopy(model)
+    nanoserve.patch_model(model, block_size=4)
+    with torch.no_grad():
+        want = stock.generate(**inputs, **options)
+        got = model.generate(**inputs, **options)
+    assert torch.equal(got, want)
+    for a, b in zip(model.model.layers, stock.model.layers, strict=True):
+        counted = [layer.self_attn.k_proj.parametrizations.weight[0].calls for layer in (a, b)]
+        assert torch.equal(*counted)
+        norms = [layer.self_attn.q_proj.parametrizations.weight[0] for layer in (a, b)]
+        assert torch.equal(norms[0]._u, norms[1]._u) and torch.equal(norms[0]._v, norms[1]._v)
+    assert "parametrization" in nanoserve.decode_graph_stats(model)["decode_loop"]

@@ -99,23 +99,29 @@ def test_a_forward_of_the_callers_own_checks_the_windows_too():
             model(**inputs, **{cache_name(model): cache}, use_cache=True)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma"])
+@pytest.mark.parametrize("family", ["llama", "gemma", "llama, one layer sliding"])
 def test_a_window_the_attention_ignores_is_refused_at_patch_time(family):
     """A config carrying sliding_window for a model whose attention ignores it (configs
-    converted from Mistral or Qwen2 keep the field): stock's DynamicCache then keeps only the
-    last window of keys for decode steps while its prefill sees all, which the paged cache
+    converted from Mistral or Qwen2 keep the field), on every layer or on the layers
+    ``layer_types`` marks sliding: stock's DynamicCache then keeps only the last window of
+    keys for those layers' decode steps while its prefill sees all, which the paged cache
     does not reproduce, so patch_model refuses, naming config.sliding_window, before
-    anything changes; with the field cleared, stock's tokens. (Found by a probe: every
-    patched generate raised a RuntimeError from the first attention call.)"""
+    anything changes; with the fields cleared, stock's tokens. (Found by probes: every
+    patched generate raised a RuntimeError from the first attention call; with a mixed
+    ``layer_types`` the patch was taken and every step attended to all positions.)"""
     import copy
 
-    model = llama_family_model("llama") if family == "llama" else gemma_family_model(family)
+    model = gemma_family_model(family) if family == "gemma" else llama_family_model("llama")
     model.config.sliding_window = 4
+    if family.endswith("sliding"):
+        model.config.layer_types = ["sliding_attention", "full_attention"]
     before = model.config._attn_implementation
     with pytest.raises(ValueError, match="^config.sliding_window: 4 .*ignores it"):
         nanoserve.patch_model(model)
     assert model.config._attn_implementation == before
     model.config.sliding_window = None
+    if family.endswith("sliding"):
+        model.config.layer_types = ["full_attention", "full_attention"]
     stock = copy.deepcopy(model)
     inputs = padded_batch([9, 5], 9)
     with torch.no_grad():
