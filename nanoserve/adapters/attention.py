@@ -64,7 +64,9 @@ def paged_attention(
             "before generate, or nanoserve.unpatch_model(model) to generate with dropout"
         )
     layer = getattr(module, "layer_idx", None)
-    if layer is None or key is not current.cache.paged.layer_pools(layer)[0]:
+    # the layer's pool, by address (compiled layers hand it on through their graph breaks)
+    pool = current.cache.paged.layer_pools(layer)[0] if layer is not None else None
+    if pool is None or key.data_ptr() != pool.data_ptr():
         raise RuntimeError(
             f"{type(module).__name__} (layer {layer}) attends over tensors other than its "
             "layer's paged pool while a paged forward runs: a forward of another model that "
