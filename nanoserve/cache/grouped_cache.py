@@ -246,8 +246,7 @@ class GroupedKVCache:
         self._step = None
 
     def drop_last(self, n: int) -> None:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"n: must be an int >= 0, got {n!r}")
+        n = as_index(n, "n", minimum=0)
         for group in self._groups:
             group.drop_last(n)
         self._step = None

@@ -367,8 +367,7 @@ class PagedKVCache:
         candidates); a sequence with fewer keeps none. Under a sliding window, a sequence cut
         back past what its window kept (its next query would see released positions) can
         no longer take tokens: ``begin_step`` refuses it."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"n: must be an int >= 0, got {n!r}")
+        n = as_index(n, "n", minimum=0)
         for table in self.tables:
             table.truncate(max(0, table.num_tokens - n))
         self.step = None
@@ -386,7 +385,7 @@ class PagedKVCache:
         held, nothing done to the sequences (a beam reorder, a window's release, a crop)
         frees what they held, and a write into a shared last block goes to a copy.
         ``restore`` puts them back (a failed call), ``release`` lets them go."""
-        return [table.fork() for table in self.tables]
+        return _Hold(self, [table.fork() for table in self.tables])
 
     def restore(self, held: list[BlockTable]) -> None:
         """The sequences as ``hold`` took them; what they became since is freed. Either this
@@ -405,9 +404,12 @@ class PagedKVCache:
             table.released = True
 
     def _check_held(self, held: list[BlockTable]) -> None:
-        """ValueError naming ``held`` when it is not a hold still open: a restored hold's
-        tables are the live rows (releasing them would empty the cache), a released one's
-        hold nothing (restoring them would empty every row)."""
+        """ValueError naming ``held`` when it is not a hold of this cache still open: a list
+        ``hold`` did not return (restoring one would free every row: ``[]`` emptied them), a
+        restored hold's tables are the live rows (releasing them would empty the cache), a
+        released one's hold nothing (restoring them would empty every row)."""
+        if not isinstance(held, _Hold) or held.cache is not self:
+            raise ValueError(f"held: {type(held).__name__}, not what this cache's hold() returned")
         live = {id(table) for table in self.tables}
         if any(id(table) in live or table.released for table in held):
             raise ValueError(
@@ -822,6 +824,14 @@ class PagedKVCache:
         }
 
 
+class _Hold(list):
+    """What ``PagedKVCache.hold`` took: forks of its tables, and the cache that took them."""
+
+    def __init__(self, cache: PagedKVCache, tables: list[BlockTable]):
+        super().__init__(tables)
+        self.cache = cache
+
+
 def _check_rows(key: torch.Tensor, value: torch.Tensor, slots: int) -> None:
     """ValueError naming ``value`` or ``key`` when a step's rows cannot be written: value not
     key's shape, dtype and device, or a row count other than the step's ``slots``."""
@@ -850,7 +860,12 @@ def _check_rows(key: torch.Tensor, value: torch.Tensor, slots: int) -> None:
 
 
 def int_list(name: str, values) -> list[int]:
-    """``values`` (a sequence of ints, or a 1-d integer tensor) as a list of ints."""
+    """``values`` (a sequence of ints, or a 1-d integer tensor or numpy array) as a list of
+    ints."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+            raise ValueError(f"{name}: expected a 1-d integer array, got {values!r}")
+        return [int(v) for v in values.tolist()]
     if isinstance(values, torch.Tensor):
         if values.dim() != 1 or values.is_floating_point() or values.dtype == torch.bool:
             raise ValueError(f"{name}: expected a 1-d integer tensor, got {values!r}")

@@ -215,6 +215,29 @@ def test_a_hold_ends_once():
     assert cache.seq_lens() == [5, 5]
     step(cache, torch.ones(2, 1, dtype=torch.bool), 1)
     assert cache.seq_lens() == [6, 6]
+    other = PagedKVCache(1, num_blocks=8, block_size=4)
+    for not_held in ([], list(cache.hold()), other.hold()):  # ([] emptied every row)
+        with pytest.raises(ValueError, match="^held: "):
+            cache.restore(not_held)
+        assert cache.seq_lens() == [6, 6]
+
+
+def test_numpy_ints_and_arrays_are_taken_as_ints():
+    """Row indices, lengths and counts from numpy (an int64, a 1-d integer array) are taken
+    as torch tensors and lists of ints are; a float array is refused naming the argument.
+    (A probe: reorder and truncate_rows refused arrays, drop_last an np.int64.)"""
+    cache = PagedKVCache(1, num_blocks=8, block_size=4)
+    step(cache, torch.ones(2, 5, dtype=torch.bool), 1)
+    step(cache, torch.tensor([[True], [False]]), 1)
+    cache.reorder(np.array([1, 0]))
+    assert cache.seq_lens() == [5, 6]
+    cache.drop_last(np.int64(1))
+    assert cache.seq_lens() == [4, 5]
+    cache.truncate_rows(np.array([3, 2], dtype=np.int32))
+    assert cache.seq_lens() == [3, 2]
+    with pytest.raises(ValueError, match="^indices: expected a 1-d integer array"):
+        cache.reorder(np.array([1.0, 0.0]))
+    assert cache.seq_lens() == [3, 2]
 
 
 def test_free_and_reuse_stress_never_leaks_stale_data():
