@@ -57,7 +57,9 @@ class PagedCache(Cache):
         # what the first forward shared (shared_rows.py), and the salt naming this call's
         # cached prefixes (None: no prefix is looked up or published)
         self.rows_shared = 0  # rows that took another row's prefill
-        self.prefix_hits = 0  # rows that found leading blocks an earlier call stored
+        # rows that found leading blocks stored: by an earlier call, or computed once in this
+        # call for the prompts that share them
+        self.prefix_hits = 0
         self.tokens_not_recomputed = 0
         self.prefix_salt: bytes | None = None
         # blocks this call needs unless its first forward shares copies (hf.py grows the
