@@ -183,7 +183,7 @@ def patch_model(
         previous_forward=model.__dict__.get("forward"),
     )
     model.__dict__[STATE_ATTR] = state
-    weakref.finalize(model, _collected_unpatched, weakref.ref(model.config))
+    state.finalizer = weakref.finalize(model, _collected_unpatched, weakref.ref(model.config))
     try:
         if state.cuda_graphs:
             state.graphs = DecodeGraphs(agree=capture_agreement(model))
@@ -220,6 +220,8 @@ def _restore(model, state: PatchState) -> None:
             model.__dict__.pop(name, None)
     if state.graphs is not None:
         state.graphs.reset()
+    if state.finalizer is not None:
+        state.finalizer.detach()
     unhook(model)
     # a config shared with another patched model stays switched until that one is unpatched;
     # the door's name (set by hand on a patched model) refuses to run unpatched: back too
@@ -315,7 +317,10 @@ def last_cache(model) -> PagedCache | None:
     """The ``PagedCache`` of the patched model's latest generate call while something still
     holds it (``return_dict_in_generate=True`` hands it back as the output's cache) or when
     that call raised (say ``OutOfBlocks``); else None, and the next call that fits in its pool
-    reuses its memory."""
+    reuses its memory. A failed call's cache is emptied and retired by the next call that
+    takes its pool, unless it was passed back to continue it first; raised in nanoserve's
+    decode loop, it holds the loop's state (steps issued past the failing one, finished rows
+    compacted away), HF's loop (``decode_loop=False``) leaves stock's."""
     return _state(model).last_cache()
 
 
@@ -383,7 +388,6 @@ def _paged_forward(self, *args, **kwargs):
     if not isinstance(cache, PagedCache):
         with no_paged_step():  # (called inside another paged forward, that one's step)
             return stock(**kwargs)  # attention and mask run as before patching
-    _check_retired(cache, type(self))
     _check_attention(self)
     if kwargs.get("output_attentions"):
         raise ValueError(
@@ -393,6 +397,9 @@ def _paged_forward(self, *args, **kwargs):
     with state.lock:
         if state_of(self) is not state:  # unpatched (or patched again) by another thread
             return self.forward(**kwargs)
+        _check_retired(cache, type(self))
+        if not cache.generating:
+            _taken_back(state, cache)
         if not cache.mask_checked or not cache.generating:  # (a caller's forward: each one)
             check_whole_mask(kwargs, cache.paged.seq_lens(), cache.columns)
         if not cache.mask_checked:
@@ -477,7 +484,7 @@ def _keywords(forward, args: tuple, kwargs: dict) -> dict:
 # -- generate -----------------------------------------------------------------------------
 
 
-def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype, retired=None):
+def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype, failed=None):
     """(num_blocks, pool lists, allocators) of this call's cache, one entry per layer group:
     the kept ones (the allocators carry the cached prefixes) or (size's blocks, None, None).
     The kept pool of an earlier call serves when nothing can reach the store that used it
@@ -486,14 +493,16 @@ def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype, retired=No
     under ``max_memory``, a split between layer groups serves every call whose needs it
     holds): the same memory keeps the captured decode graphs valid. Otherwise the kept
     pool is let go before a new one is made. (A pool tensor taken out of a cache by hand is the
-    caller's to copy.) ``retired``: the store of a failed call's cache that ``_retire_failed``
-    emptied, which no longer owns the pool."""
+    caller's to copy.) ``failed``: the cache of the latest call when it raised (held for
+    ``last_cache`` since): when the kept pool serves but for it, it is emptied and retired
+    (``_retire``) and this call takes the pool, with the prefixes stored in it."""
     kept, state.kept_pools = state.kept_pools, None
     wanted = list(size.group_blocks) or [size.num_blocks]
     fresh = wanted, [None] * len(wanted), [None] * len(wanted)
     inference = kept is not None and not torch.is_inference_mode_enabled()
     inference = inference and kept.made_for_inference()
-    owned = kept is not None and kept.owner() not in (None, retired)
+    failed_store = failed.paged if failed is not None else None
+    owned = kept is not None and kept.owner() not in (None, failed_store)
     if kept is None or owned or kept.dtype != dtype or inference:
         if kept is not None:
             why = "a returned cache holds it" if owned else f"{kept.dtype}"
@@ -525,28 +534,29 @@ def _pools_for(state: PatchState, size: PoolSize, dtype: torch.dtype, retired=No
             wanted = [max(h, w) for h, w in zip(held, wanted, strict=True)]
             fresh = wanted, [None] * len(wanted), [None] * len(wanted)
         return fresh
+    if failed is not None and kept.owner() is failed_store:
+        _retire(failed)
     each = (kept, *kept.others)
     return held, [k.pools for k in each], [k.allocator for k in each]
 
 
-def _retire_failed(state: PatchState):
-    """The store of the latest call's cache when that call raised (held for ``last_cache``
-    until now), emptied so that this call can take its pool and the prefixes stored in it;
-    the cache is marked retired (``_check_retired``). None when the latest call did not
-    raise."""
-    failed, state.failed_cache = state.failed_cache, None
-    if failed is None:
-        return None
-    if state.last_cache() is failed:
-        state.last_cache = no_cache
-    failed.reset()  # its rows' blocks back to the pool (the stored prefixes stay)
+def _retire(failed: PagedCache) -> None:
+    """Empty a failed call's cache (its rows' blocks go back to the pool; the prefixes
+    stored stay) and mark it retired (``_check_retired``): a later call takes its pool."""
+    failed.reset()
     failed.retired = True
-    return failed.paged
+
+
+def _taken_back(state: PatchState, cache: PagedCache) -> None:
+    """``cache``, passed back by the caller, is theirs again: a failed call's cache that
+    the caller continues is no longer retired by the next call."""
+    if state.failed_cache is cache:
+        state.failed_cache = None
 
 
 def _check_retired(cache: PagedCache, model_class) -> None:
     """ValueError naming the cache argument when ``cache`` is a failed call's cache whose
-    pool a later call took (``_retire_failed``)."""
+    pool a later call took (``_retire``)."""
     if cache.retired:
         raise ValueError(
             f"{cache_kwarg(model_class)}: the cache of a generate call that raised, whose pool "
@@ -782,7 +792,6 @@ def _paged_generate(self, *args, **kwargs):
     _broadcast_mask(args, kwargs)
     passed = find_cache(kwargs)
     if isinstance(passed, PagedCache):
-        _check_retired(passed, type(self))
         if option("use_cache") is False:
             raise ValueError(
                 "use_cache: False, with a PagedCache passed back to continue; stock would "
@@ -797,6 +806,8 @@ def _paged_generate(self, *args, **kwargs):
         with state.lock:
             if state_of(self) is not state:
                 return _generate_again(self, args, kwargs, user_salt)
+            _check_retired(passed, type(self))
+            _taken_back(state, passed)
             dropout = walk.dropout
             agree_options(self, _options(self, state, dropout, hooks))
             _check_attention(self)
@@ -872,12 +883,12 @@ def _paged_generate(self, *args, **kwargs):
             and _may_share(kwargs, option)
         )
         size = pool_size(state.pool, self, args, kwargs, share)
-        retired = _retire_failed(state)
         kept = state.kept_pools
         reclaimable = kept.nbytes() if kept is not None else 0
         check_pool_fits(size, state.pool, self, reclaimable, walk.parameters)
         pool_dtype = state.pool.pool_dtype(self.dtype)
-        num_blocks, pools, allocators = _pools_for(state, size, pool_dtype, retired)
+        failed, state.failed_cache = state.failed_cache, None
+        num_blocks, pools, allocators = _pools_for(state, size, pool_dtype, failed)
         slack = window_slack(self, kwargs)
         paged = _new_store(state, size, num_blocks, pools, allocators, slack)
         cache = PagedCache(paged)

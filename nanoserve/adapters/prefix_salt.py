@@ -308,16 +308,18 @@ _DROPOUT_MODULES = (
 
 
 def _dropout_rate(module) -> float:
-    """A dropout module's rate, or the largest rate a module keeps for ``F.dropout`` in its
-    own forward: ``attention_dropout``, and any public number named like one (Starcoder2's
-    ``residual_dropout`` / ``embedding_dropout``, GPT-2-style ``resid_pdrop``)."""
+    """A dropout module's rate, or the largest rate of randomness a module keeps for its own
+    forward in training mode: ``attention_dropout``, and any public number named like a
+    dropout rate (Starcoder2's ``residual_dropout`` / ``embedding_dropout`` for
+    ``F.dropout``, GPT-2-style ``resid_pdrop``) or a jitter (Mixtral's ``jitter_noise``
+    scales the router's input by uniform noise)."""
     if isinstance(module, _DROPOUT_MODULES):
         return float(module.p)
     rate = module_attr(module, "attention_dropout", 0.0)
     rates = [rate] + [
         value
         for name, value in module.__dict__.items()
-        if name[0] != "_" and ("dropout" in name or name.endswith("pdrop"))
+        if name[0] != "_" and ("dropout" in name or "jitter" in name or name.endswith("pdrop"))
     ]
     return max((float(r) for r in rates if type(r) in (int, float)), default=0.0)
 

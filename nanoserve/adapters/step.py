@@ -112,6 +112,8 @@ class PatchState:
     # the PagedCache of the latest call, when it raised: held (last_cache) until the next
     # fresh call empties it and takes its pool, with the prefixes stored in it
     failed_cache: object | None = None
+    # gives the config back if the model is collected while patched (detached by unpatch)
+    finalizer: weakref.finalize | None = None
     last_stats: dict = field(default_factory=dict)  # its figures as that call left them
     kept_pools: KeptPools | None = None
     # the digest of the model's part of the latest prefix salt, and that part (prefix_salt.py)
@@ -193,6 +195,8 @@ def remember_original_attn(config, name: str, model=None) -> str:
         entry[2].add(model)
     else:
         entry[3][0] += 1
+    # (a collection during the add may have run a finalizer that dropped the entry)
+    _ORIGINAL_ATTN[id(config)] = entry
     return entry[1]
 
 

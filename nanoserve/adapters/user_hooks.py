@@ -10,8 +10,12 @@ Stock runs every hook at every forward, on the whole batch. Three shortcuts woul
   differently (by its own state), and no key can name that.
 - nanoserve's decode loop drops finished rows from the batch: any hook, one on the model
   itself included, would see fewer rows than stock shows it. It also runs a few forwards
-  past a stop before it reads the stop back: a parametrized module in training mode (whose
-  forward may update state, as ``spectral_norm``'s power iteration does) runs HF's loop.
+  past a stop before it reads the stop back.
+
+A parametrized module in training mode (whose weights, computed at every forward, may
+update state, as ``spectral_norm``'s power iteration does) counts as all three: no forward
+runs that stock would not (a shared prefix computed apart, a capture's warm-up, steps past a
+stop).
 
 Exempt: the hooks a replay may skip (``REPLAY_SAFE_HOOKS``), and accelerate's hooks that
 only move or cast tensors (device maps, offload), which change no value a row computes.
@@ -74,10 +78,12 @@ def scan_hooks(model, named=None) -> HookScan:
             if any(not _neutral(h, module) for h in hooks):
                 batch = batch or "a forward hook on the model"
             continue
-        if batch is None and module.training and "parametrizations" in module._modules:
+        if module.training and "parametrizations" in module._modules:
             # its weights computed at each forward may update state (spectral_norm's power
-            # iteration does in training mode): HF's loop runs no forward past a stop
-            batch = f"a parametrization on {name} in training mode"
+            # iteration does in training mode): no forward stock would not run (a common
+            # prefix computed apart, a capture's warm-up, steps past a stop)
+            phrase = f"a parametrization on {name} in training mode"
+            replay, rows, batch = replay or phrase, rows or phrase, batch or phrase
         forward = module.__dict__.get("forward")
         unsafe = [(h, "forward hook") for h in hooks if not _replay_safe(h)]
         if forward is not None and not _replay_safe(forward):

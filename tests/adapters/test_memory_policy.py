@@ -419,3 +419,41 @@ def test_a_failed_call_keeps_the_stored_prefixes_for_the_next(failure):
             model.generate(**following, max_new_tokens=2, **{cache_name(model): failed})
     with torch.no_grad():
         assert torch.equal(out, stock.generate(**prompt, max_new_tokens=5, **GREEDY))
+
+
+class _Recording(_HangsUp):
+    """``_HangsUp`` that keeps what it was given."""
+
+    def __init__(self, after: int):
+        super().__init__(after)
+        self.seen = []
+
+    def put(self, value):
+        self.seen.append(value.reshape(-1).clone())
+        super().put(value)
+
+
+def test_a_failed_calls_cache_the_caller_continues_stays_theirs():
+    """A failed call's cache (``last_cache``) continued by the caller is theirs again: the
+    next fresh call neither empties nor takes it, and its continuation equals stock's
+    tokens for the whole sequence. (Found by a review: the next call emptied it and the
+    second continuation was refused as retired.)"""
+    model = tiny_model("llama")
+    stock = copy.deepcopy(model)
+    prompt = padded_batch([9], 9)["input_ids"]
+    # HF's loop: its cache at the failure is stock's (nanoserve's loop has issued steps
+    # past the token the streamer raised on, and may have compacted finished rows away)
+    with patched(model, block_size=4, decode_loop=False), torch.no_grad():
+        streamer = _Recording(3)
+        with pytest.raises(_Interrupted):
+            model.generate(input_ids=prompt, max_new_tokens=8, streamer=streamer, **GREEDY)
+        chat = nanoserve.adapters.last_cache(model)
+        cached = chat.get_seq_length()
+        tokens = torch.cat(streamer.seen[1:])[None]  # (the first put is the prompt)
+        ids = torch.cat([prompt, tokens[:, : cached - prompt.shape[1] + 1]], dim=1)
+        out = model.generate(input_ids=ids, max_new_tokens=3, past_key_values=chat, **GREEDY)
+        model.generate(**padded_batch([5], 5, seed=7), max_new_tokens=2, **GREEDY)
+        assert not chat.retired and chat.get_seq_length() == out.shape[1] - 1
+        more = model.generate(input_ids=out, max_new_tokens=2, past_key_values=chat, **GREEDY)
+    with torch.no_grad():
+        assert torch.equal(more, stock.generate(input_ids=out, max_new_tokens=2, **GREEDY))

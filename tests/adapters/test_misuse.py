@@ -9,6 +9,7 @@ import io
 import pickle
 import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -177,6 +178,11 @@ def test_a_patched_model_dropped_without_unpatching_gives_the_config_back():
     nanoserve.patch_model(second)
     nanoserve.unpatch_model(second)
     assert second.config._attn_implementation == "sdpa"
+    finalizers = len(weakref.finalize._registry)  # unpatching takes its finalizer back
+    for _ in range(5):
+        nanoserve.patch_model(second)
+        nanoserve.unpatch_model(second)
+    assert len(weakref.finalize._registry) == finalizers
 
 
 def _snapshot(model):

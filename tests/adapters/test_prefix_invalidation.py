@@ -664,7 +664,8 @@ def test_attention_dropout_in_training_mode_is_refused():
 def _dropping_model(kind: str):
     """A model in training mode that drops out by ``kind``: Phi-3's dropout modules,
     Starcoder2's and Seed-OSS's rates read by ``F.dropout`` in their forwards, a
-    ``Dropout1d`` (no subclass of ``nn.Dropout``) in an MLP."""
+    ``Dropout1d`` (no subclass of ``nn.Dropout``) in an MLP, Mixtral's router input scaled
+    by uniform noise."""
     if kind == "phi3 modules":
         return new_family_model("phi3", resid_pdrop=0.5).train()
     if kind == "dropout1d":
@@ -685,6 +686,7 @@ def _dropping_model(kind: str):
         "starcoder2 residual_dropout",
         "starcoder2 embedding_dropout",
         "seed_oss residual_dropout",
+        "mixtral router_jitter_noise",
     ],
 )
 def test_copies_of_a_prompt_draw_their_own_dropout_in_training_mode(kind):
@@ -692,8 +694,9 @@ def test_copies_of_a_prompt_draw_their_own_dropout_in_training_mode(kind):
     passes to ``F.dropout``) computes each copy of a prompt differently, as stock does: no
     row takes another's prefill, so the copies' first logits differ. Planted: the first
     forward sharing copies regardless (cache.drops_out left None): failed, a row took the
-    other's prefill; found by a probe: Starcoder2's and Seed-OSS's rates and a
-    ``Dropout1d`` were not seen (the copies shared one prefill)."""
+    other's prefill; found by a probe and a review: Starcoder2's and Seed-OSS's rates, a
+    ``Dropout1d`` and Mixtral's router jitter were not seen (the copies shared one
+    prefill)."""
     model = _dropping_model(kind)
     prompt = padded_batch([9], 9, seed=3)["input_ids"].repeat(2, 1)
     with patched(model, block_size=4), torch.no_grad():

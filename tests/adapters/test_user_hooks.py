@@ -226,10 +226,11 @@ class CountForwards(torch.nn.Module):
 
 def test_a_parametrized_model_in_training_mode_runs_stocks_forwards():
     """``spectral_norm`` updates its buffers at every forward in training mode (an RL loop
-    that generates without ``model.eval()``): a patched call runs HF's loop, as many
-    forwards as stock, and leaves the buffers as stock does. (Found by a probe: the decode
-    loop ran forwards past EOS before reading it back, 6 against stock's 3, and the next
-    training step's gradients differed.)"""
+    that generates without ``model.eval()``): a patched call runs as many forwards as stock
+    (no common prefix computed apart, HF's loop, no capture's warm-up) and leaves the
+    buffers as stock does. (Found by a probe and a review: the decode loop ran forwards
+    past EOS before reading it back, 6 against stock's 3, and a prefix two prompts share
+    was computed in a forward of its own; the next training step's gradients differed.)"""
     from torch.nn.utils import parametrize
     from torch.nn.utils.parametrizations import spectral_norm
 
@@ -238,10 +239,12 @@ def test_a_parametrized_model_in_training_mode_runs_stocks_forwards():
         spectral_norm(layer.self_attn.q_proj)
         parametrize.register_parametrization(layer.self_attn.k_proj, "weight", CountForwards())
     model.train()  # (no dropout in the tiny model)
-    inputs = padded_batch([9, 5], 9)
+    ids = padded_batch([11, 11], 11)["input_ids"]
+    ids[1, :8] = ids[0, :8]  # two prompts sharing two full blocks of 4
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
     with torch.no_grad():
         free = copy.deepcopy(model).generate(**inputs, max_new_tokens=8, do_sample=False)
-    options = dict(max_new_tokens=8, do_sample=False, eos_token_id=int(free[0, 11]))
+    options = dict(max_new_tokens=8, do_sample=False, eos_token_id=int(free[0, 13]))
     stock = copy.deepcopy(model)
     nanoserve.patch_model(model, block_size=4)
     with torch.no_grad():
@@ -254,3 +257,5 @@ def test_a_parametrized_model_in_training_mode_runs_stocks_forwards():
         norms = [layer.self_attn.q_proj.parametrizations.weight[0] for layer in (a, b)]
         assert torch.equal(norms[0]._u, norms[1]._u) and torch.equal(norms[0]._v, norms[1]._v)
     assert "parametrization" in nanoserve.decode_graph_stats(model)["decode_loop"]
+    scan = scan_hooks(model)
+    assert all("parametrization" in phrase for phrase in scan)
