@@ -596,8 +596,16 @@ def _generating(state: PatchState, cache: PagedCache, hooks: HookScan, model, wa
         _log.info("decode graphs: this call's steps run eagerly (%s)", cache.hooked)
     if hooks.rows is not None and state.prefix_sharing:
         _log.info("prefix sharing: off for this call (%s may compute rows apart)", hooks.rows)
+    # transformers' early-exit drafting (assistant_early_exit) lowers config.num_hidden_layers
+    # around each draft and puts it back only when the draft returns: a refusal raised in a
+    # draft would leave every later call running fewer layers
+    layers = getattr(model.config, "num_hidden_layers", None)
     try:
         yield
+    except BaseException:
+        if getattr(model.config, "num_hidden_layers", None) != layers:
+            model.config.num_hidden_layers = layers
+        raise
     finally:
         cache.generating = False
         cache.walk = None  # (modules may change before the next call)

@@ -185,6 +185,34 @@ def test_a_patched_model_dropped_without_unpatching_gives_the_config_back():
     assert len(weakref.finalize._registry) == finalizers
 
 
+class _DraftFailed(Exception):
+    pass
+
+
+def test_a_call_failing_in_an_early_exit_draft_keeps_every_layer():
+    """transformers' early-exit drafting (``assistant_early_exit``) lowers
+    ``config.num_hidden_layers`` around each draft and restores it only when the draft
+    returns; a patched call that fails inside a draft (a refusal, a hook) leaves it as it
+    was, so the next call runs every layer and gives stock's tokens. (Found by a probe: a
+    refusal raised in a draft left the model running one of its two layers.)"""
+    model = tiny_model("llama", seed=0)
+    stock = copy.deepcopy(model)
+    inputs = padded_batch([5], 5)
+
+    def fail_in_drafts(module, args):
+        if model.config.num_hidden_layers == 1:
+            raise _DraftFailed
+
+    handle = model.model.layers[0].register_forward_pre_hook(fail_in_drafts)
+    with patched(model, block_size=4):
+        with pytest.raises(_DraftFailed), torch.no_grad():
+            model.generate(**inputs, assistant_early_exit=1, max_new_tokens=4, **GREEDY)
+        assert model.config.num_hidden_layers == 2
+        handle.remove()
+        got = stock_generate(model, **inputs, max_new_tokens=6, **GREEDY)
+    assert torch.equal(got, stock_generate(stock, **inputs, max_new_tokens=6, **GREEDY))
+
+
 def _snapshot(model):
     return (model.config._attn_implementation, dict(model.__dict__))
 
