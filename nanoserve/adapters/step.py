@@ -383,10 +383,19 @@ def check_left_padded(mask: torch.Tensor, cached_lens: list[int] | None = None) 
     if cached_lens:
         holes |= torch.tensor([n > 0 for n in cached_lens], device="cpu") & ~mask.all(dim=1)
     if bool(holes.any()):
+        fed_again = ""
+        if cached_lens and not bool((mask[:, 1:] < mask[:, :-1]).any()):
+            fed_again = (
+                "; here the padding columns come after tokens the cache holds: transformers "
+                "feeds a left-padded row's whole input again over its cache (a continuation "
+                "with prompt_lookup_num_tokens or assistant_model), which the paged cache "
+                "cannot store, so continue such a cache without them"
+            )
         raise ValueError(
             "attention_mask: padding after a real token (right padding, or a token equal to "
             "pad_token_id inside a sequence whose mask generate inferred) is not supported by "
             'nanoserve\'s paged cache; tokenize with padding_side="left" and pass the mask'
+            + fed_again
         )
     return mask
 

@@ -185,6 +185,25 @@ def test_a_patched_model_dropped_without_unpatching_gives_the_config_back():
     assert len(weakref.finalize._registry) == finalizers
 
 
+def test_prompt_lookup_over_a_left_padded_cache_is_refused_saying_why():
+    """transformers feeds a continuation's whole input again over the cache under prompt
+    lookup, a left-padded row's padding included, which a paged cache cannot store: the
+    refusal says so (it blamed right padding), and the cache continues as stock's after."""
+    model = tiny_model("llama")
+    inputs = padded_batch([5], 8)
+    opts = dict(max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
+    stock, following = stock_and_continued(copy.deepcopy(model), inputs, opts, 3)
+    with patched(model, block_size=4):
+        first = stock_generate(model, **inputs, **opts)
+        more = dict(**continued(inputs, first.sequences), max_new_tokens=3, **GREEDY)
+        cache = {cache_name(model): first.past_key_values}
+        # (before 5.24 such a continuation is refused first, for transformers' own reasons)
+        refused = "whole input again over its cache|needs transformers >= 5.24"
+        with pytest.raises(ValueError, match=refused):
+            stock_generate(model, **more, **cache, prompt_lookup_num_tokens=2)
+        assert torch.equal(stock_generate(model, **more, **cache), following)
+
+
 class _DraftFailed(Exception):
     pass
 
