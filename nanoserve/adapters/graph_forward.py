@@ -214,9 +214,8 @@ def loop_decode_step(model, cache, fixed: dict, input_ids, position_ids):
     ):
         return None  # (the model call raises or runs it, as for any forward)
     kwargs = {"input_ids": input_ids, "position_ids": position_ids, **fixed}
-    new = torch.ones(
-        input_ids.shape, dtype=torch.bool, device="cpu"
-    )  # (no mask: every column is new)
+    # (no mask: every column is new)
+    new = torch.ones(input_ids.shape, dtype=torch.bool, device="cpu")
     with state.lock:
         if (
             state_of(model) is not state

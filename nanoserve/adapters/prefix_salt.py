@@ -321,7 +321,8 @@ def _dropout_rate(module) -> float:
         for name, value in module.__dict__.items()
         if name[0] != "_" and ("dropout" in name or "jitter" in name or name.endswith("pdrop"))
     ]
-    return max((float(r) for r in rates if type(r) in (int, float)), default=0.0)
+    numbers = (r for r in rates if isinstance(r, (int, float)) and not isinstance(r, bool))
+    return max(map(float, numbers), default=0.0)
 
 
 def _version(t: torch.Tensor) -> int | None:
