@@ -6,12 +6,14 @@ paged pools are written in place)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
 import torch
 from helpers import cache_name, patched
 from test_families import padded_batch, tiny_model
+from transformers import GenerationConfig
 
 import nanoserve
 
@@ -41,7 +43,7 @@ def test_a_default_device_context_changes_no_token(options):
     inputs = padded_batch([9, 5], 9)
     results = {}
     for name, m in (("stock", stock), ("paged", model)):
-        with patched(m, block_size=4) if name == "paged" else _nothing():
+        with patched(m, block_size=4) if name == "paged" else contextlib.nullcontext():
             runs = []
             for returned in (False, True):  # (a returned cache would hold the first pool)
                 torch.manual_seed(3)
@@ -76,19 +78,9 @@ def _continued(inputs, sequences):
     return dict(input_ids=sequences, attention_mask=torch.cat([mask, grown], dim=1))
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def test_generate_batch_under_a_default_device_context():
     """``generate_batch`` pads its prompts on the host under ``torch.device("meta")`` too:
     each request's tokens equal stock generate's on its prompt alone."""
-    from transformers import GenerationConfig
-
     model = tiny_model("llama")
     prompts = [[5, 9, 11, 40, 7], [12, 3], [8, 8, 9, 30, 31, 2, 17]]
     options = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -125,7 +117,7 @@ def test_a_cache_returned_under_inference_mode_continues_outside_it(kv_dtype):
         with (
             patched(m, block_size=4, num_blocks=32, kv_dtype=kv_dtype)
             if name != "stock"
-            else _nothing()
+            else contextlib.nullcontext()
         ):
             first = _first_turn(m, inputs)
             following = _continued(inputs, first.sequences)
