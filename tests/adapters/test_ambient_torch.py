@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import cache_name, patched
 from test_families import padded_batch, tiny_model
+from test_misuse import continued
 from transformers import GenerationConfig
 
 import nanoserve
@@ -52,7 +53,7 @@ def test_a_default_device_context_changes_no_token(options):
                 runs.append(out.sequences if returned else out)
             if name == "paged":
                 assert nanoserve.cache_stats(m)["prefix_hits"] > 0
-            following = _continued(inputs, out.sequences)
+            following = continued(inputs, out.sequences)
             with torch.device("meta"):
                 more = _generate(
                     m,
@@ -66,16 +67,6 @@ def test_a_default_device_context_changes_no_token(options):
     for got, want in zip(results["paged"], results["stock"], strict=True):
         assert got.device.type == "cpu"
         assert torch.equal(got, want)
-
-
-def _continued(inputs, sequences):
-    """generate kwargs that continue ``sequences`` (the mask grown by the new columns)."""
-    mask = inputs["attention_mask"]
-    grown = torch.ones(mask.shape[0], sequences.shape[1] - mask.shape[1], dtype=mask.dtype)
-    if sequences.shape[0] != mask.shape[0]:  # num_return_sequences copies of each row
-        mask = mask.repeat_interleave(sequences.shape[0] // mask.shape[0], dim=0)
-        grown = grown.repeat_interleave(sequences.shape[0] // grown.shape[0], dim=0)
-    return dict(input_ids=sequences, attention_mask=torch.cat([mask, grown], dim=1))
 
 
 def test_generate_batch_under_a_default_device_context():
@@ -120,7 +111,7 @@ def test_a_cache_returned_under_inference_mode_continues_outside_it(kv_dtype):
             else contextlib.nullcontext()
         ):
             first = _first_turn(m, inputs)
-            following = _continued(inputs, first.sequences)
+            following = continued(inputs, first.sequences)
             cache = {cache_name(m): first.past_key_values}
             with torch.inference_mode() if name == "inside" else torch.no_grad():
                 more = m.generate(**following, max_new_tokens=3, **cache, **GREEDY)

@@ -29,8 +29,10 @@ def stock_generate(model, **kwargs):
 
 
 def continued(inputs, sequences):
-    """generate kwargs that continue ``sequences`` (the mask grown by the new columns)."""
+    """generate kwargs that continue ``sequences`` (the mask grown by the new columns; each
+    prompt's mask repeated for its ``num_return_sequences`` copies)."""
     mask = inputs["attention_mask"]
+    mask = mask.repeat_interleave(sequences.shape[0] // mask.shape[0], dim=0)
     grown = torch.ones(mask.shape[0], sequences.shape[1] - mask.shape[1], dtype=mask.dtype)
     return dict(input_ids=sequences, attention_mask=torch.cat([mask, grown], dim=1))
 
