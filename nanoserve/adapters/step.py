@@ -178,7 +178,21 @@ def state_of(model) -> PatchState | None:
 # the original name is kept per config object, with the patched models using it (weakly: a
 # patched model dropped without unpatching leaves the set when it is collected).
 
-_ORIGINAL_ATTN: dict[int, tuple[weakref.ref, str, weakref.WeakSet, list[int]]] = {}
+
+@dataclass
+class _Original:
+    """A config's attention before patching, and the patched models using the config."""
+
+    config: weakref.ref
+    name: str
+    models: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    copies: int = 0  # patch states' deep copies (their models are not known to them)
+
+    def in_use(self) -> bool:
+        return self.copies > 0 or any(True for _ in self.models)  # (skips collected models)
+
+
+_ORIGINAL_ATTN: dict[int, _Original] = {}
 
 
 def remember_original_attn(config, name: str, model=None) -> str:
@@ -187,17 +201,16 @@ def remember_original_attn(config, name: str, model=None) -> str:
     instead); returns the original name (the recorded one when another patched model
     shares this config)."""
     entry = _ORIGINAL_ATTN.get(id(config))
-    if entry is None or entry[0]() is not config:
+    if entry is None or entry.config() is not config:
         key = id(config)
-        ref = weakref.ref(config, lambda _: _ORIGINAL_ATTN.pop(key, None))
-        entry = _ORIGINAL_ATTN[key] = (ref, name, weakref.WeakSet(), [0])
+        entry = _Original(weakref.ref(config, lambda _: _ORIGINAL_ATTN.pop(key, None)), name)
     if model is not None:
-        entry[2].add(model)
+        entry.models.add(model)
     else:
-        entry[3][0] += 1
-    # (a collection during the add may have run a finalizer that dropped the entry)
+        entry.copies += 1
+    # (set after the add: a collection during it may have run a finalizer that dropped it)
     _ORIGINAL_ATTN[id(config)] = entry
-    return entry[1]
+    return entry.name
 
 
 def forget_original_attn(config, model=None, collected: bool = False) -> str | None:
@@ -205,23 +218,23 @@ def forget_original_attn(config, model=None, collected: bool = False) -> str | N
     the set has let it go); the name to switch ``config`` back to when no patched model
     uses it any more, else None."""
     entry = _ORIGINAL_ATTN.get(id(config))
-    if entry is None or entry[0]() is not config:
+    if entry is None or entry.config() is not config:
         return None if collected else "sdpa"
-    if model is not None and model in entry[2]:
-        entry[2].discard(model)
-    elif not collected and entry[3][0] > 0:  # (a deep copy's model, counted)
-        entry[3][0] -= 1
-    if entry[3][0] or any(True for _ in entry[2]):  # (iteration skips collected models)
+    if model is not None and model in entry.models:
+        entry.models.discard(model)
+    elif not collected and entry.copies > 0:  # (a deep copy's model, counted)
+        entry.copies -= 1
+    if entry.in_use():
         return None
     del _ORIGINAL_ATTN[id(config)]
-    return entry[1]
+    return entry.name
 
 
 def original_attn(config) -> str:
     """The attention ``config`` used before it was patched ("sdpa" when unknown)."""
     entry = _ORIGINAL_ATTN.get(id(config)) if config is not None else None
-    if entry is not None and entry[0]() is config:
-        return entry[1]
+    if entry is not None and entry.config() is config:
+        return entry.name
     return "sdpa"
 
 
@@ -379,12 +392,14 @@ def check_left_padded(mask: torch.Tensor, cached_lens: list[int] | None = None) 
     real token, or any padding after tokens it already cached (``cached_lens``). Returns the
     mask as bool on the CPU."""
     mask = mask.to("cpu", torch.bool)
-    holes = (mask[:, 1:] < mask[:, :-1]).any(dim=1)
+    within = (mask[:, 1:] < mask[:, :-1]).any(dim=1)  # padding after a real token of the mask
+    holes = within
     if cached_lens:
-        holes |= torch.tensor([n > 0 for n in cached_lens], device="cpu") & ~mask.all(dim=1)
+        cached = torch.tensor([n > 0 for n in cached_lens], device="cpu")
+        holes = within | (cached & ~mask.all(dim=1))
     if bool(holes.any()):
         fed_again = ""
-        if cached_lens and not bool((mask[:, 1:] < mask[:, :-1]).any()):
+        if not bool(within.any()):  # (then the padding comes after cached tokens)
             fed_again = (
                 "; here the padding columns come after tokens the cache holds: transformers "
                 "feeds a left-padded row's whole input again over its cache (a continuation "
