@@ -20,8 +20,13 @@ def pdl_enter(PDL: tl.constexpr):
 
 @triton.jit
 def tanh(x):
-    """tanh through exp2: saturates cleanly to +-1 (exp2 overflows to inf, never NaN)."""
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+    """tanh in fp32. Near 0 an odd polynomial: there 1 - 2 / (e^2x + 1) cancels to a few
+    correct bits, which a large softcap multiplies back into the logits. Beyond, through
+    exp2: saturates cleanly to +-1 (exp2 overflows to inf, never NaN)."""
+    x2 = x * x
+    near = x * (1.0 + x2 * (-1 / 3 + x2 * (2 / 15 + x2 * (-17 / 315 + x2 * (62 / 2835)))))
+    far = 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+    return tl.where(tl.abs(x) < 0.125, near, far)
 
 
 @triton.jit
