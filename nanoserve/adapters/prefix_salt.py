@@ -87,6 +87,9 @@ def begin_prefix_salt(model, state, walk: ModelWalk | None = None) -> PendingSal
         for t in _module_tensors(module, seen):
             tensors += _value_views(t)
             layout.append(_tensor_layout(t))
+        for t in _offloaded_values(module):  # fresh tensors from disk: no address named
+            tensors += _value_views(t)
+            layout.append((t.dtype, tuple(t.shape)))
     plans = state.digest_plans
     return PendingSalt(None, tuple(layout), _start_fingerprint(tensors, state.backend, plans))
 
@@ -96,6 +99,31 @@ def _module_tensors(module, seen: set) -> list[torch.Tensor]:
     ``_tensor_attributes(module, seen)``."""
     held = (*module._parameters.values(), *module._buffers.values())
     return [t for t in held if t is not None] + _tensor_attributes(module, seen)
+
+
+def _offloaded_values(module) -> list[torch.Tensor]:
+    """The values of the tensors accelerate offloaded from ``module`` (left on the meta
+    device; an ``AlignDevicesHook`` copies them in from its ``weights_map``, a state dict or
+    files on disk, before each forward), read from the map as that forward will: an edit
+    there changes what the model computes and no parameter shows it."""
+    outer = getattr(module, "_hf_hook", None)
+    found = []
+    for hook in getattr(outer, "hooks", (outer,)) if outer is not None else ():
+        weights = getattr(hook, "weights_map", None)
+        if not getattr(hook, "offload", False) or weights is None:
+            continue
+        from accelerate.utils import named_module_tensors
+
+        for name, _ in named_module_tensors(
+            module,
+            include_buffers=bool(getattr(hook, "offload_buffers", False)),
+            recurse=bool(getattr(hook, "place_submodules", False)),
+            remove_non_persistent=True,
+        ):
+            value = weights[name]
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+    return found
 
 
 def _tensor_attributes(module, seen: set) -> list[torch.Tensor]:

@@ -628,6 +628,49 @@ def test_an_adapter_switched_off_between_calls():
     nanoserve.unpatch_model(model)
 
 
+def new_entry(linear, weight):
+    """A new tensor for ``linear``'s weight in its offload hook's map, as accelerate's
+    ``offload_weight`` writes one (the map of a disk offload reads files otherwise)."""
+    weights = linear._hf_hook.weights_map
+    entries = getattr(weights.dataset, "state_dict", weights.dataset)
+    entries[weights.prefix + "weight"] = weight
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_offloaded_weights_changed_between_calls_find_nothing(offload, tmp_path):
+    """accelerate's offload leaves the parameters on the meta device and copies each
+    module's in from its hook's ``weights_map`` before the module's forward: unchanged, a
+    later call finds the stored prompt (on disk each read is a new tensor); a value edited
+    in the map (in place on the CPU copy, or a new entry) is never served stale. (Planted:
+    without ``_offloaded_values`` the edited call found the stale prefix; with the values'
+    addresses in the key the disk-offloaded one never found its own.)"""
+    from accelerate import cpu_offload, disk_offload
+
+    call = padded_batch([13], 13, seed=3)
+    model = sharp_model()
+    reference = copy.deepcopy(model)
+    nanoserve.patch_model(model, block_size=4, num_blocks=64)
+    if offload == "cpu":
+        cpu_offload(model, execution_device="cpu")
+    else:
+        disk_offload(model, str(tmp_path), execution_device="cpu")
+    k_proj, v_proj = (getattr(model.model.layers[0].self_attn, n) for n in ("k_proj", "v_proj"))
+    assert k_proj.weight.device.type == "meta"
+    assert_same(stored_and_found(model, call), generate(reference, call)[0])
+    with torch.no_grad():
+        reference.model.layers[0].self_attn.k_proj.weight.mul_(1.3)
+        reference.model.layers[0].self_attn.v_proj.weight.mul_(-1.0)
+        if offload == "cpu":
+            k_proj._hf_hook.weights_map["weight"].mul_(1.3)
+        else:
+            new_entry(k_proj, reference.model.layers[0].self_attn.k_proj.weight.clone())
+        new_entry(v_proj, reference.model.layers[0].self_attn.v_proj.weight.clone())
+    out, hits = generate(model, call)
+    assert hits == 0
+    assert_same(out, generate(reference, call)[0])
+    nanoserve.unpatch_model(model)
+
+
 def test_dynamic_rope_shares_no_prefix_across_calls():
     """Dynamic rotary scaling picks its frequencies from the call's length: a later call of
     another length computes other K for the same prefix. (Before: the fifth call below found
