@@ -64,7 +64,7 @@ from nanoserve.adapters.tensor_parallel import (
     capture_agreement,
     local_layout,
 )
-from nanoserve.adapters.user_hooks import HookScan, scan_hooks
+from nanoserve.adapters.user_hooks import HookScan, is_accelerate_wrapper, own_forward, scan_hooks
 from nanoserve.adapters.versions import check_transformers_version, transformers_before
 from nanoserve.adapters.windows import check_windows
 from nanoserve.cache import GroupedKVCache, PagedKVCache
@@ -214,7 +214,10 @@ def _restore(model, state: PatchState) -> None:
         ("generate", state.previous_generate),
         ("forward", state.previous_forward),
     ):
-        if previous is not None:
+        current = model.__dict__.get(name)
+        if name == "forward" and getattr(current, "__func__", None) is not state.patched_forward:
+            _restore_wrapped_forward(model, state)
+        elif previous is not None:
             model.__dict__[name] = previous
         else:
             model.__dict__.pop(name, None)
@@ -228,6 +231,19 @@ def _restore(model, state: PatchState) -> None:
     original = forget_original_attn(model.config, model)
     if original is not None and model.config._attn_implementation in (ATTN_NAME, DOOR):
         model.set_attn_implementation(original)
+
+
+def _restore_wrapped_forward(model, state: PatchState) -> None:
+    """The forward as it was, where it was replaced after patching: inside accelerate's
+    wrapper (hooks added after ``patch_model``, which stay) the forward it wraps; any other
+    replacement is its owner's and stays as it is."""
+    current = model.__dict__.get("forward")
+    inner = model.__dict__.get("_old_forward")
+    if is_accelerate_wrapper(current) and getattr(inner, "__func__", None) is state.patched_forward:
+        previous = state.previous_forward
+        model._old_forward = (
+            previous if previous is not None else type(model).forward.__get__(model)
+        )
 
 
 def _collected_unpatched(config_ref) -> None:
@@ -656,6 +672,21 @@ def _check_attention(model) -> None:
         )
 
 
+def _check_forward(model, state: PatchState) -> None:
+    """ValueError naming ``model.forward`` when the patched forward was taken off the model
+    after patching (accelerate's ``remove_hook_from_module``, or a second dispatch, puts
+    back the forward it found first): the paged cache would reach stock's forward."""
+    forward = model.__dict__.get("forward")
+    if is_accelerate_wrapper(forward):  # accelerate's hooks around the forward it found
+        forward = model.__dict__.get("_old_forward")
+    if forward is None or own_forward(forward, model):
+        raise ValueError(
+            "model.forward: nanoserve's patched forward was replaced by the class's own after "
+            "patch_model (as accelerate's remove_hook_from_module or a new dispatch does); "
+            "call nanoserve.patch_model(model) again"
+        )
+
+
 # transformers from which continuing a returned cache with chunked prefill or prompt lookup
 # gives stock's tokens on a patched model (5.17 measured otherwise; none between tested)
 CHUNKED_CONTINUATION_FROM = "5.24"
@@ -819,6 +850,7 @@ def _paged_generate(self, *args, **kwargs):
             dropout = walk.dropout
             agree_options(self, _options(self, state, dropout, hooks))
             _check_attention(self)
+            _check_forward(self, state)
             check_windows(self, state.pool.layout)
             _check_continuation(self, passed, args, kwargs)
             # (before the growth below, which counts the blocks a window keeps)
@@ -862,6 +894,7 @@ def _paged_generate(self, *args, **kwargs):
     dropout = walk.dropout
     agree_options(self, _options(self, state, dropout, hooks))
     _check_attention(self)
+    _check_forward(self, state)
     check_windows(self, state.pool.layout)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() != 2:

@@ -86,7 +86,7 @@ def scan_hooks(model, named=None) -> HookScan:
             replay, rows, batch = replay or phrase, rows or phrase, batch or phrase
         forward = module.__dict__.get("forward")
         unsafe = [(h, "forward hook") for h in hooks if not _replay_safe(h)]
-        if forward is not None and not _replay_safe(forward):
+        if forward is not None and not own_forward(forward, module) and not _replay_safe(forward):
             unsafe.append((forward, "wrapped forward"))
         if unsafe and replay is None:
             replay = f"a {unsafe[0][1]} on {name}"
@@ -113,12 +113,32 @@ def _replay_safe(hook) -> bool:
     return name.startswith(REPLAY_SAFE_HOOKS)
 
 
+def own_forward(forward, module) -> bool:
+    """Whether ``forward`` (held in ``module.__dict__``) is the module's class forward bound
+    to the module itself: what ``module(...)`` runs without it (accelerate's
+    ``remove_hook_from_module`` leaves one on every module it unhooked)."""
+    return getattr(forward, "__self__", None) is module and getattr(
+        forward, "__func__", None
+    ) is getattr(type(module), "forward", None)
+
+
+def is_accelerate_wrapper(forward) -> bool:
+    """Whether ``forward`` is accelerate's wrapped forward (``add_hook_to_module``), which
+    runs ``module._hf_hook`` around ``module._old_forward``."""
+    return (getattr(_unwrapped(forward), "__module__", None) or "").startswith("accelerate.")
+
+
 def _neutral(hook, module) -> bool:
     """A hook or wrapper that changes no value a row computes: replay-safe ones, and
-    accelerate's wrapped forward where every hook it runs is a device or cast hook."""
+    accelerate's wrapped forward where every hook it runs is a device or cast hook and the
+    forward it wraps is the module's own (not one a user set before accelerate wrapped it)."""
     if _replay_safe(hook):
         return True
-    if not (getattr(_unwrapped(hook), "__module__", None) or "").startswith("accelerate."):
+    if not is_accelerate_wrapper(hook):
+        return False
+    if hook is module.__dict__.get("forward") and not own_forward(
+        module.__dict__.get("_old_forward"), module
+    ):
         return False
     attached = module.__dict__.get("_hf_hook")
     parts = getattr(attached, "hooks", (attached,))  # accelerate's SequentialHook

@@ -115,6 +115,97 @@ def test_device_hooks_keep_prefix_sharing():
     nanoserve.unpatch_model(model)
 
 
+def test_a_users_forward_under_accelerates_hook_shares_nothing():
+    """A forward the user set on a module (its output scaled by state the user changes)
+    that accelerate then wrapped (``add_hook_to_module`` keeps it as ``_old_forward``): not
+    accelerate's neutral wrapper. Planted: ``_neutral`` not reading ``_old_forward`` served
+    the blocks stored at scale 1 to the call at scale 3 (logits off by about 5)."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    model = sharp_model()
+    reference = copy.deepcopy(model)
+    scales = [{"by": 1.0}, {"by": 1.0}]
+    for m, scale in zip((model, reference), scales, strict=True):
+        k_proj = m.model.layers[0].self_attn.k_proj
+        k_proj.forward = lambda x, f=k_proj.forward, s=scale: f(x) * s["by"]
+        add_hook_to_module(k_proj, AlignDevicesHook(execution_device="cpu"))
+    nanoserve.patch_model(model, block_size=4, num_blocks=64)
+    assert scan_hooks(model).rows == "a wrapped forward on model.layers.0.self_attn.k_proj"
+    call = padded_batch([13], 13, seed=3)
+    generate(model, call)
+    for scale in scales:
+        scale["by"] = 3.0
+    out, hits = generate(model, call)
+    assert hits == 0
+    assert_same(out, generate(reference, call)[0])
+    nanoserve.unpatch_model(model)
+
+
+def test_modules_unhooked_by_accelerate_keep_prefix_sharing():
+    """``remove_hook_from_module`` leaves every module's own class forward bound in its
+    ``__dict__``: no wrapper, sharing on. Planted: counted as "a wrapped forward" (no
+    later call found its prompt)."""
+    from accelerate.big_modeling import cpu_offload
+    from accelerate.hooks import remove_hook_from_module
+
+    model = sharp_model()
+    cpu_offload(model, execution_device="cpu")
+    remove_hook_from_module(model, recurse=True)
+    assert "forward" in model.model.embed_tokens.__dict__
+    assert scan_hooks(model) == (None, None, None)
+    model, reference = patched_pair(model)
+    call = padded_batch([13], 13, seed=3)
+    generate(model, call)
+    out, hits = generate(model, call)
+    assert hits == 1
+    assert_same(out, generate(reference, call)[0])
+    nanoserve.unpatch_model(model)
+
+
+def test_hooks_removed_after_patching_refuse_then_patch_again():
+    """Offloaded, patched, then ``remove_hook_from_module``: accelerate puts back the class
+    forward it found, and the patched generate would hand the paged cache to it. It refuses
+    naming ``model.forward``, before anything changed; patched again it gives stock's
+    tokens. Planted: without ``_check_forward`` the call raised "PagedCache.update outside a
+    paged step" from inside the forward."""
+    from accelerate.big_modeling import cpu_offload
+    from accelerate.hooks import remove_hook_from_module
+
+    model = sharp_model()
+    reference = copy.deepcopy(model)
+    cpu_offload(model, execution_device="cpu")
+    nanoserve.patch_model(model, block_size=4, num_blocks=64)
+    call = padded_batch([13], 13, seed=3)
+    assert_same(generate(model, call)[0], generate(reference, call)[0])
+    remove_hook_from_module(model, recurse=True)
+    with pytest.raises(ValueError, match=r"^model\.forward: nanoserve's patched forward"):
+        generate(model, call)
+    nanoserve.patch_model(model, block_size=4, num_blocks=64)
+    assert_same(generate(model, call)[0], generate(reference, call)[0])
+    nanoserve.unpatch_model(model)
+    assert_same(generate(model, call)[0], generate(reference, call)[0])
+
+
+def test_hooks_added_after_patching_stay_through_unpatch():
+    """Patched, then offloaded (accelerate wraps the patched forward): unpatching keeps
+    accelerate's wrapper and gives it the forward from before the patch, so the unpatched
+    model runs, with its hooks and after they are removed. Planted: unpatch dropping the
+    wrapper left the weights on the meta device ("Tensor on device meta")."""
+    from accelerate.big_modeling import cpu_offload
+    from accelerate.hooks import remove_hook_from_module
+
+    model = sharp_model()
+    reference = copy.deepcopy(model)
+    nanoserve.patch_model(model, block_size=4, num_blocks=64)
+    cpu_offload(model, execution_device="cpu")
+    call = padded_batch([13], 13, seed=3)
+    assert_same(generate(model, call)[0], generate(reference, call)[0])
+    nanoserve.unpatch_model(model)
+    assert_same(generate(model, call)[0], generate(reference, call)[0])
+    remove_hook_from_module(model, recurse=True)
+    assert_same(generate(model, call)[0], generate(reference, call)[0])
+
+
 def test_scan_names_the_first_hook_of_each_kind():
     """What ``scan_hooks`` finds: nothing on a plain model; a submodule's forward hook rules
     out all three shortcuts; a hook on the model only nanoserve's loop."""
