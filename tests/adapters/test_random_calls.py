@@ -3,16 +3,20 @@
 Each call draws its prompts (left padded; rows repeated, sharing a prefix with another row of
 the call or with an earlier call's, or their own), its decoding (greedy, sampling with HF's
 processors, beams, ``num_return_sequences``, one or two EOS ids, ``min_new_tokens``, a
-repetition penalty, ``max_length``, a streamer) and sometimes continues the cache it
-returned; each model draws its patch options (block size, a small pool, no kept pools, no
-prefix sharing, HF's loop, the Triton kernels), and between calls a weight may be updated in
-place or the model patched again. So what one call leaves behind (kept blocks, cached
-prefixes, graph buckets) meets the next call's other shape and weights. The seed is fresh
-each run and named in every failure; ``NANOSERVE_RANDOM_CALLS_SEED=<seed>`` replays it.
+repetition penalty, ``max_length``, ``prefill_chunk_size``, a streamer, one that raises
+midway) and torch's mode around it (no_grad, inference_mode, autograd on), and sometimes
+continues the cache it returned; each model draws its patch options (block size, a small
+pool, no kept pools, no prefix sharing, HF's loop, the Triton kernels), and between calls a
+weight may be updated in place, the model patched again or its memory released. So what
+one call leaves behind (kept blocks, cached prefixes, graph buckets, a failed call's state)
+meets the next call's other shape and weights. Where stock raises, the patched model must
+raise the same; after every call torch's RNG state must be stock's. The seed is fresh each
+run and named in every failure; ``NANOSERVE_RANDOM_CALLS_SEED=<seed>`` replays it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import random
@@ -25,6 +29,8 @@ import torch
 from helpers import INTERPRETING, RecordingStreamer, cache_name, sharpen
 
 import nanoserve
+from nanoserve.adapters.hf import CHUNKED_CONTINUATION_FROM
+from nanoserve.adapters.versions import transformers_before
 from nanoserve.cache import OutOfBlocks
 
 MAKERS = {
@@ -34,6 +40,25 @@ MAKERS = {
 }
 TRIALS = 4
 RELATIVE_TOLERANCE = 1e-4
+MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+         "autograd": contextlib.nullcontext}  # fmt: skip
+
+
+class StreamerStopped(Exception):
+    """What ``StoppingStreamer`` raises."""
+
+
+class StoppingStreamer(RecordingStreamer):
+    """Raises ``StreamerStopped`` at its ``after + 1``-th put (a consumer that gave up)."""
+
+    def __init__(self, after: int):
+        super().__init__()
+        self.after = after
+
+    def put(self, value):
+        super().put(value)
+        if len(self.puts) > self.after:
+            raise StreamerStopped(f"after {self.after} puts")
 
 
 def random_model(rng: random.Random):
@@ -139,12 +164,12 @@ def outputs(out, streamer) -> dict:
     return result
 
 
-def run(model, inputs, kwargs, continue_with, stream: bool, seed: int) -> list[dict]:
-    """One call's ``outputs``; with ``continue_with`` (tokens of each row's next turn), also
-    those of a second call on the cache the first returned."""
+def run(model, inputs, kwargs, continue_with, streamer, seed: int, mode: str) -> list[dict]:
+    """One call's ``outputs`` under torch mode ``mode`` (of ``MODES``); with
+    ``continue_with`` (tokens of each row's next turn), also those of a second call on the
+    cache the first returned."""
     torch.manual_seed(seed)
-    streamer = RecordingStreamer() if stream else None
-    with torch.no_grad():
+    with MODES[mode]():
         out = model.generate(
             **inputs, **kwargs, streamer=None if continue_with is not None else streamer
         )
@@ -219,7 +244,25 @@ def between_calls(rng: random.Random, stock, paged, options: dict) -> dict:
     elif draw < 0.25:
         options = random_patch_options(rng)
         nanoserve.patch_model(paged, **options)
+    elif draw < 0.35:
+        nanoserve.release_memory(paged)
     return options
+
+
+def new_streamer(stop_after: int | None, stream: bool):
+    """A ``StoppingStreamer`` stopping after ``stop_after`` puts, else a recording one or none."""
+    if stop_after is not None:
+        return StoppingStreamer(stop_after)
+    return RecordingStreamer() if stream else None
+
+
+def attempt(model, inputs, kwargs, continue_with, streamer, seed, mode):
+    """(``run``'s outputs or None, the exception it raised or None, torch's RNG state)."""
+    try:
+        result, error = run(model, inputs, kwargs, continue_with, streamer, seed, mode), None
+    except (OutOfBlocks, StreamerStopped, ValueError, RuntimeError) as raised:
+        result, error = None, raised
+    return result, error, torch.get_rng_state()
 
 
 def one_trial(seed: int) -> list[str]:
@@ -237,6 +280,7 @@ def one_trial(seed: int) -> list[str]:
                 options = between_calls(rng, stock, paged, options)
             inputs = random_prompts(rng, vocab, earlier)
             kwargs = random_decoding(rng, vocab, inputs["input_ids"].shape[1])
+            mode = rng.choice(["no_grad", "no_grad", "inference_mode", "autograd"])
             beams = kwargs.get("num_beams", 1) > 1
             continue_with = None
             one_row_each = kwargs.get("num_return_sequences", 1) == 1
@@ -245,23 +289,46 @@ def one_trial(seed: int) -> list[str]:
                 continue_with = torch.tensor(
                     [[rng.randrange(3, vocab) for _ in range(turn)] for _ in inputs["input_ids"]]
                 )
-            stream = not beams and rng.random() < 0.2
-            where = (
-                f"{name} {options} call {call}: {kwargs}, continued: {continue_with is not None}"
+            # (before 5.24 a chunked prefill continuing a returned cache is refused, documented)
+            chunks_allowed = continue_with is None or not transformers_before(
+                CHUNKED_CONTINUATION_FROM
             )
-            expected = run(stock, inputs, kwargs, continue_with, stream, seed + call)
-            try:
-                got = run(paged, inputs, kwargs, continue_with, stream, seed + call)
-            except OutOfBlocks:
+            if rng.random() < 0.2 and chunks_allowed:
+                kwargs["prefill_chunk_size"] = rng.choice([2, 3, 5, 8, 16])
+            stop_after = rng.randint(0, 6) if not beams and rng.random() < 0.1 else None
+            stream = not beams and rng.random() < 0.2
+
+            where = (
+                f"{name} {options} call {call} under {mode}: {kwargs}, continued: "
+                f"{continue_with is not None}, streamer stops after: {stop_after}"
+            )
+            call_args = (inputs, kwargs, continue_with)
+            expected, stock_error, stock_rng = attempt(
+                stock, *call_args, new_streamer(stop_after, stream), seed + call, mode
+            )
+            got, error, rng_state = attempt(
+                paged, *call_args, new_streamer(stop_after, stream), seed + call, mode
+            )
+            if isinstance(error, OutOfBlocks):
                 if "num_blocks" not in options:
                     problems.append(f"{where}: out of blocks without a num_blocks cap")
                 continue
+            if stock_error is not None or error is not None:
+                if type(stock_error) is not type(error):
+                    problems.append(f"{where}: stock raised {stock_error!r}, patched {error!r}")
+                elif not torch.equal(stock_rng, rng_state):
+                    problems.append(f"{where}: RNG state after the raise is not stock's")
+                continue
+            same = True
             for stock_call, paged_call in zip(expected, got, strict=True):
                 why = compare(stock_call, paged_call, beams)
                 if why:
                     problems.append(f"{where}: {why}")
                 if not torch.equal(stock_call["sequences"], paged_call["sequences"]):
+                    same = False
                     break  # a rounding tie (compare): the next turn starts from other tokens
+            if same and not torch.equal(stock_rng, rng_state):
+                problems.append(f"{where}: RNG state after the call is not stock's")
     finally:
         nanoserve.unpatch_model(paged)
     return problems
@@ -274,7 +341,13 @@ def test_random_calls_give_stocks_outputs():
     block digest skipping each block's last token failed 3 of the 6 runs; the decode loop's
     repetition penalty forgetting the prompt's tokens 3 of 6; the prefix salt ignoring the
     weights (a cached prefix served after a weight update) 1 of 6, which
-    test_prefix_invalidation checks every run."""
+    test_prefix_invalidation checks every run; a random number drawn at the start of the
+    patched generate, seed 11: "RNG state after the call is not stock's" (greedy calls too).
+    Not a failure: transformers <5.24 refusing a chunked prefill that continues a returned
+    cache (documented; not drawn there). Stock itself may differ run to run in the last
+    bits of a padded row's rotary table on CPU (the vector ``cos`` of an unaligned slice;
+    one Gemma seed in 160 moved its logits by 9e-4 one process in four): a failure there
+    replays clean in another process."""
     base = int(os.environ.get("NANOSERVE_RANDOM_CALLS_SEED", 0)) or int.from_bytes(
         os.urandom(4), "little"
     )
