@@ -344,10 +344,10 @@ def test_random_calls_give_stocks_outputs():
     test_prefix_invalidation checks every run; a random number drawn at the start of the
     patched generate, seed 11: "RNG state after the call is not stock's" (greedy calls too).
     Not a failure: transformers <5.24 refusing a chunked prefill that continues a returned
-    cache (documented; not drawn there). Stock itself may differ run to run in the last
-    bits of a padded row's rotary table on CPU (the vector ``cos`` of an unaligned slice;
-    one Gemma seed in 160 moved its logits by 9e-4 one process in four): a failure there
-    replays clean in another process."""
+    cache (documented; not drawn there). Stock itself may differ from process to process:
+    seed 1 (Gemma) gave a padded row's rotary ``cos`` of the same positions 1.5e-4 apart
+    in one process of four, its logits 9e-4 (one seed in 160; the cause not pinned down):
+    such a failure replays clean in another process."""
     base = int(os.environ.get("NANOSERVE_RANDOM_CALLS_SEED", 0)) or int.from_bytes(
         os.urandom(4), "little"
     )
