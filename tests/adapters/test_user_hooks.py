@@ -206,6 +206,31 @@ def test_hooks_added_after_patching_stay_through_unpatch():
     assert_same(generate(model, call)[0], generate(reference, call)[0])
 
 
+def test_a_forward_wrapped_after_patching_runs_through_unpatch():
+    """The user wraps the patched model's forward (a logging wrapper holding the patched
+    forward): patched, the wrapper runs around the paged forward; unpatching leaves the
+    wrapper, whose inner call then runs the stock forward. Planted: unpatch putting back
+    the forward from before the patch dropped the wrapper (no call logged after it); the
+    inner call without its fallback raised "model: not patched"."""
+    model = sharp_model()
+    reference = copy.deepcopy(model)
+    nanoserve.patch_model(model, block_size=4, num_blocks=64)
+    inner, logged = model.forward, []
+
+    def logging_forward(*args, **kwargs):
+        logged.append(1)
+        return inner(*args, **kwargs)
+
+    model.forward = logging_forward
+    call = padded_batch([13], 13, seed=3)
+    assert_same(generate(model, call)[0], generate(reference, call)[0])
+    assert logged
+    nanoserve.unpatch_model(model)
+    logged.clear()
+    assert_same(generate(model, call)[0], generate(reference, call)[0])
+    assert logged
+
+
 def test_scan_names_the_first_hook_of_each_kind():
     """What ``scan_hooks`` finds: nothing on a plain model; a submodule's forward hook rules
     out all three shortcuts; a hook on the model only nanoserve's loop."""
