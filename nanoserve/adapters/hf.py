@@ -210,17 +210,8 @@ def unpatch_model(model):
 
 
 def _restore(model, state: PatchState) -> None:
-    for name, previous in (
-        ("generate", state.previous_generate),
-        ("forward", state.previous_forward),
-    ):
-        current = model.__dict__.get(name)
-        if name == "forward" and getattr(current, "__func__", None) is not state.patched_forward:
-            _restore_wrapped_forward(model, state)
-        elif previous is not None:
-            model.__dict__[name] = previous
-        else:
-            model.__dict__.pop(name, None)
+    _put_back(model, "generate", state.previous_generate)
+    _restore_forward(model, state)
     if state.graphs is not None:
         state.graphs.reset()
     if state.finalizer is not None:
@@ -233,17 +224,27 @@ def _restore(model, state: PatchState) -> None:
         model.set_attn_implementation(original)
 
 
-def _restore_wrapped_forward(model, state: PatchState) -> None:
-    """The forward as it was, where it was replaced after patching: inside accelerate's
-    wrapper (hooks added after ``patch_model``, which stay) the forward it wraps; any other
-    replacement is its owner's and stays as it is."""
+def _put_back(model, name: str, previous) -> None:
+    if previous is not None:
+        model.__dict__[name] = previous
+    else:
+        model.__dict__.pop(name, None)
+
+
+def _restore_forward(model, state: PatchState) -> None:
+    """The forward as it was before ``patch_model``. Where it was replaced after patching:
+    inside accelerate's wrapper (hooks added since, which stay) the forward it wraps; the
+    class's own forward put back (accelerate's ``remove_hook_from_module``) stays; any other
+    wrapper (one holding the patched forward) is dropped, as the patched forward is."""
     current = model.__dict__.get("forward")
+    previous = state.previous_forward
     inner = model.__dict__.get("_old_forward")
     if is_accelerate_wrapper(current) and getattr(inner, "__func__", None) is state.patched_forward:
-        previous = state.previous_forward
         model._old_forward = (
             previous if previous is not None else type(model).forward.__get__(model)
         )
+    elif not own_forward(current, model):
+        _put_back(model, "forward", previous)
 
 
 def _collected_unpatched(config_ref) -> None:
@@ -396,7 +397,7 @@ def _method(model, name: str, body):
 
 def _paged_forward(self, *args, **kwargs):
     state = state_of(self)
-    if state is None:  # kept past unpatch_model by a wrapper set after patching: stock's
+    if state is None:  # a reference to it kept past unpatch_model: stock's forward
         return type(self).forward(self, *args, **kwargs)
     stock = stock_method(self, state.previous_forward, "forward")
     if args:

@@ -206,12 +206,14 @@ def test_hooks_added_after_patching_stay_through_unpatch():
     assert_same(generate(model, call)[0], generate(reference, call)[0])
 
 
-def test_a_forward_wrapped_after_patching_runs_through_unpatch():
+def test_a_forward_wrapped_after_patching_through_patch_again_and_unpatch():
     """The user wraps the patched model's forward (a logging wrapper holding the patched
-    forward): patched, the wrapper runs around the paged forward; unpatching leaves the
-    wrapper, whose inner call then runs the stock forward. Planted: unpatch putting back
-    the forward from before the patch dropped the wrapper (no call logged after it); the
-    inner call without its fallback raised "model: not patched"."""
+    forward): it runs around the paged forward; patching again and unpatching drop it with
+    the forward it holds (kept, it would call the patched forward back from inside the new
+    patch's own forward), and a reference to the patched forward kept past unpatching runs
+    the stock forward. Planted: unpatch keeping such a wrapper made the next patch's forward
+    call itself back (a nested paged step: "out of KV blocks"); the kept reference without
+    its fallback raised "model: not patched"."""
     model = sharp_model()
     reference = copy.deepcopy(model)
     nanoserve.patch_model(model, block_size=4, num_blocks=64)
@@ -225,10 +227,13 @@ def test_a_forward_wrapped_after_patching_runs_through_unpatch():
     call = padded_batch([13], 13, seed=3)
     assert_same(generate(model, call)[0], generate(reference, call)[0])
     assert logged
-    nanoserve.unpatch_model(model)
-    logged.clear()
+    nanoserve.patch_model(model, block_size=8, num_blocks=64)
     assert_same(generate(model, call)[0], generate(reference, call)[0])
-    assert logged
+    nanoserve.unpatch_model(model)
+    assert_same(generate(model, call)[0], generate(reference, call)[0])
+    with torch.no_grad():
+        kept = inner(**call).logits
+    torch.testing.assert_close(kept, reference(**call).logits, rtol=0.0, atol=0.0)
 
 
 def test_scan_names_the_first_hook_of_each_kind():
