@@ -83,11 +83,13 @@ def begin_prefix_salt(model, state, walk: ModelWalk | None = None) -> PendingSal
     modules = walk.modules if walk is not None else list(model.modules())
     seen = {id(module) for module in modules}  # a module in a container is read once, apart
     # every module once; parameters() and buffers() would walk them twice
-    for module in modules:
+    covered: set[int] = set()  # ids of the meta tensors whose values an offload map holds
+    for module in modules:  # (a module before its submodules)
+        offloaded = _offloaded_values(module, covered)
         for t in _module_tensors(module, seen):
             tensors += _value_views(t)
-            layout.append(_tensor_layout(t))
-        for t in _offloaded_values(module):  # fresh tensors from disk: no address named
+            layout.append(_tensor_layout(t, id(t) in covered))
+        for t in offloaded:  # fresh tensors from disk: no address named
             tensors += _value_views(t)
             layout.append((t.dtype, tuple(t.shape)))
     plans = state.digest_plans
@@ -101,11 +103,12 @@ def _module_tensors(module, seen: set) -> list[torch.Tensor]:
     return [t for t in held if t is not None] + _tensor_attributes(module, seen)
 
 
-def _offloaded_values(module) -> list[torch.Tensor]:
+def _offloaded_values(module, covered: set) -> list[torch.Tensor]:
     """The values of the tensors accelerate offloaded from ``module`` (left on the meta
     device; an ``AlignDevicesHook`` copies them in from its ``weights_map``, a state dict or
     files on disk, before each forward), read from the map as that forward will: an edit
-    there changes what the model computes and no parameter shows it."""
+    there changes what the model computes and no parameter shows it. Adds the ids of the
+    meta tensors so read to ``covered``."""
     outer = getattr(module, "_hf_hook", None)
     found = []
     for hook in getattr(outer, "hooks", (outer,)) if outer is not None else ():
@@ -114,7 +117,7 @@ def _offloaded_values(module) -> list[torch.Tensor]:
             continue
         from accelerate.utils import named_module_tensors
 
-        for name, _ in named_module_tensors(
+        for name, held in named_module_tensors(
             module,
             include_buffers=bool(getattr(hook, "offload_buffers", False)),
             recurse=bool(getattr(hook, "place_submodules", False)),
@@ -123,6 +126,8 @@ def _offloaded_values(module) -> list[torch.Tensor]:
             value = weights[name]
             if isinstance(value, torch.Tensor):
                 found.append(value)
+                if held.device.type == "meta":
+                    covered.add(id(held))
     return found
 
 
@@ -196,8 +201,12 @@ def tensor_place(t: torch.Tensor) -> tuple:
     return (address, t.dtype, shape, t.layout)
 
 
-def _tensor_layout(t: torch.Tensor) -> tuple:
-    """``tensor_place`` and the tensor's in-place version."""
+def _tensor_layout(t: torch.Tensor, offloaded: bool = False) -> tuple:
+    """``tensor_place`` and the tensor's in-place version; of a tensor accelerate
+    ``offloaded`` (whose values ``_offloaded_values`` reads from its map) only its dtype and
+    shape: accelerate bumps its version as it moves the values in and out."""
+    if offloaded:
+        return ("offloaded", t.dtype, tuple(t.shape))
     return (*tensor_place(t), _version(t))
 
 

@@ -15,6 +15,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
+import transformers
 from helpers import BACKENDS, patched, sharpen
 from test_families import padded_batch, tiny_model
 from test_more_families import tiny_model as more_family_model
@@ -668,6 +669,28 @@ def test_offloaded_weights_changed_between_calls_find_nothing(offload, tmp_path)
     out, hits = generate(model, call)
     assert hits == 0
     assert_same(out, generate(reference, call)[0])
+    nanoserve.unpatch_model(model)
+
+
+def test_a_model_loaded_with_layers_on_disk_finds_its_prompt_again(tmp_path):
+    """``from_pretrained`` with a device map that puts a layer on disk: accelerate bumps
+    the offloaded (meta) parameters' versions as it moves values in and out, which name
+    nothing (their values are read from the map). Planted: with their versions in the key
+    the second call found nothing (the third did)."""
+    sharp_model().save_pretrained(tmp_path / "model")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}  # fmt: skip
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "model", device_map=device_map, offload_folder=tmp_path / "offload",
+        dtype=torch.float32,
+    )  # fmt: skip
+    reference = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "model", dtype=torch.float32
+    )
+    assert model.model.layers[0].self_attn.q_proj.weight.device.type == "meta"
+    nanoserve.patch_model(model, block_size=4, num_blocks=64)
+    call = padded_batch([13], 13, seed=3)
+    assert_same(stored_and_found(model, call), generate(reference, call)[0])
     nanoserve.unpatch_model(model)
 
 
