@@ -198,8 +198,10 @@ def patch_model(
 
 
 def unpatch_model(model):
-    """Undo ``patch_model``: attention implementation, generate and forward as they were.
-    A model that is not patched is returned unchanged."""
+    """Undo ``patch_model``: attention implementation, generate and forward as they were
+    (accelerate's hooks added since stay, around that forward; a wrapper of the caller's
+    set around the patched forward since is dropped with it). A model that is not patched
+    is returned unchanged."""
     state = model.__dict__.get(STATE_ATTR)
     if state is None:
         return model
@@ -239,7 +241,10 @@ def _restore_forward(model, state: PatchState) -> None:
     current = model.__dict__.get("forward")
     previous = state.previous_forward
     inner = model.__dict__.get("_old_forward")
-    if is_accelerate_wrapper(current) and getattr(inner, "__func__", None) is state.patched_forward:
+    if (
+        is_accelerate_wrapper(current, model)
+        and getattr(inner, "__func__", None) is state.patched_forward
+    ):
         model._old_forward = (
             previous if previous is not None else type(model).forward.__get__(model)
         )
@@ -396,9 +401,7 @@ def _method(model, name: str, body):
 
 
 def _paged_forward(self, *args, **kwargs):
-    state = state_of(self)
-    if state is None:  # a reference to it kept past unpatch_model: stock's forward
-        return type(self).forward(self, *args, **kwargs)
+    state = _state(self)
     stock = stock_method(self, state.previous_forward, "forward")
     if args:
         kwargs = _keywords(stock, args, kwargs)
@@ -680,7 +683,7 @@ def _check_forward(model, state: PatchState) -> None:
     after patching (accelerate's ``remove_hook_from_module``, or a second dispatch, puts
     back the forward it found first): the paged cache would reach stock's forward."""
     forward = model.__dict__.get("forward")
-    if is_accelerate_wrapper(forward):  # accelerate's hooks around the forward it found
+    if is_accelerate_wrapper(forward, model):  # accelerate's hooks around what it found
         forward = model.__dict__.get("_old_forward")
     if forward is None or own_forward(forward, model):
         raise ValueError(

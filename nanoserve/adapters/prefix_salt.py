@@ -91,7 +91,7 @@ def begin_prefix_salt(model, state, walk: ModelWalk | None = None) -> PendingSal
             layout.append(_tensor_layout(t, id(t) in covered))
         for t in offloaded:  # fresh tensors from disk: no address named
             tensors += _value_views(t)
-            layout.append((t.dtype, tuple(t.shape)))
+            layout.append((t.dtype, tuple(t.shape), _version(t)))
     plans = state.digest_plans
     return PendingSalt(None, tuple(layout), _start_fingerprint(tensors, state.backend, plans))
 

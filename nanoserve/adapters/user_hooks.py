@@ -122,10 +122,17 @@ def own_forward(forward, module) -> bool:
     ) is getattr(type(module), "forward", None)
 
 
-def is_accelerate_wrapper(forward) -> bool:
-    """Whether ``forward`` is accelerate's wrapped forward (``add_hook_to_module``), which
-    runs ``module._hf_hook`` around ``module._old_forward``."""
-    return (getattr(_unwrapped(forward), "__module__", None) or "").startswith("accelerate.")
+def is_accelerate_wrapper(forward, module) -> bool:
+    """Whether ``forward`` is accelerate's hooked forward on ``module`` (the one
+    ``add_hook_to_module`` installs), which runs ``module._hf_hook`` around
+    ``module._old_forward`` (not any callable of accelerate's: ``Accelerator.prepare``
+    wraps a forward to cast its outputs)."""
+    function = _unwrapped(forward)
+    return (
+        getattr(function, "__module__", None) == "accelerate.hooks"
+        and getattr(function, "__qualname__", None) == "add_hook_to_module.<locals>.new_forward"
+        and "_old_forward" in module.__dict__
+    )
 
 
 def _neutral(hook, module) -> bool:
@@ -134,10 +141,10 @@ def _neutral(hook, module) -> bool:
     forward it wraps is the module's own (not one a user set before accelerate wrapped it)."""
     if _replay_safe(hook):
         return True
-    if not is_accelerate_wrapper(hook):
+    if not (getattr(_unwrapped(hook), "__module__", None) or "").startswith("accelerate."):
         return False
-    if hook is module.__dict__.get("forward") and not own_forward(
-        module.__dict__.get("_old_forward"), module
+    if hook is module.__dict__.get("forward") and not (
+        is_accelerate_wrapper(hook, module) and own_forward(module._old_forward, module)
     ):
         return False
     attached = module.__dict__.get("_hf_hook")

@@ -672,6 +672,32 @@ def test_offloaded_weights_changed_between_calls_find_nothing(offload, tmp_path)
     nanoserve.unpatch_model(model)
 
 
+def test_an_offloaded_edit_keeping_every_sum_finds_nothing():
+    """An edit in place in accelerate's CPU offload map that keeps every row and column
+    sum (the float fingerprint's blind spot, which a parameter's version covers): the
+    map's tensor's version names it. Planted: without it the edited call found the stale
+    prefix (logits off by 0.7)."""
+    from accelerate import cpu_offload
+
+    model = sharp_model()
+    with torch.no_grad():
+        weight = model.model.layers[0].self_attn.k_proj.weight
+        weight.copy_((weight * 256).round() / 256)  # sums stay exact under the edit
+    reference = copy.deepcopy(model)
+    nanoserve.patch_model(model, block_size=4, num_blocks=64)
+    cpu_offload(model, execution_device="cpu")
+    call = padded_batch([13], 13, seed=3)
+    stored_and_found(model, call)
+    map_weight = model.model.layers[0].self_attn.k_proj._hf_hook.weights_map["weight"]
+    with torch.no_grad():
+        for w in (map_weight, reference.model.layers[0].self_attn.k_proj.weight):
+            w[:2, :2] += torch.tensor([[0.125, -0.125], [-0.125, 0.125]])
+    out, hits = generate(model, call)
+    assert hits == 0
+    assert_same(out, generate(reference, call)[0])
+    nanoserve.unpatch_model(model)
+
+
 def test_a_model_loaded_with_layers_on_disk_finds_its_prompt_again(tmp_path):
     """``from_pretrained`` with a device map that puts a layer on disk: accelerate bumps
     the offloaded (meta) parameters' versions as it moves values in and out, which name

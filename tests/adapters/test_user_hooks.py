@@ -7,6 +7,7 @@ accelerate's device hooks change no value and keep sharing on."""
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -210,10 +211,9 @@ def test_a_forward_wrapped_after_patching_through_patch_again_and_unpatch():
     """The user wraps the patched model's forward (a logging wrapper holding the patched
     forward): it runs around the paged forward; patching again and unpatching drop it with
     the forward it holds (kept, it would call the patched forward back from inside the new
-    patch's own forward), and a reference to the patched forward kept past unpatching runs
-    the stock forward. Planted: unpatch keeping such a wrapper made the next patch's forward
-    call itself back (a nested paged step: "out of KV blocks"); the kept reference without
-    its fallback raised "model: not patched"."""
+    patch's own forward), and a reference to the patched forward kept past unpatching
+    refuses. Planted: unpatch keeping such a wrapper made the next patch's forward call
+    itself back (a nested paged step: "out of KV blocks")."""
     model = sharp_model()
     reference = copy.deepcopy(model)
     nanoserve.patch_model(model, block_size=4, num_blocks=64)
@@ -231,9 +231,24 @@ def test_a_forward_wrapped_after_patching_through_patch_again_and_unpatch():
     assert_same(generate(model, call)[0], generate(reference, call)[0])
     nanoserve.unpatch_model(model)
     assert_same(generate(model, call)[0], generate(reference, call)[0])
-    with torch.no_grad():
-        kept = inner(**call).logits
-    torch.testing.assert_close(kept, reference(**call).logits, rtol=0.0, atol=0.0)
+    with pytest.raises(ValueError, match="^model: not patched"):
+        inner(**call)
+
+
+def test_accelerates_output_cast_after_patching_is_no_hook():
+    """``Accelerator.prepare`` under mixed precision wraps the forward with a function of
+    accelerate's that casts its outputs (no ``_hf_hook``, no ``_old_forward``): the patched
+    forward inside it still runs. Planted: any callable of accelerate's taken for its
+    hooked forward refused the call ("model.forward: ... replaced")."""
+    from accelerate.utils.operations import convert_outputs_to_fp32
+
+    model = sharp_model()
+    reference = copy.deepcopy(model)
+    nanoserve.patch_model(model, block_size=4, num_blocks=64)
+    model.forward = types.MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
+    call = padded_batch([13], 13, seed=3)
+    assert_same(generate(model, call)[0], generate(reference, call)[0])
+    nanoserve.unpatch_model(model)
 
 
 def test_scan_names_the_first_hook_of_each_kind():
