@@ -303,12 +303,11 @@ def one_trial(seed: int) -> list[str]:
                 f"{continue_with is not None}, streamer stops after: {stop_after}"
             )
             call_args = (inputs, kwargs, continue_with)
+            streamers = [new_streamer(stop_after, stream) for _ in range(2)]
             expected, stock_error, stock_rng = attempt(
-                stock, *call_args, new_streamer(stop_after, stream), seed + call, mode
+                stock, *call_args, streamers[0], seed + call, mode
             )
-            got, error, rng_state = attempt(
-                paged, *call_args, new_streamer(stop_after, stream), seed + call, mode
-            )
+            got, error, rng_state = attempt(paged, *call_args, streamers[1], seed + call, mode)
             if isinstance(error, OutOfBlocks):
                 if "num_blocks" not in options:
                     problems.append(f"{where}: out of blocks without a num_blocks cap")
@@ -318,6 +317,12 @@ def one_trial(seed: int) -> list[str]:
                     problems.append(f"{where}: stock raised {stock_error!r}, patched {error!r}")
                 elif not torch.equal(stock_rng, rng_state):
                     problems.append(f"{where}: RNG state after the raise is not stock's")
+                elif isinstance(error, StreamerStopped):
+                    puts = [[put.tolist() for put in st.puts] for st in streamers]
+                    if puts[0] != puts[1]:
+                        problems.append(
+                            f"{where}: streamed before the raise {puts[1]} != {puts[0]}"
+                        )
                 continue
             same = True
             for stock_call, paged_call in zip(expected, got, strict=True):
@@ -342,7 +347,8 @@ def test_random_calls_give_stocks_outputs():
     repetition penalty forgetting the prompt's tokens 3 of 6; the prefix salt ignoring the
     weights (a cached prefix served after a weight update) 1 of 6, which
     test_prefix_invalidation checks every run; a random number drawn at the start of the
-    patched generate, seed 11: "RNG state after the call is not stock's" (greedy calls too).
+    patched generate, seed 11: "RNG state after the call is not stock's" (greedy calls too);
+    each streamed tensor put twice, seeds 300-339: five "streamed before the raise".
     Not a failure: transformers <5.24 refusing a chunked prefill that continues a returned
     cache (documented; not drawn there). Stock itself may differ from process to process:
     seed 1 (Gemma) gave a padded row's rotary ``cos`` of the same positions 1.5e-4 apart
