@@ -115,11 +115,15 @@ def _replay_safe(hook) -> bool:
 
 def own_forward(forward, module) -> bool:
     """Whether ``forward`` (held in ``module.__dict__``) is the module's class forward bound
-    to the module itself: what ``module(...)`` runs without it (accelerate's
-    ``remove_hook_from_module`` leaves one on every module it unhooked)."""
-    return getattr(forward, "__self__", None) is module and getattr(
-        forward, "__func__", None
-    ) is getattr(type(module), "forward", None)
+    to the module itself (or a ``functools.partial`` of it over the module): what
+    ``module(...)`` runs without it (accelerate's ``remove_hook_from_module`` leaves one on
+    every module it unhooked)."""
+    if isinstance(forward, functools.partial):
+        bound_to = forward.args[0] if len(forward.args) == 1 and not forward.keywords else None
+        function = forward.func
+    else:
+        bound_to, function = getattr(forward, "__self__", None), getattr(forward, "__func__", None)
+    return bound_to is module and function is getattr(type(module), "forward", None)
 
 
 def is_accelerate_wrapper(forward, module) -> bool:

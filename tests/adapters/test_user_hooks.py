@@ -7,6 +7,7 @@ accelerate's device hooks change no value and keep sharing on."""
 from __future__ import annotations
 
 import copy
+import functools
 import types
 
 import pytest
@@ -179,6 +180,9 @@ def test_hooks_removed_after_patching_refuse_then_patch_again():
     call = padded_batch([13], 13, seed=3)
     assert_same(generate(model, call)[0], generate(reference, call)[0])
     remove_hook_from_module(model, recurse=True)
+    with pytest.raises(ValueError, match=r"^model\.forward: nanoserve's patched forward"):
+        generate(model, call)
+    model.forward = functools.partial(type(model).forward, model)  # the same, by hand
     with pytest.raises(ValueError, match=r"^model\.forward: nanoserve's patched forward"):
         generate(model, call)
     nanoserve.patch_model(model, block_size=4, num_blocks=64)
