@@ -166,10 +166,11 @@ def test_modules_unhooked_by_accelerate_keep_prefix_sharing():
 
 def test_hooks_removed_after_patching_refuse_then_patch_again():
     """Offloaded, patched, then ``remove_hook_from_module``: accelerate puts back the class
-    forward it found, and the patched generate would hand the paged cache to it. It refuses
-    naming ``model.forward``, before anything changed; patched again it gives stock's
-    tokens. Planted: without ``_check_forward`` the call raised "PagedCache.update outside a
-    paged step" from inside the forward."""
+    forward it found (or a partial of it, set by hand), and the patched generate would hand
+    the paged cache to it. It refuses naming ``model.forward``, before anything changed;
+    patched again it gives stock's tokens. Planted: without ``_check_forward`` (or without
+    the partial in ``own_forward``) the call raised "PagedCache.update outside a paged step"
+    from inside the forward."""
     from accelerate.big_modeling import cpu_offload
     from accelerate.hooks import remove_hook_from_module
 
