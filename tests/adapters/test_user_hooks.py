@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_decode_loop import EOS, eos_early
 from test_families import padded_batch, tiny_model
-from test_prefix_invalidation import assert_same, generate, sharp_model
+from test_prefix_invalidation import assert_same, generate, sharp_model, stored_and_found
 
 import nanoserve
 from nanoserve.adapters.user_hooks import scan_hooks
@@ -41,6 +41,14 @@ def patched_pair(model):
     reference = copy.deepcopy(model)
     nanoserve.patch_model(model, block_size=4, num_blocks=64)
     return model, reference
+
+
+def check_found_across_calls(model):
+    """Patched, a second call finds the prompt the first stored and gives stock's output."""
+    model, reference = patched_pair(model)
+    call = padded_batch([13], 13, seed=3)
+    assert_same(stored_and_found(model, call), generate(reference, call)[0])
+    nanoserve.unpatch_model(model)
 
 
 def test_a_hook_whose_state_changes_between_calls_finds_no_stored_prefix():
@@ -108,13 +116,7 @@ def test_device_hooks_keep_prefix_sharing():
     scan = scan_hooks(model)
     assert scan.rows is None and scan.batch is None
     assert scan.replay == "a wrapped forward on model.layers.0"
-    model, reference = patched_pair(model)
-    call = padded_batch([13], 13, seed=3)
-    generate(model, call)
-    out, hits = generate(model, call)
-    assert hits == 1
-    assert_same(out, generate(reference, call)[0])
-    nanoserve.unpatch_model(model)
+    check_found_across_calls(model)
 
 
 def test_a_users_forward_under_accelerates_hook_shares_nothing():
@@ -155,13 +157,7 @@ def test_modules_unhooked_by_accelerate_keep_prefix_sharing():
     remove_hook_from_module(model, recurse=True)
     assert "forward" in model.model.embed_tokens.__dict__
     assert scan_hooks(model) == (None, None, None)
-    model, reference = patched_pair(model)
-    call = padded_batch([13], 13, seed=3)
-    generate(model, call)
-    out, hits = generate(model, call)
-    assert hits == 1
-    assert_same(out, generate(reference, call)[0])
-    nanoserve.unpatch_model(model)
+    check_found_across_calls(model)
 
 
 def test_hooks_removed_after_patching_refuse_then_patch_again():
