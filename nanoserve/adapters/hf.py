@@ -25,7 +25,7 @@ from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.fused_decode import FUSED_KINDS
 from nanoserve.adapters.graph_forward import graph_step, graph_step_kind, records_grad, replay_skips
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
-from nanoserve.adapters.model_walk import ModelWalk
+from nanoserve.adapters.model_walk import ModelWalk, config_of_its_own
 from nanoserve.adapters.pool_memory import check_pool_fits
 from nanoserve.adapters.prefix_salt import begin_prefix_salt, finish_prefix_salt
 from nanoserve.adapters.registry import family_for
@@ -53,6 +53,7 @@ from nanoserve.adapters.step import (
     new_token_mask,
     no_cache,
     no_paged_step,
+    padding_inside,
     paged_step,
     remember_original_attn,
     state_of,
@@ -147,6 +148,7 @@ def patch_model(
             "language-model head (e.g. AutoModelForCausalLM), not its base model"
         )
     family = family_for(model.config)  # NotImplementedError names the supported families
+    _check_layer_config(config_of_its_own(list(model.named_modules()), model.config))
     layout = local_layout(family.layout(model.config), model)  # this rank's KV heads
     check_windows(model, layout)
     options = PoolOptions(layout, block_size, num_blocks, max_memory, kv_dtype, kv_scale)
@@ -678,6 +680,17 @@ def _check_attention(model) -> None:
         )
 
 
+def _check_layer_config(name: str | None) -> None:
+    """ValueError naming the module ``config_of_its_own`` found (None: nothing to say)."""
+    if name is not None:
+        raise ValueError(
+            f"{name}.config: a config object of its own, not the model's (peft's "
+            "layer_replication copies one into each layer): patch_model switches the "
+            "attention of model.config only, and this module would run stock attention on "
+            "the paged cache; build the model with one config shared by its layers"
+        )
+
+
 def _check_forward(model, state: PatchState) -> None:
     """ValueError naming ``model.forward`` when the patched forward was taken off the model
     after patching (accelerate's ``remove_hook_from_module``, or a second dispatch, puts
@@ -856,6 +869,7 @@ def _paged_generate(self, *args, **kwargs):
             dropout = walk.dropout
             agree_options(self, _options(self, state, dropout, hooks))
             _check_attention(self)
+            _check_layer_config(walk.layer_config)
             _check_forward(self, state)
             check_windows(self, state.pool.layout)
             _check_continuation(self, passed, args, kwargs)
@@ -900,6 +914,7 @@ def _paged_generate(self, *args, **kwargs):
     dropout = walk.dropout
     agree_options(self, _options(self, state, dropout, hooks))
     _check_attention(self)
+    _check_layer_config(walk.layer_config)
     _check_forward(self, state)
     check_windows(self, state.pool.layout)
     mask = kwargs.get("attention_mask")
@@ -908,6 +923,10 @@ def _paged_generate(self, *args, **kwargs):
             f"attention_mask: passed to generate must be 2-D [batch, length], got shape "
             f"{tuple(mask.shape)}"
         )
+    if isinstance(mask, torch.Tensor) and padding_inside(mask):
+        # (a row's last column padding stays refused below: right padding, a caller's bug)
+        _log.info("fallback: stock generate (attention_mask: padding between real tokens)")
+        return stock(*args, **kwargs)  # stock's cache: the paged one holds no such holes
     empty_row = isinstance(mask, torch.Tensor) and not check_left_padded(mask).any(dim=1).all()
     if empty_row and state.original_attn != "sdpa":
         # eager attention gives a row of nothing but padding even weights over every column,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from transformers import PretrainedConfig
 
 from nanoserve.adapters.module_attrs import module_attr
 from nanoserve.adapters.prefix_salt import drops_out, length_dependent_rope, structure_key
@@ -39,8 +40,17 @@ class ModelWalk:
     @functools.cached_property
     def stock_only(self) -> str | None:
         """Why this model must run as stock does, on stock's cache (a phrase), or None:
-        ``tokens_depend_on_the_batch``, ``attends_both_ways``."""
-        return tokens_depend_on_the_batch(self.named) or attends_both_ways(self.named)
+        ``tokens_depend_on_the_batch``, ``attends_both_ways``, ``steps_set_on_instance``."""
+        return (
+            tokens_depend_on_the_batch(self.named)
+            or attends_both_ways(self.named)
+            or steps_set_on_instance(self.model)
+        )
+
+    @functools.cached_property
+    def layer_config(self) -> str | None:
+        """``config_of_its_own``'s module name, or None."""
+        return config_of_its_own(self.named, self.model.config)
 
     @functools.cached_property
     def rope(self) -> str | None:
@@ -92,6 +102,35 @@ def attends_both_ways(named: list[tuple[str, torch.nn.Module]]) -> str | None:
     for name, module in named:
         if module_attr(module, "is_causal", True) is False:
             return f"{name or 'the model'}.is_causal is False (attention both ways)"
+    return None
+
+
+# what generate calls to build each forward's inputs from the prompt and the tokens so far
+STEP_METHODS = ("prepare_inputs_for_generation", "_update_model_kwargs_for_generation")
+
+
+def steps_set_on_instance(model) -> str | None:
+    """Which of ``STEP_METHODS`` is set on ``model`` itself, not its class, as a phrase, or
+    None. peft's prompt learning sets ``prepare_inputs_for_generation`` there for its call:
+    the prefill then feeds virtual tokens before the prompt (the mask, the positions and
+    the pool's size all count more tokens than ``input_ids`` holds), or swaps in a cache of
+    its own; only stock's generate knows what such a method does."""
+    for name in STEP_METHODS:
+        if name in vars(model):
+            return f"model.{name} is set on the instance"
+    return None
+
+
+def config_of_its_own(named: list[tuple[str, torch.nn.Module]], config) -> str | None:
+    """The name of the first module holding a transformers config other than ``config``
+    (the model's), or None. Attention modules read ``config._attn_implementation``, which
+    patching switches on the model's config only: a layer with its own copy (peft's
+    ``layer_replication`` deep-copies each layer) would run stock attention on the paged
+    pools."""
+    for name, module in named:
+        own = module.__dict__.get("config")
+        if own is not None and own is not config and isinstance(own, PretrainedConfig):
+            return name
     return None
 
 

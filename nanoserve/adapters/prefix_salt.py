@@ -346,18 +346,20 @@ _DROPOUT_MODULES = (
 
 def _dropout_rate(module) -> float:
     """A dropout module's rate, or the largest rate of randomness a module keeps for its own
-    forward in training mode: ``attention_dropout``, and any public number named like a
-    dropout rate (Starcoder2's ``residual_dropout`` / ``embedding_dropout`` for
-    ``F.dropout``, GPT-2-style ``resid_pdrop``) or a jitter (Mixtral's ``jitter_noise``
-    scales the router's input by uniform noise)."""
+    forward in training mode: ``attention_dropout``, ``p`` of a class named like a dropout,
+    and any public number (or dict of numbers) named like a dropout rate (Starcoder2's
+    ``residual_dropout`` / ``embedding_dropout`` for ``F.dropout``, GPT-2-style
+    ``resid_pdrop``) or a jitter (Mixtral's ``jitter_noise`` scales the router's input by
+    uniform noise)."""
     if isinstance(module, _DROPOUT_MODULES):
         return float(module.p)
-    rate = module_attr(module, "attention_dropout", 0.0)
-    rates = [rate] + [
-        value
-        for name, value in module.__dict__.items()
-        if name[0] != "_" and ("dropout" in name or "jitter" in name or name.endswith("pdrop"))
-    ]
+    rates = [module_attr(module, "attention_dropout", 0.0)]
+    if "Dropout" in type(module).__name__:  # one of a library's own (peft's OFT: ``p``)
+        rates.append(module_attr(module, "p", 0.0))
+    for name, value in module.__dict__.items():
+        if name[0] != "_" and ("dropout" in name or "jitter" in name or name.endswith("pdrop")):
+            # one rate, or one per adapter (peft's LoHa and LoKr keep dicts of them)
+            rates.extend(value.values() if isinstance(value, dict) else [value])
     numbers = (r for r in rates if isinstance(r, (int, float)) and not isinstance(r, bool))
     return max(map(float, numbers), default=0.0)
 

@@ -387,6 +387,17 @@ def _rows(flags: torch.Tensor) -> str:
     return ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
 
 
+def padding_inside(mask: torch.Tensor) -> bool:
+    """True when a row of ``mask`` [B, n] has padding between real tokens while every row
+    ends with a real one (peft's prompt learning puts its virtual tokens' ones before a
+    left-padded mask; a caller may mask tokens out of a prompt): stock attends around
+    such holes, which the paged cache cannot hold."""
+    mask = mask.to("cpu", torch.bool)
+    if mask.shape[1] < 2 or not bool(mask[:, -1].all()):
+        return False
+    return bool((mask[:, 1:] < mask[:, :-1]).any())
+
+
 def check_left_padded(mask: torch.Tensor, cached_lens: list[int] | None = None) -> torch.Tensor:
     """ValueError naming ``attention_mask`` when a row of ``mask`` [B, n] has padding after a
     real token, or any padding after tokens it already cached (``cached_lens``). Returns the
