@@ -40,10 +40,12 @@ class ModelWalk:
     @functools.cached_property
     def stock_only(self) -> str | None:
         """Why this model must run as stock does, on stock's cache (a phrase), or None:
-        ``tokens_depend_on_the_batch``, ``attends_both_ways``, ``steps_set_on_instance``."""
+        ``tokens_depend_on_the_batch``, ``attends_both_ways``, ``drops_attention_out``,
+        ``steps_set_on_instance``."""
         return (
             tokens_depend_on_the_batch(self.named)
             or attends_both_ways(self.named)
+            or drops_attention_out(self.named)
             or steps_set_on_instance(self.model)
         )
 
@@ -102,6 +104,19 @@ def attends_both_ways(named: list[tuple[str, torch.nn.Module]]) -> str | None:
     for name, module in named:
         if module_attr(module, "is_causal", True) is False:
             return f"{name or 'the model'}.is_causal is False (attention both ways)"
+    return None
+
+
+def drops_attention_out(named: list[tuple[str, torch.nn.Module]]) -> str | None:
+    """Which module asks its attention for dropout (training mode, an ``attention_dropout``
+    above 0), as a phrase, or None. Stock's attention applies it and the paged kernels do
+    not; trainers (trl's GRPO) generate in training mode, where ``model.eval()`` is not
+    theirs to call."""
+    for name, module in named:
+        rate = module_attr(module, "attention_dropout", 0.0)
+        number = isinstance(rate, (int, float)) and not isinstance(rate, bool)
+        if module.training and number and rate > 0:
+            return f"{name or 'the model'} drops attention out ({rate}) in training mode"
     return None
 
 

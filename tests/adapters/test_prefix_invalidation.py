@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import BACKENDS, patched, sharpen
+from helpers import BACKENDS, cache_name, patched, sharpen
 from test_families import padded_batch, tiny_model
 from test_more_families import tiny_model as more_family_model
 from test_new_families import tiny_model as new_family_model
@@ -739,17 +739,34 @@ def test_dynamic_rope_shares_no_prefix_across_calls():
             assert_same(out, generate(reference, call)[0])
 
 
-def test_attention_dropout_in_training_mode_is_refused():
+def test_attention_dropout_in_training_mode_runs_stocks_generate():
+    """Attention dropout in training mode (trl's GRPO generates so): the paged kernels
+    apply none, so the call runs stock's generate, drawing stock's dropout; a caller's own
+    forward over a PagedCache is refused. In eval mode the paged path again. Planted:
+    ``drops_attention_out`` answering None, generate raised "dropout: ... training mode"."""
     model = sharp_model(attention_dropout=0.3)
-    reference = copy.deepcopy(model)
-    call = padded_batch([9], 9, seed=3)
+    reference = copy.deepcopy(model).train()
+    call = padded_batch([9, 6], 9, seed=3)
     model.train()
     assert "training mode" in unnameable(model)  # and no prefix is shared across calls
     with patched(model):
-        with pytest.raises(ValueError, match="^dropout: .* training mode"):
-            generate(model, call)
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                out = model.generate(**call, **OPTS)
+            assert nanoserve.decode_graph_stats(model)["decode_loop"].startswith("stock")
+            torch.manual_seed(seed)
+            assert_same(out, generate(reference, call)[0])
         model.eval()
+        reference.eval()
         out, _ = generate(model, call)
+        assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
+        model.train()
+        grown = torch.ones(2, OPTS["max_new_tokens"], dtype=torch.long)
+        mask = torch.cat([call["attention_mask"], grown], 1)
+        step = dict(input_ids=out.sequences[:, -1:], attention_mask=mask)
+        with pytest.raises(ValueError, match="^dropout: .* training mode"), torch.no_grad():
+            model(**step, **{cache_name(model): out[CACHE_FIELD]})
     assert_same(out, generate(reference, call)[0])
 
 
