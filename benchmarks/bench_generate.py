@@ -415,26 +415,32 @@ def group_rollout(model, device: str, tiny: bool) -> list[dict]:
 
 class PrefillTimer:
     """Seconds of the first forward of each armed generate call (the prefill: nanoserve's
-    lookup and setup and every forward it runs), bracketed by device synchronizes. It wraps
-    the patched model's forward; ``unpatch_model`` removes it with the patch."""
+    lookup and setup and every forward it runs), bracketed by device synchronizes, from a
+    forward pre-hook and hook on the model (registered once: the prefix salt names hooks by
+    handle, so later calls still find the stored prompt; a wrapper set on ``model.forward``
+    would be read with the state it holds, which changes every call, and no prompt stored
+    by one call would be found by the next). ``unpatch_model`` leaves the hooks on the
+    model; ``remove()`` takes them off."""
 
     def __init__(self, model, device: str):
-        self.device, self.seconds, self.armed = device, [], False
-        patched = model.forward
+        self.device, self.seconds, self.armed, self.start = device, [], False, None
 
-        @functools.wraps(patched)  # generate reads forward's signature
-        def forward(*args, **kwargs):
-            if not self.armed:
-                return patched(*args, **kwargs)
-            self.armed = False
-            sync(device)
-            start = time.perf_counter()
-            output = patched(*args, **kwargs)
-            sync(device)
-            self.seconds.append(time.perf_counter() - start)
-            return output
+        def before(module, args):
+            if self.armed:
+                sync(device)
+                self.start = time.perf_counter()
 
-        model.forward = forward
+        def after(module, args, output):
+            if self.armed:
+                self.armed = False
+                sync(device)
+                self.seconds.append(time.perf_counter() - self.start)
+
+        self.handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
     def call(self, model, ids, mask) -> float:
         """Seconds of one generate call with one new token (its prefill timed alone)."""
@@ -509,6 +515,7 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
     rows = []
     for name, sharing in (("prefix sharing (default)", True), ("prefix_sharing=False", False)):
         nanoserve.patch_model(model, prefix_sharing=sharing)
+        timer = None
         try:
             for ids, mask in warm_again:
                 run_generate(model, ids, mask, 1, device)
@@ -518,6 +525,8 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
             gpu_ms, hash_ms, kernels = prefill_kernels(model, *profiled, device)
             first_ms, first_hash_ms, _ = prefill_kernels(model, *first_profiled, device)
         finally:
+            if timer is not None:
+                timer.remove()
             nanoserve.release_memory(model)
             nanoserve.unpatch_model(model)
         prefill = timer.seconds
