@@ -923,10 +923,12 @@ def _paged_generate(self, *args, **kwargs):
             f"attention_mask: passed to generate must be 2-D [batch, length], got shape "
             f"{tuple(mask.shape)}"
         )
-    if isinstance(mask, torch.Tensor) and padding_inside(mask):
-        # (a row's last column padding stays refused below: right padding, a caller's bug)
-        _log.info("fallback: stock generate (attention_mask: padding between real tokens)")
-        return stock(*args, **kwargs)  # stock's cache: the paged one holds no such holes
+    if isinstance(mask, torch.Tensor):
+        mask = mask.to("cpu", torch.bool)  # (read on the host once, by both checks)
+        if padding_inside(mask):
+            # (a row's last column padding stays refused below: right padding, a caller's bug)
+            _log.info("fallback: stock generate (attention_mask: padding between real tokens)")
+            return stock(*args, **kwargs)  # stock's cache: the paged one holds no such holes
     empty_row = isinstance(mask, torch.Tensor) and not check_left_padded(mask).any(dim=1).all()
     if empty_row and state.original_attn != "sdpa":
         # eager attention gives a row of nothing but padding even weights over every column,

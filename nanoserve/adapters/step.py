@@ -389,8 +389,7 @@ def _rows(flags: torch.Tensor) -> str:
 
 def padding_inside(mask: torch.Tensor) -> bool:
     """True when a row of ``mask`` [B, n] has padding between real tokens while every row
-    ends with a real one (peft's prompt learning puts its virtual tokens' ones before a
-    left-padded mask; a caller may mask tokens out of a prompt): stock attends around
+    ends with a real one (a caller masking tokens out of a prompt): stock attends around
     such holes, which the paged cache cannot hold."""
     mask = mask.to("cpu", torch.bool)
     if mask.shape[1] < 2 or not bool(mask[:, -1].all()):

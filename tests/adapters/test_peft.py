@@ -170,10 +170,10 @@ def test_layer_replication_refused_before_patching():
 
 def test_padding_between_real_tokens_runs_stocks_generate():
     """A mask with padding between real tokens, every row ending with a real one (a
-    caller masking tokens out of a prompt; peft's virtual tokens before a left-padded row):
-    stock attends around the holes, the paged cache cannot hold them, so the call runs
-    stock's generate. Padding at a row's end (right padding) is still refused. Planted: the
-    fallback removed, the call raised "padding after a real token"."""
+    caller masking tokens out of a prompt): stock attends around the holes, the paged
+    cache cannot hold them, so the call runs stock's generate. Padding at a row's end
+    (right padding) is still refused. Planted: the fallback removed, the call raised
+    "padding after a real token"."""
     model = sharpen(tiny_model("llama"))
     batch = padded_batch([20, 14], 20)
     batch["attention_mask"][0, 5:8] = 0
