@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import logging
 import types
 import weakref
 from typing import TYPE_CHECKING, NamedTuple
@@ -252,9 +253,51 @@ def finish_prefix_salt(
     # the model's part is printed and digested only when it changed (a caller's salt that
     # changes every call then costs one small digest)
     if state.salt_key != key:
+        if isinstance(state.salt_key, tuple) and _log.isEnabledFor(logging.INFO):
+            _log.info(
+                "prefix cache: %s changed since the last call; prefixes stored before are "
+                "not found",
+                _what_changed(state.salt_key, key),
+            )
         state.salt_key = key
         state.salt = hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
     return hashlib.blake2b(state.salt + repr(user_salt).encode(), digest_size=16).digest()
+
+
+def _what_changed(old: tuple, new: tuple) -> str:
+    """Which part of a salt key differs between two calls, as a phrase for the log: a
+    timing wrapper whose state changes every call, or weights trained in place, make every
+    call miss what the one before stored."""
+    layout, values, structure, modes = (a != b for a, b in zip(old, new, strict=True))
+    if structure:
+        return _structure_change(old[2], new[2])
+    if layout:
+        return "a tensor's address, dtype, shape or in-place version (weights updated?)"
+    if values:
+        return "the weights' values"
+    return "torch's numeric modes (autocast, matmul precision)" if modes else "nothing"
+
+
+def _structure_change(old: tuple, new: tuple) -> str:
+    """``_what_changed`` within ``structure_key``'s tuple."""
+    switches, classes, settings, global_hooks, dtype, code = (
+        a != b for a, b in zip(old, new, strict=True)
+    )
+    if classes:
+        for (name, attrs), (new_name, new_attrs) in zip(old[1], new[1], strict=False):
+            name, new_name = name.rsplit(".", 1)[-1], new_name.rsplit(".", 1)[-1]
+            if name != new_name:
+                return f"a module's class ({name} -> {new_name})"
+            if attrs != new_attrs:
+                before, after = dict(attrs), dict(new_attrs)
+                names = [n for n in {**before, **after} if before.get(n) != after.get(n)]
+                return f"{name}.{names[0]}" if names else f"an attribute of {name}"
+        return "the model's modules"
+    if settings:
+        return "a config setting"
+    if switches or global_hooks:
+        return "the forward hooks or the adapters switched on"
+    return "the model's dtype" if dtype else "a module class's forward code"
 
 
 def structure_key(model, modules=None) -> tuple:

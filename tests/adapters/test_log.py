@@ -67,6 +67,50 @@ def test_shared_rows_and_prefix_hits(caplog):
         assert "first forward: 0 rows copy another, 1 rows found 16 cached" in messages(caplog)
 
 
+def test_why_a_stored_prefix_is_not_found(caplog):
+    """A call whose salt differs from the last call's says which part changed: a weight
+    updated in place, a module attribute, a wrapper set on ``model.forward`` whose closure
+    counts calls (as a timer's does: every call then misses what the one before stored),
+    and nothing while the model stays as it was. Planted: the log line dropped, and the
+    structure's change named as the weights': failed."""
+    caplog.set_level(logging.INFO, logger=ROOT)
+    model = tiny_model("llama")
+    prompt = padded_batch([21], 21)["input_ids"]
+
+    def changes(before=None) -> list[str]:
+        if before is not None:
+            before()
+        caplog.clear()
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=2, **GREEDY)
+        return [m for m in messages(caplog).splitlines() if m.startswith("prefix cache: ")]
+
+    def counting_wrapper():
+        patched_forward, calls = model.forward, [0]
+
+        def forward(*args, **kwargs):
+            calls[0] += 1
+            return patched_forward(*args, **kwargs)
+
+        model.forward = forward
+
+    def edit_weight():
+        with torch.no_grad():
+            model.model.layers[0].mlp.up_proj.weight.mul_(1.01)
+
+    with patched(model):
+        assert changes() == []
+        assert changes() == []
+        (line,) = changes(edit_weight)
+        assert "in-place version (weights updated?) changed since the last call" in line
+        (line,) = changes(lambda: setattr(model.model.norm, "variance_epsilon", 1e-3))
+        assert line.startswith("prefix cache: LlamaRMSNorm.variance_epsilon changed")
+        (line,) = changes(counting_wrapper)
+        assert line.startswith("prefix cache: LlamaForCausalLM.forward changed")
+        (line,) = changes()  # the wrapper's count moved on
+        assert line.startswith("prefix cache: LlamaForCausalLM.forward changed")
+
+
 def test_door_is_logged(caplog, tmp_path):
     from transformers import AutoModelForCausalLM
 
