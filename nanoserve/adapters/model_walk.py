@@ -18,7 +18,12 @@ import torch
 from transformers import PretrainedConfig
 
 from nanoserve.adapters.module_attrs import module_attr
-from nanoserve.adapters.prefix_salt import drops_out, length_dependent_rope, structure_key
+from nanoserve.adapters.prefix_salt import (
+    attention_dropout_rate,
+    drops_out,
+    length_dependent_rope,
+    structure_key,
+)
 from nanoserve.adapters.user_hooks import HookScan, scan_hooks
 
 
@@ -113,9 +118,8 @@ def drops_attention_out(named: list[tuple[str, torch.nn.Module]]) -> str | None:
     not; trainers (trl's GRPO) generate in training mode, where ``model.eval()`` is not
     theirs to call."""
     for name, module in named:
-        rate = module_attr(module, "attention_dropout", 0.0)
-        number = isinstance(rate, (int, float)) and not isinstance(rate, bool)
-        if module.training and number and rate > 0:
+        rate = attention_dropout_rate(module)
+        if module.training and rate > 0:
             return f"{name or 'the model'} drops attention out ({rate}) in training mode"
     return None
 

@@ -387,6 +387,13 @@ _DROPOUT_MODULES = (
 )
 
 
+def attention_dropout_rate(module) -> float:
+    """``module.attention_dropout`` where it is a number (what its attention is asked to
+    drop in training mode), else 0.0."""
+    rate = module_attr(module, "attention_dropout", 0.0)
+    return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else 0.0
+
+
 def _dropout_rate(module) -> float:
     """A dropout module's rate, or the largest rate of randomness a module keeps for its own
     forward in training mode: ``attention_dropout``, ``p`` of a class named like a dropout,
@@ -396,7 +403,7 @@ def _dropout_rate(module) -> float:
     uniform noise)."""
     if isinstance(module, _DROPOUT_MODULES):
         return float(module.p)
-    rates = [module_attr(module, "attention_dropout", 0.0)]
+    rates = [attention_dropout_rate(module)]
     if "Dropout" in type(module).__name__:  # one of a library's own (peft's OFT: ``p``)
         rates.append(module_attr(module, "p", 0.0))
     for name, value in module.__dict__.items():
