@@ -1,13 +1,17 @@
-"""A captured decode step in fewer, faster launches (float16 / bfloat16 models).
+"""A step of a float16 / bfloat16 model in fewer, faster launches.
 
 Under a CUDA graph a decode step of a small model is bound by its many small kernels: eager
 RMSNorm is about seven of them, and cuBLAS reads a layer's small k and v projections at a
-fraction of the bandwidth. Inside ``FusedDecode.active()`` (entered while the CUDA-graph
-runner warms up and captures a decode step) every RMSNorm of the family's classes
-(``Family.rms_norm_classes``) runs as one ``rms_norm`` launch, and, in steps of up to 64
-rows, each decoder layer's q, k and v projections run as one ``small_batch_linear`` launch
-and a gated MLP of the form ``down(silu(gate(x)) * up(x))`` as two (gate and up with the
-activation and product, then down; past 16 rows down runs on cuBLAS).
+fraction of the bandwidth; in a prefill, eager's norms, rotary products and SiLU pass over
+the activations again and again. Inside ``FusedDecode.active()`` (entered while the
+CUDA-graph runner warms up and captures a decode or extend step, and around an eager step on
+the GPU) every RMSNorm of the family's classes (``Family.rms_norm_classes``) runs as one
+``rms_norm`` launch, and, in steps of up to 64 token rows, each decoder layer's q, k and v
+projections run as one ``small_batch_linear`` launch and a gated MLP of the form
+``down(silu(gate(x)) * up(x))`` as two (gate and up with the activation and product, then
+down; past 16 rows down runs on cuBLAS). Past 64 rows the MLP runs cuBLAS's three products
+with the activation and product between them as one ``silu_mul`` launch (bit-equal to
+eager's on CUDA).
 
 q/k/v work with any attention module: the first of the three called computes all three and
 leaves the others' outputs for them, matched by the identity of the input tensor; a module
@@ -37,9 +41,10 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.adapters import fused_rotary
-from nanoserve.adapters.fused_inputs import fusable, plain_linear
+from nanoserve.adapters.fused_inputs import fusable, plain_linear, records_grad
 from nanoserve.adapters.fused_residual import ResidualNorms
 from nanoserve.kernels.dispatch import use_triton
+from nanoserve.kernels.gated_act import silu_mul
 from nanoserve.kernels.rms_norm import input_problem as norm_problem
 from nanoserve.kernels.rms_norm import rms_norm
 from nanoserve.kernels.small_batch_linear import MAX_ROWS, small_batch_linear
@@ -95,7 +100,16 @@ def _gated_mlp_forward(
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         flat = x.reshape(-1, x.shape[-1])
         if not fits(flat, (gate, up), backend, gated=True):
-            return stock_forward(x)
+            if not _activation_fits(x, (gate, up), backend):
+                return stock_forward(x)
+            # stock's three cuBLAS products; the SiLU and the product between them in one launch
+            gated = F.linear(x, gate.weight, gate.bias)
+            hidden = silu_mul(gated, F.linear(x, up.weight, up.bias), backend=backend)
+            out = F.linear(hidden, down.weight, down.bias)
+            ran.add(("mlp", id(mlp)))
+            if note is not None:
+                note(mlp, out)
+            return out
         biases = [gate.bias, up.bias] if gate.bias is not None else None
         hidden = small_batch_linear(
             flat, [gate.weight, up.weight], biases, gated=True, weights_ready=True
@@ -125,6 +139,19 @@ def fits(
     weights, biases = [m.weight for m in linears], [m.bias for m in linears]
     return (
         fusable(x) and linear_problem(x, weights, biases, gated) is None and use_triton(backend, x)
+    )
+
+
+def _activation_fits(x: torch.Tensor, linears: Sequence[torch.nn.Linear], backend: str) -> bool:
+    """True when ``silu_mul`` takes the products of ``x`` through ``linears`` (the gate and
+    up projections: weights and biases of x's dtype and device) in a 16-bit step outside
+    autocast and autograd; anything else runs stock's."""
+    tensors = [m.weight for m in linears] + [m.bias for m in linears if m.bias is not None]
+    return (
+        fusable(x)
+        and all(t.dtype == x.dtype and t.device == x.device for t in tensors)
+        and not records_grad(x, *tensors)
+        and use_triton(backend, x)
     )
 
 
@@ -209,11 +236,14 @@ class FusedDecode:
         backend: str,
         rotary: bool = True,
         residual: bool = True,
+        compiled: bool = False,
     ):
         self.backend = backend
-        # (module, its fused forward, whether it is a projection: those only serve steps of up
-        # to MAX_ROWS rows); compile_decode's compiled layers call them uncompiled
-        self.swaps: list[tuple[torch.nn.Module, object, bool]] = []
+        self.compiled = compiled
+        # (module, its fused forward, "norm" | "attention" | "mlp"): q/k/v groups only serve
+        # steps of up to MAX_ROWS rows, and so does the MLP under compile_decode, whose
+        # compiled layers call them uncompiled
+        self.swaps: list[tuple[torch.nn.Module, object, str]] = []
         self.siblings: list[_Siblings] = []
         # ("attention" | "mlp" | "norm", id of the module) for each that has run fused, and
         # ("rotary" | "residual", n) for the n-th rotary call or fused add of a step
@@ -223,10 +253,10 @@ class FusedDecode:
         self.rotary_classes = family.rotary_attention_classes
         taken: set[int] = set()  # a module two layers share is swapped once, by the first
 
-        def swap(modules, forwards, projection: bool) -> None:
+        def swap(modules, forwards, kind: str) -> None:
             taken.update(id(m) for m in modules)
             for m, f in zip(modules, forwards, strict=True):
-                self.swaps.append((m, torch.compiler.disable(f), projection))
+                self.swaps.append((m, torch.compiler.disable(f), kind))
 
         norms = [m for m in root.modules() if _rms_norm(m, family.rms_norm_classes)]
         self.residual = None
@@ -241,7 +271,7 @@ class FusedDecode:
             )
         for module in norms:
             forward = _norm_forward(module, module.forward, backend, self.ran, self.residual)
-            swap([module], [forward], False)
+            swap([module], [forward], "norm")
         note = self.residual.note if self.residual is not None else None
         for layer in layers:
             attention = getattr(layer, "self_attn", None)
@@ -249,7 +279,7 @@ class FusedDecode:
             if linears is not None and not taken & {id(m) for m in linears}:
                 group = _Siblings(linears, backend, self.ran)
                 self.siblings.append(group)
-                swap(linears, [group.forward_of(i) for i in range(len(linears))], True)
+                swap(linears, [group.forward_of(i) for i in range(len(linears))], "attention")
             mlp = getattr(layer, "mlp", None)
             classes = family.gated_mlp_classes
             if (
@@ -259,7 +289,7 @@ class FusedDecode:
                 and "forward" not in mlp.__dict__
             ):
                 fused = _gated_mlp_forward(mlp, mlp.forward, classes, backend, self.ran, note)
-                swap([mlp], [fused], True)
+                swap([mlp], [fused], "mlp")
 
     @property
     def rotary_modules(self) -> tuple:
@@ -276,14 +306,22 @@ class FusedDecode:
         return {kind: kinds.count(kind) for kind in FUSED_KINDS}
 
     @contextlib.contextmanager
-    def active(self, rows: int) -> Iterator[None]:
-        """The fused forwards in place for a step of ``rows`` rows (the projections' only up
-        to MAX_ROWS: past it they would only add graph breaks under compile_decode)."""
+    def active(self, rows: int, residual: bool = True) -> Iterator[None]:
+        """The fused forwards in place for a step of ``rows`` token rows (q/k/v groups only
+        up to MAX_ROWS, which their kernel takes; the MLP past it too, by cuBLAS's products and
+        ``silu_mul``, except under compile_decode, where it would only add graph breaks).
+        ``residual=False`` leaves the residual adds to stock (their watch is a
+        ``TorchFunctionMode`` that every op of the step goes through: cheap for a capture,
+        a host cost at each eager step)."""
+
+        def serves(kind: str) -> bool:
+            if kind == "attention":
+                return rows <= MAX_ROWS
+            return kind == "norm" or rows <= MAX_ROWS or not self.compiled
+
         # a module whose forward another library wrapped since keeps that wrapper
         swapped = [
-            (m, f)
-            for m, f, projection in self.swaps
-            if "forward" not in m.__dict__ and (rows <= MAX_ROWS or not projection)
+            (m, f) for m, f, kind in self.swaps if "forward" not in m.__dict__ and serves(kind)
         ]
         calls = itertools.count()
 
@@ -294,7 +332,7 @@ class FusedDecode:
         modules = self.rotary_modules
         if modules:
             rotary = fused_rotary.swapped(modules, self.backend, rotary_fused)
-        residual = self.residual.active() if self.residual is not None else None
+        residual = self.residual.active() if self.residual is not None and residual else None
         for module, forward in swapped:
             module.forward = forward
         try:

@@ -1,10 +1,10 @@
 """A pre-norm decoder layer's residual adds and the RMSNorms after them, one launch each, in
-captured decode steps.
+captured decode and extend steps (not in eager ones: see ``FusedDecode.active``).
 
 A layer of the family's ``pre_norm_layer_classes`` computes ``h = x + o_proj(...)`` and
 then ``post_attention_layernorm(h)``, and ``h + mlp(...)`` followed by the next layer's
 ``input_layernorm`` (the last layer's: the model's final ``norm``). Eagerly each add is a
-launch of its own. While a decode step is warmed up and captured (``FusedDecode.active``),
+launch of its own. While a step is warmed up and captured (``FusedDecode.active``),
 the sublayers' outputs are noted with the norm that follows them (o_proj's, by a stand-in
 forward that runs stock's ``F.linear``; the fused MLP's), and a ``TorchFunctionMode`` sees
 each add: one of a noted output and a tensor of its shape and dtype runs ``add_rms_norm``
@@ -72,6 +72,7 @@ class ResidualNorms:
         self.noted: dict[int, tuple[torch.Tensor, torch.nn.Module]] = {}
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(norm) -> (sum, norm)
         self.adds = itertools.count()
+        self.watching = False  # inside active(): outside it nothing is noted (nor held)
 
     def o_proj_forward(self, o_proj: torch.nn.Module):
         """Stock's forward of a plain Linear, its output noted."""
@@ -85,7 +86,7 @@ class ResidualNorms:
 
     def note(self, sublayer: torch.nn.Module, output: torch.Tensor) -> None:
         """``output`` of ``sublayer``: an add of it is fused with the norm that follows."""
-        norm = self.norm_after.get(id(sublayer))
+        norm = self.norm_after.get(id(sublayer)) if self.watching else None
         if norm is not None:
             self.noted[id(output)] = (output, norm)
 
@@ -126,9 +127,11 @@ class ResidualNorms:
         for module, forward in swapped:
             module.forward = forward
         try:
+            self.watching = True
             with _AddWatch(self):
                 yield
         finally:
+            self.watching = False
             self.noted, self.held = {}, {}
             for module, forward in swapped:
                 if module.__dict__.get("forward") is forward:

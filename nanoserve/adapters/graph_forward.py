@@ -38,6 +38,10 @@ from nanoserve.adapters.user_hooks import HookScan, plain_call
 # config flags under which transformers' output capturing is active in every forward
 _CAPTURE_FLAGS = ("output_hidden_states", "output_attentions", "output_router_logits")
 
+# fuse_decode's forwards in steps of several columns too (prefills, extends), captured or
+# eager; off, only decode graph steps run them (the switch the benchmarks' A/B turns).
+FUSE_PREFILL = True
+
 # Forward arguments a captured decode step reproduces; any other one runs the step eagerly.
 _GRAPH_KWARGS = {
     "input_ids", "attention_mask", "position_ids", "use_cache", "cache_position",
@@ -110,7 +114,8 @@ def graph_step(model, state: PatchState, stock_forward, cache, kwargs, new, borr
     def run_forward(static):
         none = contextlib.nullcontext()
         layers = _compiled(model, state) if decode else none
-        fused = _fused(model, state, static.input_ids.shape[0]) if decode else none
+        # (the step's token rows)
+        fused = _fused(model, state, static.input_ids.numel()) if decode or FUSE_PREFILL else none
         with paged_step(cache, static.meta, state.backend), layers, fused:
             return stock_forward(
                 input_ids=static.input_ids, position_ids=static.position_ids,
@@ -143,7 +148,24 @@ def _compiled(model, state: PatchState):
     return state.compiled_layers.active()
 
 
-def _fused(model, state: PatchState, rows: int):
+def eager_fused(model, state: PatchState, kwargs: dict, autograd: bool):
+    """The fused forwards (``fuse_decode``) for a step run eagerly (a prefill the graphs do
+    not take, a step of a call whose hooks rule out replays), or a null context: not while
+    autograd records the step, nor where the kernels would not run (the CPU with backend
+    "auto"). The residual adds stay stock's here (``FusedDecode.active``); the fused
+    forwards check each module's hooks at each call, as in a capture."""
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if not FUSE_PREFILL or tokens is None or autograd:
+        return contextlib.nullcontext()
+    if not (tokens.is_cuda or state.backend == "triton"):
+        return contextlib.nullcontext()
+    rows = tokens.numel() if tokens.dim() <= 2 else tokens.shape[:-1].numel()
+    return _fused(model, state, rows, residual=False)
+
+
+def _fused(model, state: PatchState, rows: int, residual: bool = True):
     if (
         not state.fuse_decode
         or state.backend == "torch"
@@ -161,8 +183,9 @@ def _fused(model, state: PatchState, rows: int):
             # (the compiler fuses these itself; a swap would break its graph)
             rotary=not state.compile_decode,
             residual=not state.compile_decode,
+            compiled=state.compile_decode,
         )
-    return state.fused_decode.active(rows)
+    return state.fused_decode.active(rows, residual=residual)
 
 
 def memory_signature(model, cache) -> tuple:

@@ -23,7 +23,13 @@ from transformers import GenerationMixin
 from nanoserve.adapters.attention import ATTN_NAME, DOOR, register
 from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.fused_decode import FUSED_KINDS
-from nanoserve.adapters.graph_forward import graph_step, graph_step_kind, records_grad, replay_skips
+from nanoserve.adapters.graph_forward import (
+    eager_fused,
+    graph_step,
+    graph_step_kind,
+    records_grad,
+    replay_skips,
+)
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
 from nanoserve.adapters.model_walk import ModelWalk, config_of_its_own
 from nanoserve.adapters.pool_memory import check_pool_fits
@@ -108,7 +114,9 @@ def patch_model(
     (bit-equal to stock's; not with ``compile_decode``) and, at up to 64 rows, each layer's
     q/k/v projections as one and a SiLU-gated MLP as two (``fused_decode.py``; float32
     accumulation as eager, another summation order, so the last bit can differ from
-    stock's); ``False`` keeps transformers' modules there. ``backend``
+    stock's); its prefill and extend steps on the GPU run them too, past 64 token rows the
+    MLP as cuBLAS's products and one ``silu_mul``; ``False`` keeps transformers' modules
+    there. ``backend``
     picks the kernels of every paged step: "auto" (Triton on CUDA, the torch references on
     CPU), "triton" (on CPU under ``TRITON_INTERPRET=1``) or "torch". ``keep_pools`` (the
     default) keeps a finished call's pool, and the decode graphs captured over it, for the
@@ -467,7 +475,10 @@ def _run_step(model, state: PatchState, stock, cache: PagedCache, kwargs: dict, 
     meta = cache.begin_step(new, device)
     try:
         # the Triton kernels (and a replay) record no autograd graph; the references do
-        with paged_step(cache, meta, "torch" if autograd else state.backend):
+        with (
+            paged_step(cache, meta, "torch" if autograd else state.backend),
+            eager_fused(model, state, kwargs, autograd),
+        ):
             return stock(**kwargs)
     except BaseException:
         cache.abort_step()  # the step's tokens were never all written: forget them

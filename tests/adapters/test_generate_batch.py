@@ -146,7 +146,9 @@ def test_equals_transformers_own_generate_batch():
     free, _ = stock_alone(model, prompts[1], max_new_tokens=5, do_sample=False, eos_token_id=[])
     eos = free[2]  # request 1 ends after at most 3 tokens
     config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=eos, pad_token_id=0)
-    logprobs = ContinuousBatchingConfig(return_logprobs=True)
+    # transformers sizes its cache from free memory (about 20 GB on a 24 GiB CI machine with
+    # 5.17) unless given a size; nanoserve sizes its pool by the requests
+    logprobs = ContinuousBatchingConfig(return_logprobs=True, num_blocks=16, max_batch_tokens=64)
     theirs = model.generate_batch(prompts, config, continuous_batching_config=logprobs)
     assert model.config._attn_implementation == "sdpa"
     with patched(model):
