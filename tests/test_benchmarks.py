@@ -24,6 +24,8 @@ NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         "bench_generate_batch",
         "bench_content_hash",
         "bench_decode_splits",
+        "bench_gated_act",
+        "bench_prefill",
     ],
 )
 def test_without_cuda_one_clear_line(name):
