@@ -325,14 +325,16 @@ def _run(model, inputs, cuda_graphs, fuse_decode=True, **opts):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_replayed_decode_equals_eager_bit_for_bit(dtype):
-    """A replay runs what the eager step runs. fuse_decode is off in the graph run: it
-    swaps kernels only in graph steps (test_gpu_parity holds the fused steps to stock)."""
+def test_replayed_decode_equals_eager_bit_for_bit(dtype, fuse):
+    """A replay runs what the eager step runs, with fuse_decode's forwards or without them
+    (an eager step leaves the residual adds apart, which changes no bit; test_gpu_parity
+    holds the fused steps to stock)."""
     model = _gpu_model(dtype)
     inputs = {k: v.cuda() for k, v in padded_batch([40, 23, 7, 31], 40, vocab=1000).items()}
-    eager, _ = _run(model, inputs, False, max_new_tokens=48, **GREEDY)
-    graph, stats = _run(model, inputs, True, fuse_decode=False, max_new_tokens=48, **GREEDY)
+    eager, _ = _run(model, inputs, False, fuse_decode=fuse, max_new_tokens=48, **GREEDY)
+    graph, stats = _run(model, inputs, True, fuse_decode=fuse, max_new_tokens=48, **GREEDY)
     assert stats["captures"] == 1 and stats["replays"] == 47, stats
     assert torch.equal(eager.sequences, graph.sequences)
     for a, b in zip(eager.logits, graph.logits, strict=True):
@@ -402,7 +404,7 @@ def test_graph_decode_batch_one_after_a_short_call():
     short = {k: v.cuda() for k, v in padded_batch([8], 8, vocab=1000).items()}
     long = {k: v.cuda() for k, v in padded_batch([300], 300, vocab=1000).items()}
     opts = dict(do_sample=False, eos_token_id=None)
-    eager, _ = _run(model, long, False, max_new_tokens=40, **opts)
+    eager, _ = _run(model, long, False, fuse_decode=False, max_new_tokens=40, **opts)
     nanoserve.patch_model(model, fuse_decode=False)  # graph steps run the eager step's kernels
     try:
         with torch.no_grad():
