@@ -8,11 +8,15 @@ A random-weight Llama-3.2-1B-shaped model in bf16 (``bench_generate.build_model`
 second sighting of a shape may capture its extend graph) and the GPU kernel time and kernel
 count of one more call under torch.profiler; then how many greedy tokens of 8 rows agree
 over 64 new tokens between the two (bf16: near ties may part).
-Usage: cd benchmarks && python3 bench_prefill.py; writes $OUT/prefill.csv.
+``--end-to-end``: instead, whole calls of 256 new greedy tokens at batch 1 (prompt 512) and on
+a ragged 32 (128..2048), a patch per form and round, 4 rounds whose first form alternates;
+writes $OUT/prefill_end_to_end.csv.
+Usage: cd benchmarks && python3 bench_prefill.py [--end-to-end]; writes $OUT/prefill.csv.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -61,8 +65,53 @@ def profiled(model, ids, mask) -> tuple[float, int]:
     return kernel_seconds(events) * 1e3, kernel_launches(events)
 
 
+def end_to_end(model) -> None:
+    """Whole calls with fused prefill steps off and on (the module docstring)."""
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(2)
+    shapes = {"batch 1, prompt 512": [512], "ragged 32, 128..2048": SHAPES["ragged 32 x 128..2048"]}
+    seconds: dict[tuple[str, str], list[float]] = {}
+
+    def call(lens) -> float:
+        ids, mask = left_padded(lens, vocab, gen, "cuda")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=256,
+                       min_new_tokens=256, do_sample=False)  # fmt: skip
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for round_ in range(4):
+        for provider in ("unfused", "fused")[:: 1 if round_ % 2 == 0 else -1]:
+            graph_forward.FUSE_PREFILL = provider == "fused"
+            nanoserve.patch_model(model, prefix_sharing=False)
+            try:
+                for shape, lens in shapes.items():
+                    call(lens)
+                    call(lens)
+                    seconds.setdefault((shape, provider), []).append(call(lens))
+            finally:
+                nanoserve.release_memory(model)
+                nanoserve.unpatch_model(model)
+    graph_forward.FUSE_PREFILL = True
+    table = []
+    for (shape, provider), runs in seconds.items():
+        rows = len(shapes[shape])
+        table.append({"shape": shape, "provider": provider,
+                      "call_s": " / ".join(f"{s:.4f}" for s in runs),
+                      "tok_s_median": f"{rows * 256 / statistics.median(runs):,.0f}"})  # fmt: skip
+    print(versions())
+    show_table(table, "prefill_end_to_end", ["shape", "provider", "call_s", "tok_s_median"])
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--end-to-end", action="store_true")
+    args = parser.parse_args()
     model = build_model(False, "cuda")
+    if args.end_to_end:
+        end_to_end(model)
+        return
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(11)
     timed: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
