@@ -134,7 +134,7 @@ def test_a_bucket_of_32_rows_runs_fused(monkeypatch):
 
 
 @NEEDS_INTERPRETER
-def test_more_rows_than_the_kernel_takes_run_stock_projections():
+def test_more_rows_than_the_kernel_takes_run_stock_projections(monkeypatch):
     """q/k/v run stock's past 64 rows, and the MLP's products too, its SiLU and product in
     one ``silu_mul``; the norms and the rotary embedding take any number. Planted: both row
     limits dropped (``active``'s and the kernel's): failed (either alone keeps stock's
@@ -143,17 +143,13 @@ def test_more_rows_than_the_kernel_takes_run_stock_projections():
 
     launched = []
     kernel = fused_decode.small_batch_linear
-    monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(
         fused_decode,
         "small_batch_linear",
         lambda x, *a, **k: launched.append(x.shape[0]) or kernel(x, *a, **k),
     )
-    inputs = padded_batch([5] * 65, 5)  # bucket of 128 rows
-    try:
-        _, stats = run(fp16_model(), inputs, steps=3)
-    finally:
-        monkeypatch.undo()
+    inputs = padded_batch([5] * 65, 5)  # bucket of 128 rows; the prefill's 325 token rows
+    _, stats = run(fp16_model(), inputs, steps=3)
     assert stats["fused_decode"] == counts(mlp=2, norm=5, rotary=2, residual=4)
     assert stats["replays"] == 2
     assert launched == []
