@@ -17,6 +17,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from nanoserve.adapters.fused_inputs import records_grad
 from nanoserve.adapters.step import current_step, original_attn
 from nanoserve.kernels import paged_decode_attention, paged_extend_attention
 
@@ -100,7 +101,9 @@ def paged_attention(
         sliding_window=window,
         softcap=kwargs.get("softcap"),
         check=False,
-        backend=current.backend,
+        # the references where autograd records this layer (the kernels record nothing), as
+        # for every layer of a step whose inputs or weights require grad
+        backend="torch" if records_grad(query, key, value) else current.backend,
     )
     if k_scale is not None:
         opts.update(k_scale=k_scale, v_scale=v_scale)

@@ -64,15 +64,17 @@ class _Siblings:
         self.linears = list(linears)
         self.backend = backend
         self.ran = ran
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # sibling index -> (the input, its version counter then, the sibling's output)
+        self.pending: dict[int, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
 
     def forward_of(self, index: int):
         linear = self.linears[index]
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             held = self.pending.pop(index, None)
-            if held is not None and held[0] is x:
-                return held[1]
+            # (the very input, unchanged since: code between the calls may write it in place)
+            if held is not None and held[0] is x and held[1] == _version(x):
+                return held[2]
             flat = x.reshape(-1, x.shape[-1])
             # (a sibling's pre-hook could change its input after this one computed it)
             if _hooks_before(self.linears) or not fits(flat, self.linears, self.backend):
@@ -84,16 +86,17 @@ class _Siblings:
             out = small_batch_linear(flat, weights, biases, weights_ready=True)
             sizes = [w.shape[0] for w in weights]
             outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in out.split(sizes, dim=-1)]
-            self.pending = {i: (x, y) for i, y in enumerate(outs) if i != index}
+            self.pending = {i: (x, _version(x), y) for i, y in enumerate(outs) if i != index}
             self.ran.add(("attention", id(self)))
             return outs[index]
 
         return forward
 
 
-def _gated_mlp_forward(
-    mlp, stock_forward, classes: Sequence[str], backend: str, ran: set, note=None
-):
+def _gated_mlp_forward(mlp, classes: Sequence[str], backend: str, ran: set, note=None):
+    def stock_forward(x: torch.Tensor) -> torch.Tensor:
+        return type(mlp).forward(mlp, x)  # (the class's forward now, as stock would call it)
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not _gated_mlp(mlp, classes):
             return stock_forward(x)
@@ -138,7 +141,10 @@ def fits(
     in a 16-bit step outside autocast; anything else runs stock's."""
     weights, biases = [m.weight for m in linears], [m.bias for m in linears]
     return (
-        fusable(x) and linear_problem(x, weights, biases, gated) is None and use_triton(backend, x)
+        fusable(x)
+        and not records_grad(x, *weights, *(b for b in biases if b is not None))
+        and linear_problem(x, weights, biases, gated) is None
+        and use_triton(backend, x)
     )
 
 
@@ -167,15 +173,22 @@ def _hooks_skipped(modules) -> bool:
     return _hooks_before(modules) or bool(global_hooks) or any(m._forward_hooks for m in modules)
 
 
-def _norm_forward(norm, stock_forward, backend: str, ran: set, residual=None):
+def _norm_forward(norm, backend: str, ran: set, residual=None):
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if not modeling_forward(norm):  # a forward set on the class since: its own math
+            return type(norm).forward(norm, x)
         held = residual.take(norm, x) if residual is not None else None
         if held is not None:  # computed with the residual add that made x
             ran.add(("norm", id(norm)))
             return held
         weight, eps = norm.weight, norm.variance_epsilon
-        if not fusable(x) or norm_problem(x, weight, eps) is not None or not use_triton(backend, x):
-            return stock_forward(x)
+        if (
+            not fusable(x)
+            or records_grad(x, weight)
+            or norm_problem(x, weight, eps) is not None
+            or not use_triton(backend, x)
+        ):
+            return type(norm).forward(norm, x)
         ran.add(("norm", id(norm)))
         return rms_norm(x, weight, eps, backend=backend)
 
@@ -188,9 +201,31 @@ def _rms_norm(module, classes: Sequence[str]) -> bool:
     return (
         type(module).__name__ in classes
         and "forward" not in module.__dict__
+        and modeling_forward(module)
         and isinstance(getattr(module, "weight", None), torch.Tensor)
         and hasattr(module, "variance_epsilon")
     )
+
+
+def modeling_forward(module: torch.nn.Module) -> bool:
+    """The module's class runs the forward a transformers modeling file defines for it (or
+    for the class it inherits from), not one a caller or another library set on the class
+    since: the family trusts a class by its name to compute its formula, and a forward
+    set on the class may compute something else."""
+    owner = next((c for c in type(module).__mro__ if "forward" in c.__dict__), None)
+    if owner is None or not owner.__module__.startswith("transformers."):
+        return False
+    forward = owner.__dict__["forward"]
+    return (
+        getattr(forward, "__module__", None) == owner.__module__
+        and getattr(forward, "__qualname__", None) == f"{owner.__qualname__}.forward"
+    )
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """x's version counter (bumped by every in-place write), or None for an inference
+    tensor, which keeps none."""
+    return None if x.is_inference() else x._version
 
 
 def _attention_siblings(attention) -> tuple[torch.nn.Linear, ...] | None:
@@ -206,7 +241,7 @@ def _attention_siblings(attention) -> tuple[torch.nn.Linear, ...] | None:
 def _gated_mlp(mlp, classes: Sequence[str]) -> bool:
     """``mlp`` computes ``down(silu(gate(x)) * up(x))`` with plain modules the fused forward
     may skip: checked at every call, since modules and hooks can change between calls."""
-    if type(mlp).__name__ not in classes:
+    if type(mlp).__name__ not in classes or not modeling_forward(mlp):
         return False
     parts = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(plain_linear(m) for m in parts):
@@ -270,7 +305,7 @@ class FusedDecode:
                 self.ran,
             )
         for module in norms:
-            forward = _norm_forward(module, module.forward, backend, self.ran, self.residual)
+            forward = _norm_forward(module, backend, self.ran, self.residual)
             swap([module], [forward], "norm")
         note = self.residual.note if self.residual is not None else None
         for layer in layers:
@@ -288,7 +323,7 @@ class FusedDecode:
                 and _gated_mlp(mlp, classes)
                 and "forward" not in mlp.__dict__
             ):
-                fused = _gated_mlp_forward(mlp, mlp.forward, classes, backend, self.ran, note)
+                fused = _gated_mlp_forward(mlp, classes, backend, self.ran, note)
                 swap([mlp], [fused], "mlp")
 
     @property

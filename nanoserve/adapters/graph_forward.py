@@ -148,16 +148,17 @@ def _compiled(model, state: PatchState):
     return state.compiled_layers.active()
 
 
-def eager_fused(model, state: PatchState, kwargs: dict, autograd: bool):
-    """The fused forwards (``fuse_decode``) for a step run eagerly (a prefill the graphs do
-    not take, a step of a call whose hooks rule out replays), or a null context: not while
-    autograd records the step, nor where the kernels would not run (the CPU with backend
-    "auto"). The residual adds stay stock's here (``FusedDecode.active``); the fused
-    forwards check each module's hooks at each call, as in a capture."""
+def eager_fused(model, state: PatchState, cache, kwargs: dict, autograd: bool):
+    """The fused forwards (``fuse_decode``) for a step of ``cache`` run eagerly (a prefill
+    the graphs do not take, a step of a patch without graphs), or a null context: not while
+    autograd records the step, not where a submodule's hook or a wrapped forward would see
+    them (``cache.submodule_hooks``: as in graph steps, which such models do not replay),
+    nor where the kernels would not run (the CPU with backend "auto"). The residual adds
+    stay stock's here (``FusedDecode.active``)."""
     tokens = kwargs.get("input_ids")
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
-    if not FUSE_PREFILL or tokens is None or autograd:
+    if not FUSE_PREFILL or tokens is None or autograd or cache.submodule_hooks is not None:
         return contextlib.nullcontext()
     if not (tokens.is_cuda or state.backend == "triton"):
         return contextlib.nullcontext()

@@ -114,9 +114,9 @@ def patch_model(
     (bit-equal to stock's; not with ``compile_decode``) and, at up to 64 rows, each layer's
     q/k/v projections as one and a SiLU-gated MLP as two (``fused_decode.py``; float32
     accumulation as eager, another summation order, so the last bit can differ from
-    stock's); its prefill and extend steps on the GPU run them too, past 64 token rows the
-    MLP as cuBLAS's products and one ``silu_mul``; ``False`` keeps transformers' modules
-    there. ``backend``
+    stock's); its prefill and extend steps run them too where the Triton kernels run (past
+    64 token rows the MLP as cuBLAS's products and one ``silu_mul``), but not the eager
+    steps of a model with submodule hooks; ``False`` keeps transformers' modules there. ``backend``
     picks the kernels of every paged step: "auto" (Triton on CUDA, the torch references on
     CPU), "triton" (on CPU under ``TRITON_INTERPRET=1``) or "torch". ``keep_pools`` (the
     default) keeps a finished call's pool, and the decode graphs captured over it, for the
@@ -477,7 +477,7 @@ def _run_step(model, state: PatchState, stock, cache: PagedCache, kwargs: dict, 
         # the Triton kernels (and a replay) record no autograd graph; the references do
         with (
             paged_step(cache, meta, "torch" if autograd else state.backend),
-            eager_fused(model, state, kwargs, autograd),
+            eager_fused(model, state, cache, kwargs, autograd),
         ):
             return stock(**kwargs)
     except BaseException:
@@ -614,7 +614,8 @@ def _may_share(kwargs: dict, option) -> bool:
 
 def _note_hooks(state: PatchState, cache: PagedCache, hooks: HookScan, model) -> None:
     """Put on ``cache`` what the model's hooks (``scan_hooks``) rule out for its forwards."""
-    cache.hooked = replay_skips(model, hooks) if state.graphs is not None else None
+    cache.submodule_hooks = replay_skips(model, hooks)
+    cache.hooked = cache.submodule_hooks if state.graphs is not None else None
     cache.row_hooks, cache.batch_hooks = hooks.rows, hooks.batch
     state.eager_reason = cache.drops_out or cache.hooked
 

@@ -78,6 +78,10 @@ class PagedCache(Cache):
         # found at a generate call's start or at each forward outside one, or None; while
         # set, no step replays a graph
         self.hooked: str | None = None
+        # the same phrase whether or not the patch replays graphs: while set, eager steps run
+        # stock's modules too (a hook would see fused forwards' outputs: views of one
+        # buffer, computed before its own sibling's input changed)
+        self.submodule_hooks: str | None = None
         # what the model's hooks rule out (user_hooks.scan_hooks), found alike: a hook that
         # may compute rows apart (no row takes another's prefill or a stored prefix), and
         # one that would see the batch shrink (HF's loop runs, not nanoserve's)
@@ -167,8 +171,11 @@ class PagedCache(Cache):
         batch, heads, q_len, head_dim = key_states.shape
         key = key_states.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
         value = value_states.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
-        # (a torch step, where autograd records the forward, scatters by the reference too)
-        backend = "torch" if step.backend == "torch" else None
+        # (a torch step, where autograd records the forward, scatters by the reference too, and
+        # so does a layer whose K/V autograd records though the step's inputs and weights do
+        # not: a hook added a tensor that requires grad)
+        grad = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
+        backend = "torch" if step.backend == "torch" or grad else None
         return self.paged.write(layer_idx, key, value, check=False, backend=backend)
 
     # -- what generate and the mask code call ------------------------------------------------
