@@ -156,6 +156,13 @@ def unit_stride(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
+def unit_stride_rows(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """``tensor`` [..., width] as rows [R, width] whose last dim has unit stride: a view where
+    the layout allows it (rows may be strided), else a contiguous copy."""
+    rows = tensor.reshape(-1, width)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (n >= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.kernels.dispatch import float_input_problem, meta_problem, pdl_launch, use_triton
+from nanoserve.kernels.dispatch import (
+    float_input_problem,
+    meta_problem,
+    pdl_launch,
+    unit_stride_rows,
+    use_triton,
+)
 
 # columns a program takes
 BLOCK = 1024
@@ -54,7 +60,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "auto") -> 
 
     width = gate.shape[-1]
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    g, u = _rows(gate, width), _rows(up, width)
+    g, u = unit_stride_rows(gate, width), unit_stride_rows(up, width)
     if g.shape[0] == 0 or width == 0:
         return out
     launch = pdl_launch(gate.device)
@@ -63,8 +69,3 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "auto") -> 
         BLOCK=BLOCK, ACCURATE=gate.is_cuda, PDL=bool(launch), num_warps=4, **launch,
     )  # fmt: skip
     return out
-
-
-def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    rows = t.reshape(-1, width)  # a view where the rows allow it
-    return rows if rows.stride(-1) == 1 else rows.contiguous()

@@ -14,6 +14,7 @@ from nanoserve.kernels.dispatch import (
     meta_problem,
     next_pow2,
     pdl_launch,
+    unit_stride_rows,
     use_triton,
 )
 
@@ -100,22 +101,17 @@ def add_input_problem(x: torch.Tensor, residual, weight: torch.Tensor, eps) -> s
     return input_problem(x, weight, eps)
 
 
-def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    rows = t.reshape(-1, width)  # a view where the rows allow it
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def _launch(x, residual, weight, eps) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(the sum or None, the norm) by one launch; arguments already checked."""
     from nanoserve.kernels.triton_rms_norm import _rms_norm_kernel
 
     width = x.shape[-1]
-    rows = _rows(x, width)
+    rows = unit_stride_rows(x, width)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     total = None if residual is None else torch.empty_like(out)
     if rows.shape[0] == 0:
         return total, out
-    others = rows if residual is None else _rows(residual, width)
+    others = rows if residual is None else unit_stride_rows(residual, width)
     block = next_pow2(width)
     num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     launch = pdl_launch(x.device)

@@ -100,6 +100,12 @@ def poison_outputs(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poisoned(real_empty_like(*a, **k)))
 
 
+def ulps(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|out - ref| in units of ref's dtype's epsilon times |ref| (float64), elementwise."""
+    eps = torch.finfo(ref.dtype).eps
+    return (out.double() - ref.double()).abs() / (eps * ref.double().abs().clamp(min=1e-30))
+
+
 def row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Relative error of every row (last dim) in float64: [..] without the last dim.
     Non-finite rows of ``out`` give inf."""

@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import needs_interpreter
+from kernel_inputs import needs_interpreter, ulps
 
 from nanoserve.kernels.gated_act import BLOCK, silu_mul, silu_mul_ref
-
-
-def _ulps(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    eps = torch.finfo(ref.dtype).eps
-    return (out.double() - ref.double()).abs() / (eps * ref.double().abs().clamp(min=1e-30))
 
 
 @needs_interpreter
@@ -36,9 +31,9 @@ def test_matches_silu_times_up(shape, dtype):
     assert torch.equal(ref, torch.nn.functional.silu(gate) * up)
     assert torch.isfinite(out).all()
     if dtype == torch.float32:
-        assert _ulps(out, ref).max() <= 4
+        assert ulps(out, ref).max() <= 4
     else:
-        assert _ulps(out, ref).max() <= 2.01
+        assert ulps(out, ref).max() <= 2.01
         assert (out == ref).float().mean() >= 0.95
 
 
@@ -48,10 +43,10 @@ def test_strided_rows_and_copied_layouts():
     (copied first)."""
     both = torch.randn(5, 2 * 80).to(torch.float16)
     gate, up = both[:, :80], both[:, 80:]
-    assert _ulps(silu_mul(gate, up, backend="triton"), silu_mul_ref(gate, up)).max() <= 2.01
+    assert ulps(silu_mul(gate, up, backend="triton"), silu_mul_ref(gate, up)).max() <= 2.01
     t = torch.randn(80, 6).to(torch.float16).T
     out = silu_mul(t, t, backend="triton")
-    assert _ulps(out, silu_mul_ref(t, t)).max() <= 2.01
+    assert ulps(out, silu_mul_ref(t, t)).max() <= 2.01
     empty = torch.empty(0, 80, dtype=torch.float16)
     assert silu_mul(empty, empty, backend="triton").shape == (0, 80)
 

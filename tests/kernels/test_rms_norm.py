@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import needs_interpreter
+from kernel_inputs import needs_interpreter, ulps
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from nanoserve.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
-
-
-def _ulps(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    eps = torch.finfo(ref.dtype).eps
-    return (out.double() - ref.double()).abs() / (eps * ref.double().abs().clamp(min=1e-30))
 
 
 @needs_interpreter
@@ -40,9 +35,9 @@ def test_matches_llama_rms_norm(shape, width, dtype):
     # may move by a few units in the last place; in float16 the rounding of the normed row
     # hides it, so most outputs are bit-equal and the rest one or two units apart
     if dtype == torch.float32:
-        assert _ulps(out, stock).max() <= 8
+        assert ulps(out, stock).max() <= 8
     else:
-        assert _ulps(out, stock).max() <= 2.01
+        assert ulps(out, stock).max() <= 2.01
         assert (out == stock).float().mean() >= 0.9
 
 
@@ -53,10 +48,10 @@ def test_strided_rows_and_copied_layouts():
     q = fused[..., :128].view(2, 1, 2, 64)
     weight = torch.randn(64).to(torch.float16)
     expected = rms_norm_ref(q, weight, 1e-6)
-    assert _ulps(rms_norm(q, weight, 1e-6, backend="triton"), expected).max() <= 2.01
+    assert ulps(rms_norm(q, weight, 1e-6, backend="triton"), expected).max() <= 2.01
     t = torch.randn(64, 6).to(torch.float16).T  # D not the unit-stride dimension: copied
     out = rms_norm(t, weight, 1e-6, backend="triton")
-    assert _ulps(out, rms_norm_ref(t, weight, 1e-6)).max() <= 2.01
+    assert ulps(out, rms_norm_ref(t, weight, 1e-6)).max() <= 2.01
     empty = torch.empty(0, 64, dtype=torch.float16)
     assert rms_norm(empty, weight, 1e-6, backend="triton").shape == (0, 64)
 
@@ -103,7 +98,7 @@ def test_add_rms_norm_is_the_add_then_the_norm(rows, width, dtype):
     with torch.no_grad():
         module.weight.copy_(weight)
         assert torch.equal(ref_normed, module(total))
-    assert _ulps(normed, ref_normed).max() <= (8 if dtype == torch.float32 else 2.01)
+    assert ulps(normed, ref_normed).max() <= (8 if dtype == torch.float32 else 2.01)
 
 
 @pytest.mark.parametrize(
