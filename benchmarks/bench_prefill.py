@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +30,13 @@ from harness import require_cuda  # noqa: E402
 
 require_cuda("bench_prefill")
 
-from bench_generate import build_model, kernel_launches, kernel_seconds, left_padded  # noqa: E402
+from bench_generate import (  # noqa: E402
+    build_model,
+    kernel_launches,
+    kernel_seconds,
+    left_padded,
+    run_generate,
+)
 from harness import show_table, versions  # noqa: E402
 
 import nanoserve  # noqa: E402
@@ -48,11 +53,8 @@ COLUMNS = ["shape", "tokens", "provider", "wall_ms", "gpu_ms", "kernels", "gpu_x
 
 
 def one_call(model, ids, mask) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3
+    """Milliseconds of a prefill-only generate call."""
+    return run_generate(model, ids, mask, 1, "cuda")[1] * 1e3
 
 
 def profiled(model, ids, mask) -> tuple[float, int]:
@@ -73,13 +75,7 @@ def end_to_end(model) -> None:
     seconds: dict[tuple[str, str], list[float]] = {}
 
     def call(lens) -> float:
-        ids, mask = left_padded(lens, vocab, gen, "cuda")
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=256,
-                       min_new_tokens=256, do_sample=False)  # fmt: skip
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return run_generate(model, *left_padded(lens, vocab, gen, "cuda"), 256, "cuda")[1]
 
     for round_ in range(4):
         for provider in ("unfused", "fused")[:: 1 if round_ % 2 == 0 else -1]:
@@ -151,10 +147,7 @@ def main() -> None:
         graph_forward.FUSE_PREFILL = provider == "fused"
         nanoserve.patch_model(model)
         try:
-            out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=64, do_sample=False
-            )
-            tokens[provider] = out[:, ids.shape[1] :]
+            tokens[provider] = run_generate(model, ids, mask, 64, "cuda")[0]  # (no EOS)
         finally:
             nanoserve.release_memory(model)
             nanoserve.unpatch_model(model)
