@@ -16,6 +16,7 @@ import inspect
 import torch
 from transformers.cache_utils import Cache
 
+from nanoserve.adapters.fused_inputs import records_grad
 from nanoserve.adapters.step import current_step
 from nanoserve.cache import GroupedKVCache, PagedKVCache, StepMetadata
 
@@ -174,8 +175,7 @@ class PagedCache(Cache):
         # (a torch step, where autograd records the forward, scatters by the reference too, and
         # so does a layer whose K/V autograd records though the step's inputs and weights do
         # not: a hook added a tensor that requires grad)
-        grad = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
-        backend = "torch" if step.backend == "torch" or grad else None
+        backend = "torch" if step.backend == "torch" or records_grad(key, value) else None
         return self.paged.write(layer_idx, key, value, check=False, backend=backend)
 
     # -- what generate and the mask code call ------------------------------------------------
