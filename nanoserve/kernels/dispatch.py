@@ -66,6 +66,19 @@ def float_input_problem(name: str, tensor: torch.Tensor) -> str | None:
     return f"{name}: expected float16, bfloat16, float32 or float64, got {dtype}"
 
 
+def like_problem(name: str, tensor, like_name: str, like: torch.Tensor) -> str | None:
+    """Why ``tensor`` (argument ``name``) is refused for not being a tensor of ``like``'s
+    shape, dtype and device (argument ``like_name``; no broadcasting), or None."""
+    if not isinstance(tensor, torch.Tensor):
+        return f"{name}: expected a tensor, got {type(tensor).__name__}"
+    if (tensor.shape, tensor.dtype, tensor.device) != (like.shape, like.dtype, like.device):
+        return (
+            f"{name}: expected {like_name}'s shape {tuple(like.shape)}, dtype {like.dtype} and "
+            f"device {like.device}, got {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
+        )
+    return None
+
+
 def meta_problem(name: str, tensor: torch.Tensor) -> str | None:
     """Why a launcher refuses ``tensor`` for lying on the meta device (it holds no values to
     compute from), or None. Checked after the shapes, which meta tensors can test without

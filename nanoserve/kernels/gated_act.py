@@ -13,6 +13,7 @@ import torch
 
 from nanoserve.kernels.dispatch import (
     float_input_problem,
+    like_problem,
     meta_problem,
     pdl_launch,
     unit_stride_rows,
@@ -34,13 +35,8 @@ def input_problem(gate: torch.Tensor, up: torch.Tensor) -> str | None:
         return f"gate: expected a tensor [..., N], got {getattr(gate, 'shape', type(gate))}"
     if (problem := float_input_problem("gate", gate)) is not None:
         return problem
-    if not isinstance(up, torch.Tensor):
-        return f"up: expected a tensor, got {type(up).__name__}"
-    if (up.shape, up.dtype, up.device) != (gate.shape, gate.dtype, gate.device):
-        return (
-            f"up: expected gate's shape {tuple(gate.shape)}, dtype {gate.dtype} and device "
-            f"{gate.device}, got {tuple(up.shape)} {up.dtype} on {up.device}"
-        )
+    if (problem := like_problem("up", up, "gate", gate)) is not None:
+        return problem
     return meta_problem("gate", gate)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from nanoserve.kernels.dispatch import (
     float_input_problem,
+    like_problem,
     meta_problem,
     next_pow2,
     pdl_launch,
@@ -91,13 +92,8 @@ def add_rms_norm(
 
 def add_input_problem(x: torch.Tensor, residual, weight: torch.Tensor, eps) -> str | None:
     """Why ``add_rms_norm`` refuses these arguments (the ValueError's message), or None."""
-    if not isinstance(residual, torch.Tensor):
-        return f"residual: expected a tensor, got {type(residual).__name__}"
-    if (residual.shape, residual.dtype, residual.device) != (x.shape, x.dtype, x.device):
-        return (
-            f"residual: expected x's shape {tuple(x.shape)}, dtype {x.dtype} and device "
-            f"{x.device}, got {tuple(residual.shape)} {residual.dtype} on {residual.device}"
-        )
+    if (problem := like_problem("residual", residual, "x", x)) is not None:
+        return problem
     return input_problem(x, weight, eps)
 
 
