@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from nanoserve.adapters import fused_rotary
 from nanoserve.adapters.fused_inputs import fusable, plain_linear, records_grad
 from nanoserve.adapters.fused_residual import ResidualNorms
-from nanoserve.kernels.dispatch import use_triton
+from nanoserve.kernels.dispatch import interpreted_bfloat16, use_triton
 from nanoserve.kernels.gated_act import silu_mul
 from nanoserve.kernels.rms_norm import input_problem as norm_problem
 from nanoserve.kernels.rms_norm import rms_norm
@@ -83,7 +83,9 @@ class _Siblings:
             weights = [m.weight for m in self.linears]
             biases = [m.bias for m in self.linears] if linear.bias is not None else None
             # (weights_ready: no kernel of a decode step writes a parameter)
-            out = small_batch_linear(flat, weights, biases, weights_ready=True)
+            out = small_batch_linear(
+                flat, weights, biases, backend=self.backend, weights_ready=True
+            )
             sizes = [w.shape[0] for w in weights]
             outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in out.split(sizes, dim=-1)]
             self.pending = {i: (x, _version(x), y) for i, y in enumerate(outs) if i != index}
@@ -115,7 +117,7 @@ def _gated_mlp_forward(mlp, classes: Sequence[str], backend: str, ran: set, note
             return out
         biases = [gate.bias, up.bias] if gate.bias is not None else None
         hidden = small_batch_linear(
-            flat, [gate.weight, up.weight], biases, gated=True, weights_ready=True
+            flat, [gate.weight, up.weight], biases, gated=True, backend=backend, weights_ready=True
         )
         if hidden.shape[0] > DOWN_MAX_ROWS:
             out = F.linear(hidden, down.weight, down.bias)
@@ -123,7 +125,9 @@ def _gated_mlp_forward(mlp, classes: Sequence[str], backend: str, ran: set, note
             return stock_forward(x)  # (a down projection the kernel does not take)
         else:
             down_bias = [down.bias] if down.bias is not None else None
-            out = small_batch_linear(hidden, [down.weight], down_bias, weights_ready=True)
+            out = small_batch_linear(
+                hidden, [down.weight], down_bias, backend=backend, weights_ready=True
+            )
         ran.add(("mlp", id(mlp)))
         out = out.view(*x.shape[:-1], out.shape[-1])
         if note is not None:
@@ -138,13 +142,15 @@ def fits(
 ) -> bool:
     """True when the kernel takes ``x`` [M, K] through ``linears`` (``small_batch_linear``'s
     own conditions: at most 64 rows, weights and biases of x's dtype, device and width, ...)
-    in a 16-bit step outside autocast; anything else runs stock's."""
+    in a 16-bit step outside autocast (not bfloat16 in Triton's CPU interpreter, whose dot
+    gets it wrong); anything else runs stock's."""
     weights, biases = [m.weight for m in linears], [m.bias for m in linears]
     return (
         fusable(x)
         and not records_grad(x, *weights, *(b for b in biases if b is not None))
         and linear_problem(x, weights, biases, gated) is None
         and use_triton(backend, x)
+        and not interpreted_bfloat16(x)
     )
 
 

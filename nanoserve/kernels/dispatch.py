@@ -88,17 +88,21 @@ def meta_problem(name: str, tensor: torch.Tensor) -> str | None:
     return None
 
 
+def interpreted_bfloat16(*tensors: torch.Tensor) -> bool:
+    """True when a Triton kernel's ``tl.dot`` would take bfloat16 CPU tensors in Triton's
+    interpreter, whose bfloat16 dot gives wrong sums (float16 and float32 are right)."""
+    return _interpreting() and any(t.dtype == torch.bfloat16 and not t.is_cuda for t in tensors)
+
+
 def refuse_interpreted_bfloat16(*tensors: torch.Tensor) -> None:
-    """ValueError naming ``backend`` when the Triton attention kernels would run on bfloat16
-    CPU tensors in Triton's interpreter (``tensors``: the pools, whose dtype the kernels'
-    ``tl.dot`` tiles take; INT8 pools, and FP8 pools in the extend kernel, meet the query in
-    its dtype, so the query is passed with them; decode meets FP8 tiles in float16): its
-    ``tl.dot`` on bfloat16
-    gives wrong sums (float16 and float32 are right), and a wrong answer must not pass for
-    one."""
-    if _interpreting() and any(t.dtype == torch.bfloat16 and not t.is_cuda for t in tensors):
+    """ValueError naming ``backend`` when the Triton attention or linear kernels would run
+    on bfloat16 CPU tensors in Triton's interpreter (``tensors``: those whose dtype the
+    kernels' ``tl.dot`` tiles take: the pools; INT8 pools, and FP8 pools in the extend
+    kernel, meet the query in its dtype, so the query is passed with them; decode meets FP8
+    tiles in float16; the linear kernel's x): a wrong answer must not pass for one."""
+    if interpreted_bfloat16(*tensors):
         raise ValueError(
-            "backend: 'triton' under TRITON_INTERPRET=1 computes bfloat16 attention wrongly "
+            "backend: 'triton' under TRITON_INTERPRET=1 computes bfloat16 products wrongly "
             "(the interpreter's tl.dot on bfloat16); use float32 or float16, backend='auto' "
             "or 'torch' on the CPU, or a GPU"
         )

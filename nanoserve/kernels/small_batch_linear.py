@@ -20,6 +20,7 @@ from nanoserve.kernels.dispatch import (
     float_input_problem,
     meta_problem,
     pdl_launch,
+    refuse_interpreted_bfloat16,
     sm_count,
     use_triton,
 )
@@ -80,8 +81,9 @@ def small_batch_linear(
 
     x [M, K] with 1 <= M <= 64 and unit stride in K; weights 1 to 3 contiguous [N_i, K]
     (gated: gate and up, equal shapes); float16, bfloat16 or float32 (float32 exact, no
-    TF32). ``config`` overrides the tile choice (benchmarks). ``weights_ready=True`` promises
-    that the kernel just before this one on the stream writes no weight (a model's
+    TF32; in Triton's CPU interpreter, whose bfloat16 dot is wrong, backend="triton" refuses
+    bfloat16). ``config`` overrides the tile choice (benchmarks). ``weights_ready=True``
+    promises that the kernel just before this one on the stream writes no weight (a model's
     parameters in a decode step; nanoserve's kernels let the next one start only after their
     own wait, so no earlier kernel still runs): launched with programmatic dependent launch,
     each program then loads its first weight tiles before it waits for that kernel.
@@ -97,6 +99,7 @@ def small_batch_linear(
     width = sizes[0] if gated else sum(sizes)
     if not use_triton(backend, x) or k == 0:  # (K = 0: the bias alone, no tile to load)
         return small_batch_linear_ref(x, weights, biases, gated=gated)
+    refuse_interpreted_bfloat16(x)
     from nanoserve.kernels.triton_linear import _linear_kernel, _sum_shares_kernel
 
     cfg = config or choose_config(rows, k, sizes, gated, x.device)

@@ -83,13 +83,30 @@ def assert_follows(plain, fused, tol=2e-2):
 
 @NEEDS_INTERPRETER
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases
-def test_fused_steps_match_unfused(name):
-    """Planted: k and v handed each other's outputs, and the norms' weights dropped: each
-    failed every case."""
+def test_fused_steps_match_unfused(name, monkeypatch):
+    """The fused steps run the Triton kernels themselves (interpreted), q/k/v and down by the
+    linear kernel, gate and up by its gated form. Planted: k and v handed each other's
+    outputs, and the norms' weights dropped: each failed every case; the backend not handed
+    to the linear kernel (which then ran its torch reference on the CPU): failed."""
+    import nanoserve.kernels.triton_linear as triton_linear
+
+    kernel, launched = triton_linear._linear_kernel, []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["GATED"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_linear, "_linear_kernel", Recorded())
     model = fp16_model(name)
     inputs = padded_batch([9, 4, 7], 9)
     plain, plain_stats = run(model, inputs, fuse=False)
+    assert launched == []
     fused, stats = run(model, inputs, fuse=True)
+    assert set(launched) == {False, True}
     assert plain_stats["fused_decode"] == counts()
     assert stats["fused_decode"] == counts(2, 2, NORMS[name], rotary=2, residual=4)
     assert stats["replays"] == plain_stats["replays"] == 5

@@ -83,6 +83,30 @@ def test_interpreted_bfloat16_attention_is_refused(op):
     torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
     reason="Triton's CPU interpreter only",
 )
+@pytest.mark.parametrize("gated", [False, True])
+def test_interpreted_bfloat16_linear_is_refused(gated):
+    """The small-batch linear kernel's products are ``tl.dot`` too: in the interpreter a
+    bfloat16 x came back off by ~3e11 (a (3, 256) x (256, 64) product), silently. Refused
+    naming ``backend``; "auto" runs the reference; float16 still runs the kernel. Planted:
+    without the refusal, the kernel answered (no error)."""
+    from nanoserve.kernels.small_batch_linear import small_batch_linear, small_batch_linear_ref
+
+    x = torch.randn(3, 256).bfloat16()
+    weights = [torch.randn(64, 256).bfloat16() / 16 for _ in range(2 if gated else 1)]
+    with pytest.raises(ValueError, match="^backend: 'triton' under TRITON_INTERPRET=1"):
+        small_batch_linear(x, weights, gated=gated, backend="triton")
+    auto = small_batch_linear(x, weights, gated=gated, backend="auto")
+    assert torch.equal(auto, small_batch_linear_ref(x, weights, gated=gated))
+    half = [w.half() for w in weights]
+    out = small_batch_linear(x.half(), half, gated=gated, backend="triton")
+    ref = small_batch_linear_ref(x.half(), half, gated=gated)
+    torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton's CPU interpreter only",
+)
 def test_interpreted_fp8_extend_with_a_bfloat16_query_is_refused():
     """The extend kernel meets FP8 tiles in the query's dtype: with a bfloat16 query the
     interpreter's tl.dot ran in bfloat16 and answered off by ~1e8 (a probe found it); it is
