@@ -21,7 +21,7 @@ from test_families import padded_batch, tiny_model
 import nanoserve
 from nanoserve.adapters import fused_rotary
 from nanoserve.adapters.decode_graphs import DecodeGraphs
-from nanoserve.adapters.fused_decode import FusedDecode
+from nanoserve.adapters.fused_decode import FusedDecode, fits
 from nanoserve.adapters.hf_cache import cache_kwarg
 from nanoserve.adapters.llama import LLAMA
 from nanoserve.adapters.step import state_of
@@ -115,6 +115,18 @@ def test_fused_steps_match_unfused(name, monkeypatch):
         modules = [getattr(layer.self_attn, n) for n in PROJECTIONS] + [layer.mlp]
         modules += [layer.input_layernorm, layer.post_attention_layernorm, model.model.norm]
         assert not any("forward" in m.__dict__ for m in modules)
+
+
+@NEEDS_INTERPRETER
+def test_interpreted_bfloat16_projections_run_stock():
+    """The interpreter's bfloat16 dot is wrong (``small_batch_linear`` refuses it): the
+    fused forwards take the projections only in float16 there. Planted: the check dropped:
+    fits answered True for bfloat16."""
+    linear = torch.nn.Linear(64, 32, bias=False)
+    for dtype, taken in ((torch.float16, True), (torch.bfloat16, False)):
+        linear.to(dtype)
+        with torch.no_grad():
+            assert fits(torch.randn(3, 64).to(dtype), [linear], "triton") is taken
 
 
 def test_float32_and_torch_backend_are_not_fused():
