@@ -64,6 +64,10 @@ _log = get_logger(__name__)
 
 # generate's model_kwargs the loop handles; any other (not None) runs HF's loop
 _KNOWN_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", *CACHE_KWARGS}
+# generate's own arguments that transformers hands to ``_sample`` with the forward's: the tokenizer
+# serves stop strings (a stopping criterion the loop checks apart) and token healing (done
+# before the loop); no forward reads it
+_GENERATE_ONLY = {"tokenizer"}
 _STOCK_SAMPLE = GenerationMixin._sample
 # what HF's loop calls every step and the loop does not: a model class that overrides one
 # of them (to re-run its prompt, move positions, ...) runs HF's loop
@@ -141,7 +145,7 @@ def stock_reason(
     if model_kwargs.get("use_cache") is False:
         return "use_cache=False"
     for name, value in model_kwargs.items():
-        if value is not None and name not in _KNOWN_KWARGS:
+        if value is not None and name not in _KNOWN_KWARGS | _GENERATE_ONLY:
             return f"the forward argument {name}"
     positions = model_kwargs.get("position_ids")
     if not isinstance(positions, torch.Tensor) or positions.dim() != 2:

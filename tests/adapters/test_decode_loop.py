@@ -653,16 +653,22 @@ def test_a_pool_that_fits_the_tokens_but_not_the_steps_past_eos(sample):
 
 
 def test_smollm2_greedy(smollm2):
+    """With ``tokenizer=`` passed too (transformers hands it to ``_sample`` with the forward's
+    arguments; no forward reads it), the loop runs; with stop strings, HF's loop runs, named
+    by their criterion. Planted: the tokenizer counted as a forward argument: HF's loop ran
+    ("the forward argument tokenizer")."""
     from helpers import chat
 
     model, tok = smollm2
     inputs = chat(tok, ["What is the capital of France?", "Name a color."])
-    with torch.no_grad():
-        stock = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-        with patched(model):
-            ours = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-            assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
-    assert torch.equal(stock, ours)
+    for extra, loop in (({}, "nanoserve"), ({"tokenizer": tok}, "nanoserve"),
+                        ({"tokenizer": tok, "stop_strings": ["Paris"]}, "StopString")):  # fmt: skip
+        with torch.no_grad():
+            stock = model.generate(**inputs, max_new_tokens=12, do_sample=False, **extra)
+            with patched(model):
+                ours = model.generate(**inputs, max_new_tokens=12, do_sample=False, **extra)
+                assert loop in nanoserve.decode_graph_stats(model)["decode_loop"], extra
+        assert torch.equal(stock, ours)
 
 
 # -- GPU ----------------------------------------------------------------------------------
