@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 OLDEST_TRANSFORMERS := 5.17.0
 OLDEST_VENV := .venv-oldest
 
-.PHONY: venv test lint demo bench clean
+.PHONY: venv test test-gpu lint demo bench clean
 
 venv: $(VENV)/.installed
 
@@ -55,6 +55,20 @@ else
 	$(MAKE) venv
 	$(PY) benchmarks/run_all.py --generate
 endif
+
+# The GPU tests (`-m gpu`) need a CUDA GPU: the kernels first, then the rest, one after the
+# other (both at once, their workers ran an 80 GB card out of memory). With pytest-xdist
+# installed they run on GPU_WORKERS workers. On a machine whose own Python already has CUDA
+# torch and triton: `make test-gpu GPU_PY=python3`.
+GPU_WORKERS ?= 8
+test-gpu:
+ifndef GPU_PY
+	$(MAKE) venv
+endif
+	py="$(or $(GPU_PY),$(PY))"; \
+	workers=$$($$py -c "import xdist" 2>/dev/null && echo "-n $(GPU_WORKERS)"); \
+	$$py -m pytest -q -m gpu -p no:cacheprovider $$workers tests/kernels && \
+	$$py -m pytest -q -m gpu -p no:cacheprovider $$workers tests --ignore=tests/kernels
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV)
