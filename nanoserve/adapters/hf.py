@@ -441,6 +441,7 @@ def _paged_forward(self, *args, **kwargs):
         if not cache.generating:  # a forward of the caller's own: hooks may change between
             _note_hooks(state, cache, scan_hooks(self), self)
             cache.paged.leave_inference_mode()  # (a cache returned under inference mode)
+            _room_for_forward(state, cache, self, new_token_mask(kwargs, cache.paged.seq_lens))
         run_step = functools.partial(_run_step, self, state, stock, cache)
         if state.prefix_sharing:
             output = first_forward(run_step, cache, kwargs)
@@ -455,8 +456,6 @@ def _paged_forward(self, *args, **kwargs):
             )
             cache.unshared_blocks = None
         new = new_token_mask(kwargs, cache.paged.seq_lens)
-        if not cache.generating:
-            _room_for_forward(state, cache, self, new)
         output = run_step(kwargs, new)
         cache.end_step()
         return output
@@ -777,10 +776,17 @@ def _room_to_continue(state: PatchState, cache: PagedCache, model, args, kwargs)
 def _room_for_forward(state: PatchState, cache, model, new: torch.Tensor) -> None:
     """A forward of the caller's own on a returned cache grows its pool to fit the forward's
     new tokens (``new`` bool [B, q]), as stock's cache would, unless the pool size was fixed:
-    each row may take the blocks its tokens reach plus a copy of its last one."""
+    each row may take the blocks its tokens reach plus a copy of its last one (every row
+    anew on a cache that holds none, after ``reset()``)."""
     counts = new.sum(dim=1).tolist()
     paged = cache.paged
-    if cache.pool_fixed or len(counts) != paged.num_seqs:
+    if cache.pool_fixed:
+        return
+    if not paged.num_seqs:  # a reset cache: every row is new
+        bs = paged.block_size
+        _grow_to(state, paged, [sum(-(-n // bs) + 1 for n in counts)] * len(paged.groups), model)
+        return
+    if len(counts) != paged.num_seqs:
         return  # (a row count the step refuses itself)
     need = [
         sum(

@@ -376,7 +376,8 @@ def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) ->
     block. In a group that releases blocks past its window (``sliding_window``) a row holds
     at most that window's blocks, as ``_blocks_held`` bounds a new pool's; the blocks the rows
     hold now make no room meanwhile (the call holds them, to give them back should it fail:
-    ``PagedCache.hold``)."""
+    ``PagedCache.hold``). A cache that holds no rows (``reset()``) takes every row anew, as a
+    new pool is sized (``_blocks_held``)."""
     shape = call_shape(model, args, kwargs)
     # assisted and prompt-lookup calls: transformers' first forward feeds every column again
     # on top of the cache (5.25 does), not only those it has not seen
@@ -385,6 +386,9 @@ def blocks_to_continue(paged, columns: int, model, args: tuple, kwargs: dict) ->
     bs = paged.block_size
     need = []
     for group in paged.groups:
+        if not group.tables:
+            need.append(_blocks_held(shape, bs, group.sliding_window, share_rows=False))
+            continue
         window = None if shape.multi_token_steps else group.sliding_window
         appended = 0  # blocks the rows add, none released
         at_most = 0  # blocks the rows hold at once, those they share counted for each

@@ -288,6 +288,50 @@ def test_a_forward_of_many_tokens_on_a_returned_cache_grows_its_pool(family):
         assert cache.paged.seq_lens() == lens
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("way", ["generate", "forward"])
+def test_a_reset_returned_cache_takes_a_whole_history_again(family, way):
+    """``reset()`` on a returned cache, then a generate call or a forward of the caller's
+    own over the whole history (three left-padded rows): the pool grows for every row anew,
+    and the tokens and logits are those of stock's fresh call without a cache (transformers
+    5.25's reset empties its cache so; 5.17's zeroes the K/V and keeps their length). Planted:
+    sizing a reset cache's growth from the rows it held (none), OutOfBlocks naming
+    num_blocks, which the caller never set, in all four cases."""
+    model = tiny_model(family)
+    inputs = padded_batch([9, 4, 6], 9)
+    turn = torch.randint(3, 97, (3, 3), generator=torch.Generator().manual_seed(5))
+
+    def history(out):
+        ids = torch.cat([out.sequences, turn], 1)
+        grown = torch.ones(3, ids.shape[1] - 9, dtype=torch.long)
+        return ids, torch.cat([inputs["attention_mask"], grown], 1)
+
+    def again(ids, mask, cache):
+        if way == "generate":
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                                  **{cache_name(model): cache}, **GREEDY)  # fmt: skip
+        return model(input_ids=ids, attention_mask=mask, **{cache_name(model): cache}).logits
+
+    with torch.no_grad():
+        first = model.generate(**inputs, max_new_tokens=5, return_dict_in_generate=True,
+                               **GREEDY)  # fmt: skip
+        ids, mask = history(first)
+        expected = again(ids, mask, None)
+        with patched(model, block_size=4):
+            out = model.generate(**inputs, max_new_tokens=5, return_dict_in_generate=True,
+                                 **GREEDY)  # fmt: skip
+            assert torch.equal(out.sequences, first.sequences)
+            cache = out.past_key_values
+            cache.reset()
+            got = again(ids, mask, cache)
+            assert cache.get_seq_length() == ids.shape[1] + (5 if way == "generate" else 0)
+    if way == "generate":
+        assert torch.equal(got, expected)
+    else:
+        real = mask.bool()
+        torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
+
+
 def test_a_pool_past_the_free_memory_is_refused_naming_max_new_tokens():
     """max_new_tokens far past what the rows generate: the default pool (reserved up front)
     would need more than the machine holds. Refused before anything changes, naming the
