@@ -209,11 +209,21 @@ class PagedCache(Cache):
         """Drop the last ``-tokens_to_remove`` columns (a positive value: keep that many).
 
         The dropped columns are taken to be real tokens in every row, which holds for what
-        generate crops (generated tokens, never prompt padding).
+        generate crops (generated tokens, never prompt padding). Under a sliding window a
+        crop past the positions the window released (``activate_past_recording`` keeps them)
+        raises a ValueError before anything changes.
         """
         tokens_to_remove = int(tokens_to_remove)  # 5.17's assisted decoding passes a tensor
         drop = -tokens_to_remove if tokens_to_remove <= 0 else self.columns - tokens_to_remove
         drop = max(0, min(drop, self.columns))
+        if drop and not self.paged.can_drop_last(drop):
+            # stock's sliding layers refuse such a crop too (a RuntimeError, 5.17 to 5.25)
+            raise ValueError(
+                f"tokens_to_remove: {tokens_to_remove} cuts the cache back past positions its "
+                "sliding window already released; call cache.activate_past_recording() "
+                "before those tokens are written to crop back that far, as on stock's "
+                "sliding-window layers"
+            )
         if drop:
             self.paged.drop_last(drop)
             self.columns -= drop

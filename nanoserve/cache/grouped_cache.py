@@ -245,6 +245,10 @@ class GroupedKVCache:
             group.reorder(indices)
         self._step = None
 
+    def can_drop_last(self, n: int) -> bool:
+        """Whether every group could still take new tokens after ``drop_last(n)``."""
+        return all(group.can_drop_last(n) for group in self._groups)
+
     def drop_last(self, n: int) -> None:
         n = as_index(n, "n", minimum=0)
         for group in self._groups:

@@ -362,6 +362,20 @@ class PagedKVCache:
             first_seen = table.num_tokens - self.sliding_window + 1
             self.blocks_dropped += table.drop_before(first_seen - self.window_slack)
 
+    def can_drop_last(self, n: int) -> bool:
+        """Whether every sequence could still take new tokens after ``drop_last(n)``: under a
+        sliding window, not one cut back past the positions its window kept (the test
+        ``begin_step`` makes, here before anything changes)."""
+        n = as_index(n, "n", minimum=0)
+        if self.sliding_window is None:
+            return True
+        for table in self.tables:
+            length = max(0, table.num_tokens - n)
+            dropped = min(table.dropped, -(-length // self.block_size))
+            if dropped and dropped * self.block_size > length - self.sliding_window + 1:
+                return False
+        return True
+
     def drop_last(self, n: int) -> None:
         """Forget the last ``n`` tokens of every sequence (assisted decoding's rejected
         candidates); a sequence with fewer keeps none. Under a sliding window, a sequence cut

@@ -210,3 +210,33 @@ def test_a_callers_loop_that_records_the_past_crops_past_the_window(family):
         with patched(model, block_size=4), refused:  # a pool sized for the window
             model.generate(ids, custom_generate=loop, max_new_tokens=1)
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
+
+
+def test_a_crop_past_what_the_window_kept_is_refused_at_the_crop():
+    """A returned cache of a windowed model (Mistral, window 7), past its window: ``crop``
+    back within what the window kept continues with the tokens stock computes without a
+    cache; one token deeper raises at the crop a ValueError naming ``tokens_to_remove`` and
+    ``activate_past_recording`` (stock's sliding layers refuse such a crop too), and the
+    cache is as it was. Planted: crop without the check: the ValueError came from the next
+    call instead, naming ``new_token_mask``, which the caller never passed."""
+    model = llama_family_model("mistral", seed=2, sliding_window=7)
+    inputs = padded_batch([13, 9], 13)
+    greedy = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad(), patched(model, block_size=4):
+        out = model.generate(**inputs, max_new_tokens=12, return_dict_in_generate=True,
+                             **greedy)  # fmt: skip
+        cache = out.past_key_values
+        length, lens = cache.get_seq_length(), cache.paged.seq_lens()
+        kept = next(k for k in range(length + 1) if not cache.paged.can_drop_last(k)) - 1
+        assert 1 <= kept < length
+        with pytest.raises(ValueError, match=rf"^tokens_to_remove: {-(kept + 1)} .*past_record"):
+            cache.crop(-(kept + 1))
+        assert cache.get_seq_length() == length and cache.paged.seq_lens() == lens
+        cache.crop(-kept)
+        ids = out.sequences[:, : length - kept + 1]
+        mask = torch.cat([inputs["attention_mask"], torch.ones(2, ids.shape[1] - 13).long()], 1)
+        ours = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4,
+                              **{cache_name(model): cache}, **greedy)  # fmt: skip
+    with torch.no_grad():
+        stock = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, **greedy)
+    assert torch.equal(ours, stock)

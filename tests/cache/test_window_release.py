@@ -132,6 +132,43 @@ def test_a_sequence_cut_back_past_its_window_takes_no_new_tokens():
     assert cache.allocator.num_used == 0
 
 
+@pytest.mark.parametrize("window", [None, 3, 6, 9])
+@pytest.mark.parametrize("held", [False, True])
+def test_can_drop_last_says_what_begin_step_will_take(window, held):
+    """``can_drop_last(n)`` answers, before anything changes, whether every sequence could
+    take a new token after ``drop_last(n)``: the same answer ``begin_step`` gives after the
+    drop, for every n from 0 past the longest row. Planted: the check without the table's
+    own ``dropped`` bound after the cut (``min(dropped, blocks kept)``): failed (rows cut
+    into their released blocks' range reported as able to continue, or the reverse)."""
+
+    def filled() -> PagedKVCache:
+        cache = PagedKVCache(1, num_blocks=64, block_size=BLOCK, sliding_window=window)
+        if held:
+            cache.hold_window()
+        torch.manual_seed(0)
+        run_steps(cache, [10, 4, 7], decode_steps=21)  # 31, 25 and 28 tokens
+        return cache
+
+    answers = []
+    for n in range(0, 34):
+        cache = filled()
+        lens = cache.seq_lens()
+        answer = cache.can_drop_last(n)
+        assert cache.seq_lens() == lens  # a question, nothing changed
+        cache.drop_last(n)
+        try:
+            cache.begin_step(torch.ones(3, 1, dtype=torch.bool), "cpu")
+            took = True
+        except ValueError as error:
+            assert str(error).startswith("new_token_mask: sequence")
+            took = False
+        assert answer == took, f"drop_last({n})"
+        answers.append(answer)
+    assert all(answers) == (window is None or held)
+    with pytest.raises(ValueError, match="^n: must be >= 0"):
+        filled().can_drop_last(-1)
+
+
 @pytest.mark.parametrize("kept", [None, 12])
 def test_keep_past_window_lets_a_deeper_crop_continue(kept):
     """``keep_past_window(n)`` (an assistant model's drafting call: its rejected drafts are
