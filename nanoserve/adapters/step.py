@@ -417,10 +417,11 @@ def check_left_padded(mask: torch.Tensor, cached_lens: list[int] | None = None) 
                 "cannot store, so continue such a cache without them"
             )
         raise ValueError(
-            "attention_mask: padding after a real token (right padding, or a token equal to "
-            "pad_token_id inside a sequence whose mask generate inferred) is not supported by "
-            'nanoserve\'s paged cache; tokenize with padding_side="left" and pass the mask'
-            + fed_again
+            "attention_mask: padding after a real token (right padding, a later chat turn "
+            "padded inside a continued sequence, or a token equal to pad_token_id inside a "
+            "sequence whose mask generate inferred) is not supported by nanoserve's paged "
+            'cache; tokenize with padding_side="left" (each turn unpadded when continuing a '
+            "cache) and pass the mask" + fed_again
         )
     return mask
 

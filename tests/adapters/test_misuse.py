@@ -306,6 +306,45 @@ def test_right_padding_is_refused_before_anything_changes():
     assert torch.equal(out, stock_generate(model, **left, **opts))
 
 
+def test_a_padded_later_turn_on_a_returned_cache_is_refused_before_anything_changes():
+    """A later chat turn padded inside a continued sequence (a zero in the mask's new
+    columns), by generate and by a forward of the caller's own on a returned cache: stock
+    masks those keys, the paged cache would store them, so both refuse with a ValueError
+    naming attention_mask and the padded turn, and the cache is as it was (then continued
+    unpadded, stock's tokens)."""
+    model = tiny_model("llama")
+    inputs = padded_batch([7, 5], 7)
+    turn = torch.randint(3, 97, (2, 4), generator=torch.Generator().manual_seed(4))
+    opts = dict(max_new_tokens=3, return_dict_in_generate=True, **GREEDY)
+
+    def turn_inputs(out):
+        ids = torch.cat([out.sequences, turn], 1)
+        mask = torch.cat([inputs["attention_mask"], torch.ones(2, ids.shape[1] - 7).long()], 1)
+        return ids, mask
+
+    stock_first = stock_generate(model, **inputs, **opts)
+    ids, mask = turn_inputs(stock_first)
+    past = {cache_name(model): stock_first.past_key_values}
+    stock_more = stock_generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=3,
+                                **past, **GREEDY)  # fmt: skip
+    holed = mask.clone()
+    holed[0, -3] = 0  # row 0's turn padded inside
+    with patched(model, block_size=4), torch.no_grad():
+        first = model.generate(**inputs, **opts)
+        cache = first.past_key_values
+        lens = cache.paged.seq_lens()
+        refused = "attention_mask: padding after a real token .*later chat turn padded"
+        with pytest.raises(ValueError, match=refused):
+            model.generate(input_ids=ids, attention_mask=holed, max_new_tokens=3,
+                           **{cache_name(model): cache}, **GREEDY)  # fmt: skip
+        with pytest.raises(ValueError, match=refused):
+            model(input_ids=ids[:, -5:], attention_mask=holed, **{cache_name(model): cache})
+        assert cache.paged.seq_lens() == lens
+        more = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
+                              **{cache_name(model): cache}, **GREEDY)  # fmt: skip
+    assert torch.equal(more, stock_more)
+
+
 def test_a_generated_pad_id_in_a_continued_cache_is_refused():
     """Continuing a returned cache with no attention_mask: generate infers the mask from pad
     ids, and a generated token equal to pad_token_id becomes a hole among cached columns.
