@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from fp8_inputs import make_fp8_paged_kv
-from kernel_inputs import make_paged_kv
+from kernel_inputs import make_paged_kv, rel_err
 
 from nanoserve.kernels import (
     paged_decode_attention,
@@ -111,8 +111,8 @@ def test_interpreted_fp8_extend_with_a_bfloat16_query_is_refused():
     """The extend kernel meets FP8 tiles in the query's dtype: with a bfloat16 query the
     interpreter's tl.dot ran in bfloat16 and answered off by ~1e8 (a probe found it); it is
     refused naming ``backend``. Decode meets FP8 tiles in float16 and still answers, within
-    the FP8 tolerance of the dequantized reference. Planted, reverted: the query left out of
-    the extend check: no error."""
+    bfloat16's row tolerance of the dequantized reference. Planted, reverted: the query left
+    out of the extend check: no error."""
     kc, vc, ks, vs, k64, v64, tables, seq_lens = make_fp8_paged_kv([9, 20], 2, 32, 8)
     cu = torch.tensor([0, 4, 7], dtype=torch.int32)
     query = torch.randn(7, 4, 32).bfloat16()
@@ -122,4 +122,6 @@ def test_interpreted_fp8_extend_with_a_bfloat16_query_is_refused():
     decode_query = torch.randn(2, 4, 32).bfloat16()
     out = paged_decode_attention(decode_query, kc, vc, tables, seq_lens, backend="triton", **scales)
     ref = paged_decode_attention_ref(decode_query.double(), k64, v64, tables, seq_lens)
-    assert (out.double() - ref).abs().max() < 0.05
+    # bfloat16 rounding: the row tolerance of the GPU FP8 tests (an absolute bound flaked at
+    # outputs near 3.6, where bfloat16's spacing is 0.016)
+    assert rel_err(out, ref) < 2e-2
