@@ -438,10 +438,12 @@ def _paged_forward(self, *args, **kwargs):
             if not cache.generating:  # (generate checked the windows itself)
                 check_windows(self, state.pool.layout)
             cache.mask_checked = True
+        new = None  # the forward's new-token mask, once its rows are known to stay as they are
         if not cache.generating:  # a forward of the caller's own: hooks may change between
             _note_hooks(state, cache, scan_hooks(self), self)
             cache.paged.leave_inference_mode()  # (a cache returned under inference mode)
-            _room_for_forward(state, cache, self, new_token_mask(kwargs, cache.paged.seq_lens))
+            new = new_token_mask(kwargs, cache.paged.seq_lens)
+            _room_for_forward(state, cache, self, new)
         run_step = functools.partial(_run_step, self, state, stock, cache)
         if state.prefix_sharing:
             output = first_forward(run_step, cache, kwargs)
@@ -455,7 +457,8 @@ def _paged_forward(self, *args, **kwargs):
                 [max(0, n - h) for n, h in zip(cache.unshared_blocks, have, strict=True)],
             )
             cache.unshared_blocks = None
-        new = new_token_mask(kwargs, cache.paged.seq_lens)
+        if new is None:  # (first_forward, sharing nothing, left the rows as they were)
+            new = new_token_mask(kwargs, cache.paged.seq_lens)
         output = run_step(kwargs, new)
         cache.end_step()
         return output

@@ -371,10 +371,14 @@ class PagedKVCache:
             return True
         for table in self.tables:
             length = max(0, table.num_tokens - n)
-            dropped = min(table.dropped, -(-length // self.block_size))
-            if dropped and dropped * self.block_size > length - self.sliding_window + 1:
+            if self._sees_released(min(table.dropped, -(-length // self.block_size)), length):
                 return False
         return True
+
+    def _sees_released(self, dropped: int, num_tokens: int) -> bool:
+        """Whether the next query of a sequence of ``num_tokens`` tokens whose first
+        ``dropped`` blocks the window released would see one of those positions."""
+        return bool(dropped) and dropped * self.block_size > num_tokens - self.sliding_window + 1
 
     def drop_last(self, n: int) -> None:
         """Forget the last ``n`` tokens of every sequence (assisted decoding's rejected
@@ -589,8 +593,7 @@ class PagedKVCache:
         """ValueError when a sequence taking new tokens lacks positions its first new query
         sees (``drop_last`` cut it back past what the sliding window kept)."""
         for i, (table, n) in enumerate(zip(tables, counts, strict=True)):
-            first_seen = table.num_tokens - self.sliding_window + 1
-            if n and table.dropped and table.dropped * self.block_size > first_seen:
+            if n and self._sees_released(table.dropped, table.num_tokens):
                 raise ValueError(
                     f"new_token_mask: sequence {i} was cut back to {table.num_tokens} tokens "
                     f"after the sliding window ({self.sliding_window}) released its positions "
