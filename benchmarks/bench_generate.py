@@ -6,8 +6,9 @@ prompt, and a ragged batch of 32 prompts of lengths spread evenly over 128..2048
 Providers: stock default (sdpa, DynamicCache), stock static cache (auto torch.compile), HF's
 own paged mode (`generate_batch`), and nanoserve's patched model, eager, with decode steps
 replayed as CUDA graphs, and with graphs over torch.compile'd decoder layers
-(`compile_decode=True`). The static cache and the patched model are timed after warm-up calls,
-as the median of three calls; the slow providers once. Each timed call of a patched model has
+(`compile_decode=True`). The static cache and the patched model are timed after warm-up calls
+of the timed length (so the pool, the graphs and the compiles are made before timing), as the
+median of three calls; the slow providers once. Each timed call of a patched model has
 a fresh ``cache_salt`` (``harness.fresh_salt``): it finds none of the blocks earlier calls
 stored and prefills its prompts as stock does (except ``--system-prompt``, which measures the
 reuse). Columns: tokens/s, peak GPU memory, KV
@@ -190,10 +191,12 @@ def provider_hf_paged(model, ids, mask, lens, new, device):
 def provider_patched(model, ids, mask, lens, new, device, **patch_kwargs):
     nanoserve.patch_model(model, **patch_kwargs)
     try:
-        # warm-up on the same prompts: Triton compiles and the extend kernel autotunes here;
-        # salted, each prefills: the prefill's extend graph is captured at its second call
+        # warm-up on the same prompts and length: Triton compiles and the extend kernel
+        # autotunes here; the kept pool grows to the timed calls' size (a grown pool drops
+        # the graphs captured over the old one); salted, each prefills: the prefill's extend
+        # graph is captured at its second call over that pool
         for _ in range(WARM_UP_CALLS + 1):
-            run_generate(model, ids, mask, 2, device, **salt(True))
+            run_generate(model, ids, mask, new, device, **salt(True))
         out, secs = timed(model, ids, mask, new, device, salted=True)
         stats = nanoserve.cache_stats(model)
         graphs = nanoserve.decode_graph_stats(model)

@@ -287,7 +287,8 @@ def test_tensor_parallel_matches_one_process(name, tmp_path):
         "2",
     ]
     cmd = [*launcher, str(worker), str(tmp_path / "model"), str(tmp_path / "seen.json")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # (faulthandler: a rank that aborts natively prints its Python stack)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads((tmp_path / "seen.json").read_text())

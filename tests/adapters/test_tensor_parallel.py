@@ -33,7 +33,8 @@ def run(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
     model.save_pretrained(folder / "model")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # (faulthandler: a rank that aborts natively prints its Python stack)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", "2"]  # fmt: skip
     cmd = [*launcher, str(WORKER), str(folder / "model"), str(folder)]
