@@ -3,8 +3,9 @@ launch (``NANOSERVE_PDL``) and the residual adds run with their norms (``fused_r
 
 Random-weight Llama-3.2-1B shape (``bench_generate.build_model``), bf16, greedy, 256 new
 tokens. Per configuration and round (two rounds, interleaved): tokens/s at batch 1 (prompt
-512) and on the ragged 32 (prompts 128..2048), the median of three salted calls after two
-warm-ups; in the first round also the GPU time of one batch-1 graph replay and the kernels a
+512) and on the ragged 32 (prompts 128..2048), the median of three salted calls after three
+salted warm-ups of the same length (the pool grows and the graphs are captured before
+timing); in the first round also the GPU time of one batch-1 graph replay and the kernels a
 step launches. The residual fusion is switched off by watching no add
 (``fused_residual._ADDS`` emptied for the configuration); every configuration must draw the
 first one's tokens. Usage: cd benchmarks && python3 ab_decode_step.py
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_generate import build_model, make_batches, run_generate, timed  # noqa: E402
+from harness import fresh_salt  # noqa: E402
 from profile_decode_step import kernels_per_step, replay_gpu_us  # noqa: E402
 
 import nanoserve  # noqa: E402
@@ -46,8 +48,8 @@ def measure(model, batches, name: str, first_round: bool, reference: dict) -> li
     try:
         for batch in BATCHES:
             ids, mask, _ = batches[batch]
-            for _ in range(2):
-                run_generate(model, ids, mask, 2, "cuda")
+            for _ in range(3):
+                run_generate(model, ids, mask, 256, "cuda", cache_salt=fresh_salt())
             out, secs = timed(model, ids, mask, 256, "cuda", salted=True)
             same = bool(torch.equal(out, reference.setdefault(batch, out)))
             gpu_us = launches = float("nan")
