@@ -173,3 +173,29 @@ def test_timed_patched_calls_prefill_their_prompts():
         assert nanoserve.cache_stats(model)["prefix_hits"] == 0
     finally:
         nanoserve.unpatch_model(model)
+
+
+def test_timed_patched_calls_find_the_pool_grown(monkeypatch):
+    """bench_generate warms a patched model up at the timed length: the kept pool has grown
+    to the timed calls' size before timing, so no timed call makes a new pool (on the GPU a
+    new pool drops the captured graphs, and timed calls would capture them again)."""
+    import nanoserve
+
+    bench = import_benchmark_module("bench_generate")
+    model = bench.build_model(tiny=True, device="cpu")
+    ids, mask, lens = bench.make_batches(True, "cpu", model.config.vocab_size)["batch1_prompt32"]
+    kept = []  # the kept pool's blocks before and after the timed calls
+    timed = bench.timed
+
+    def watched(model, *args, **kwargs):
+        before = nanoserve.cache_stats(model)["kept_pool_blocks"]
+        result = timed(model, *args, **kwargs)
+        kept.append((before, nanoserve.cache_stats(model)["kept_pool_blocks"]))
+        return result
+
+    monkeypatch.setattr(bench, "timed", watched)
+    new = 120  # the prompt and new tokens need more blocks than a pool's least (8 of 16)
+    bench.PROVIDERS["nanoserve_eager"](model, ids, mask, lens, new, "cpu")
+    assert len(kept) == 1
+    before, after = kept[0]
+    assert before == after >= -(-(ids.shape[1] + new) // 16)
