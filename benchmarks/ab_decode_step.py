@@ -23,8 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_generate import build_model, make_batches, run_generate, timed  # noqa: E402
-from harness import fresh_salt  # noqa: E402
+from bench_generate import build_model, make_batches, run_generate, timed, warm_up  # noqa: E402
 from profile_decode_step import kernels_per_step, replay_gpu_us  # noqa: E402
 
 import nanoserve  # noqa: E402
@@ -48,8 +47,7 @@ def measure(model, batches, name: str, first_round: bool, reference: dict) -> li
     try:
         for batch in BATCHES:
             ids, mask, _ = batches[batch]
-            for _ in range(3):
-                run_generate(model, ids, mask, 256, "cuda", cache_salt=fresh_salt())
+            warm_up(model, ids, mask, 256, "cuda")
             out, secs = timed(model, ids, mask, 256, "cuda", salted=True)
             same = bool(torch.equal(out, reference.setdefault(batch, out)))
             gpu_us = launches = float("nan")

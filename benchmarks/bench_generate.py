@@ -188,15 +188,19 @@ def provider_hf_paged(model, ids, mask, lens, new, device):
     return out, secs, None
 
 
+def warm_up(model, ids, mask, new, device) -> None:
+    """Untimed salted calls of a patched model on the timed calls' prompts and length: Triton
+    compiles and the extend kernel autotunes here; the kept pool grows to the timed calls'
+    size (a grown pool drops the graphs captured over the old one); each prefills, and the
+    prefill's extend graph is captured at its second call over that pool."""
+    for _ in range(WARM_UP_CALLS + 1):
+        run_generate(model, ids, mask, new, device, **salt(True))
+
+
 def provider_patched(model, ids, mask, lens, new, device, **patch_kwargs):
     nanoserve.patch_model(model, **patch_kwargs)
     try:
-        # warm-up on the same prompts and length: Triton compiles and the extend kernel
-        # autotunes here; the kept pool grows to the timed calls' size (a grown pool drops
-        # the graphs captured over the old one); salted, each prefills: the prefill's extend
-        # graph is captured at its second call over that pool
-        for _ in range(WARM_UP_CALLS + 1):
-            run_generate(model, ids, mask, new, device, **salt(True))
+        warm_up(model, ids, mask, new, device)
         out, secs = timed(model, ids, mask, new, device, salted=True)
         stats = nanoserve.cache_stats(model)
         graphs = nanoserve.decode_graph_stats(model)
