@@ -483,6 +483,26 @@ def kernel_launches(events) -> int:
     return sum(e.count for e in events if e.key in calls)
 
 
+def forward_flops(config, steps: list[tuple[int, int, int]]) -> float:
+    """Matrix FLOPs of a Llama-shaped ``config``'s forwards (gated MLP, no biases counted):
+    ``steps`` of (rows, new tokens a row, tokens before them a row); causal attention of each
+    new token over the tokens before it and itself; logits of each row's last token only
+    (``logits_to_keep=1``, as generate's forwards ask)."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    per_token = 2 * (
+        hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * config.intermediate_size
+    )
+    total = 0.0
+    for rows, new, before in steps:
+        keys = new * before + new * (new + 1) // 2  # keys each new token attends, summed
+        total += rows * layers * (new * per_token + 4 * heads * head_dim * keys)
+        total += rows * 2 * hidden * config.vocab_size
+    return total
+
+
 def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
     """Rows, per policy: whole-call and prefill seconds of the first call and the median of
     the later ones, and a later call's GPU kernel time and launches beside a first call's
@@ -501,6 +521,8 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
             out.append((ids.to(device), torch.ones_like(ids).to(device)))
         return out
 
+    # with sharing a first call computes the system prompt once, then each row's turn over it
+    later_steps = [(4, user_len, system_len)]
     *batches, profiled = calls_over(calls + 1)  # profiled: new user turns, like a later call
     # Warm-up, unmeasured, on another system prompt of the same shapes: the Triton compiles
     # and extend autotunes of every shape the timed calls run (a full prefill of 4 rows; with
@@ -537,6 +559,11 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
             nanoserve.release_memory(model)
             nanoserve.unpatch_model(model)
         prefill = timer.seconds
+        whole_rows = [(4, system_len + user_len, 0)]  # no sharing: every call prefills each row
+        first_steps = [(1, system_len, 0), *later_steps] if sharing else whole_rows
+        flop_ratio = forward_flops(model.config, first_steps) / forward_flops(
+            model.config, later_steps if sharing else whole_rows
+        )
         later, later_prefill = statistics.median(seconds[1:]), statistics.median(prefill[1:])
         row = {"policy": name, "calls": calls, "first_call_s": round(seconds[0], 4),
                "later_median_s": round(later, 4), "first_prefill_ms": round(prefill[0] * 1e3, 2),
@@ -545,7 +572,7 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
                "later_gpu_kernel_ms": round(gpu_ms, 2), "later_kernels": kernels,
                "first_gpu_kernel_ms": round(first_ms, 2), "hash_ms": round(hash_ms, 2),
                "gpu_first/later_no_hash": round((first_ms - first_hash_ms) / (gpu_ms - hash_ms), 1),
-               "hits_last_call": hits}  # fmt: skip
+               "flops_first/later": round(flop_ratio, 2), "hits_last_call": hits}  # fmt: skip
         rows.append(row)
         print(row, flush=True)
     shared, unshared = rows
@@ -553,7 +580,9 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
     print(
         f"goal (>= 10x): a later call's prefill is {shared['first/later_prefill']}x faster than "
         f"the first call's with sharing, {full:.1f}x faster than a full prefill without sharing "
-        "(its later calls' median)",
+        "(its later calls' median); at equal FLOP/s in both calls the ratio would be "
+        f"{shared['flops_first/later']}x (the matrix work: a later call reads every weight for its "
+        f"{4 * user_len} tokens, the first computes the system prompt once besides them)",
         flush=True,
     )
     return rows
@@ -732,7 +761,7 @@ def main() -> None:
         columns = ["policy", "calls", "first_call_s", "later_median_s", "first_prefill_ms",
                    "later_prefill_ms", "first/later_prefill", "later_gpu_kernel_ms",
                    "later_kernels", "first_gpu_kernel_ms", "hash_ms", "gpu_first/later_no_hash",
-                   "hits_last_call"]  # fmt: skip
+                   "flops_first/later", "hits_last_call"]  # fmt: skip
         report(system_prompt_calls(model, device, args.tiny), columns, "generate_system_prompt")
         return
     if args.group:

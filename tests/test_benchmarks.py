@@ -199,3 +199,31 @@ def test_timed_patched_calls_find_the_pool_grown(monkeypatch):
     assert len(kept) == 1
     before, after = kept[0]
     assert before == after >= -(-(ids.shape[1] + new) // 16)
+
+
+@pytest.mark.parametrize("rows,before", [(1, 0), (3, 7)])
+def test_forward_flops_count_what_torch_counts(rows, before):
+    """bench_generate.forward_flops (the matrix work behind the system-prompt benchmark's
+    ratio at equal FLOP/s) equals torch's FLOP counter over a tiny Llama's forward of one new
+    token a row after ``before`` cached ones (eager attention: its products are the causal
+    ones when one token attends), logits of the last token only."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    bench = import_benchmark_module("bench_generate")
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                         vocab_size=50, attn_implementation="eager")  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    cache = DynamicCache(config=config)
+    ids = torch.randint(0, 50, (rows, before + 1))
+    with torch.no_grad():
+        if before:
+            model(ids[:, :before], past_key_values=cache, use_cache=True)
+        with FlopCounterMode(display=False) as counter:
+            model(ids[:, before:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    # (transformers 5.17 also counts its rotary table's product, inv_freq x positions: 24)
+    assert bench.forward_flops(config, [(rows, 1, before)]) == pytest.approx(
+        counter.get_total_flops(), rel=1e-3
+    )
