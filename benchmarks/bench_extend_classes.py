@@ -107,6 +107,8 @@ CLASSES = {
     # four rows of 64 new tokens over 2,048 cached, Llama-3.2-1B's heads and Llama-3-8B's
     "turns-4x64-d64": ExtendClass(32, 8, 64, (2048,) * 4, (64,) * 4),
     "turns-4x64-d128": ExtendClass(32, 8, 128, (2048,) * 4, (64,) * 4),
+    # short prompts with nothing cached (a batch of 32 prompts of 48 tokens, 1B heads)
+    "short-32x48-d64": ExtendClass(32, 8, 64, (0,) * 32, (48,) * 32),
 }
 
 # nanoserve candidates per head-dim family: ("tiles", (BLOCK_M, BLOCK_N, warps, stages)) is
