@@ -30,10 +30,12 @@ without prefix sharing beside the static cache + compile; time to first token is
 call with one new token.
 `--system-prompt` runs 32 calls of batch 4 that share one 2,048-token system prompt and add
 64-token user turns, one new token each, with and without prefix sharing: the whole call and
-its prefill (the first forward, bracketed by synchronizes) timed, first call and the median of
-the later ones, and the GPU kernel time and launches of a later call and of a first one
-(torch.profiler). A warm-up on another system prompt pays the compiles and autotunes of
-every shape first.
+its prefill (the first forward, bracketed by synchronizes) timed, the median of the later
+calls and of three first calls on system prompts of their own (those that captured no CUDA
+graph: a capture runs the step eagerly besides recording it), the GPU kernel time and
+launches of a later call and of a first one (torch.profiler, a first call that replays), and
+the ratio the two calls' matrix work allows at equal FLOP/s (``forward_flops``). Warm-ups on
+other system prompts pay the compiles, autotunes and captures of every shape first.
 `--eos-spread` runs 64 sampled rows (top_k 50) of one 512-token prompt whose EOS arrives
 spread over 32..512 new tokens (min_new_tokens 32, max_new_tokens 512; EOS made likely by
 scaling its output-embedding row, calibrated once so the median row ends near 128 new
@@ -74,6 +76,8 @@ TIMED_CALLS = 3
 # unprofiled first calls --system-prompt runs at most before profiling one (see
 # warm_first_call_kernels)
 FIRST_CALL_TRIES = 3
+# first calls --system-prompt times on system prompts of their own
+FIRST_CALLS_TIMED = 3
 
 
 def build_model(tiny: bool, device: str):
@@ -529,8 +533,9 @@ def forward_flops(config, steps: list[tuple[int, int, int]]) -> float:
 
 
 def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
-    """Rows, per policy: whole-call and prefill seconds of the first call and the median of
-    the later ones, and a later call's GPU kernel time and launches beside a first call's
+    """Rows, per policy: whole-call and prefill seconds, medians of first calls (system
+    prompts no call stored; those that captured nothing) and of the later ones, and a later
+    call's GPU kernel time and launches beside a first call's
     (a system prompt no call stored; their ratio without the salt's hash bounds what the
     prefill ratio can reach with no host time at all); a line after them says how far the
     later prefill is from the issue's goal (>= 10x faster than the first)."""
@@ -561,6 +566,7 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
     warm_again = [call for _ in range(3) for call in calls_over(2)]
     # first calls: system prompts no call has stored, until one replays its prefill's graphs
     first_calls = [calls_over(1)[0] for _ in range(FIRST_CALL_TRIES + 1)]
+    fresh_firsts = [calls_over(1)[0] for _ in range(FIRST_CALLS_TIMED)]
     for sharing in (False, True):
         nanoserve.patch_model(model, prefix_sharing=sharing)
         try:
@@ -580,6 +586,15 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
             before = captures(model)
             seconds = [timer.call(model, ids, mask) for ids, mask in batches]
             timed_captures = captures(model) - before
+            prefill = list(timer.seconds)
+            # first calls timed apart, each on a system prompt of its own; those that captured
+            # a graph (a capture runs the step eagerly too) are left out of the medians
+            firsts = []
+            for ids, mask in fresh_firsts:
+                before = captures(model)
+                call_s = timer.call(model, ids, mask)
+                if captures(model) == before:
+                    firsts.append((call_s, timer.seconds[-1]))
             hits = nanoserve.cache_stats(model)["prefix_hits"]
             gpu_ms, hash_ms, kernels = prefill_kernels(model, *profiled, device)
             first_ms, first_hash_ms, first_captures = warm_first_call_kernels(
@@ -590,17 +605,20 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
                 timer.remove()
             nanoserve.release_memory(model)
             nanoserve.unpatch_model(model)
-        prefill = timer.seconds
         whole_rows = [(4, system_len + user_len, 0)]  # no sharing: every call prefills each row
         first_steps = [(1, system_len, 0), *later_steps] if sharing else whole_rows
         flop_ratio = forward_flops(model.config, first_steps) / forward_flops(
             model.config, later_steps if sharing else whole_rows
         )
         later, later_prefill = statistics.median(seconds[1:]), statistics.median(prefill[1:])
-        row = {"policy": name, "calls": calls, "first_call_s": round(seconds[0], 4),
-               "later_median_s": round(later, 4), "first_prefill_ms": round(prefill[0] * 1e3, 2),
+        first_s = statistics.median(c for c, _ in firsts) if firsts else float("nan")
+        first_prefill = statistics.median(p for _, p in firsts) if firsts else float("nan")
+        row = {"policy": name, "calls": calls, "first_call_s": round(first_s, 4),
+               "later_median_s": round(later, 4), "first_prefill_ms": round(first_prefill * 1e3, 2),
                "later_prefill_ms": round(later_prefill * 1e3, 2),
-               "first/later_prefill": round(prefill[0] / later_prefill, 1),
+               "first/later_prefill": round(first_prefill / later_prefill, 1),
+               "first_calls_timed": len(firsts),
+               "sequence_first_prefill_ms": round(prefill[0] * 1e3, 2),
                "later_gpu_kernel_ms": round(gpu_ms, 2), "later_kernels": kernels,
                "first_gpu_kernel_ms": round(first_ms, 2), "hash_ms": round(hash_ms, 2),
                "gpu_first/later_no_hash": round((first_ms - first_hash_ms) / (gpu_ms - hash_ms), 1),
@@ -793,7 +811,8 @@ def main() -> None:
     model = build_model(args.tiny, device)
     if args.system_prompt:
         columns = ["policy", "calls", "first_call_s", "later_median_s", "first_prefill_ms",
-                   "later_prefill_ms", "first/later_prefill", "later_gpu_kernel_ms",
+                   "later_prefill_ms", "first/later_prefill", "first_calls_timed",
+                   "sequence_first_prefill_ms", "later_gpu_kernel_ms",
                    "later_kernels", "first_gpu_kernel_ms", "hash_ms", "gpu_first/later_no_hash",
                    "flops_first/later", "hits_last_call", "timed_captures",
                    "first_profile_captures"]  # fmt: skip
