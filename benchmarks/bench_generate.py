@@ -534,11 +534,11 @@ def forward_flops(config, steps: list[tuple[int, int, int]]) -> float:
 
 def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
     """Rows, per policy: whole-call and prefill seconds, medians of first calls (system
-    prompts no call stored; those that captured nothing) and of the later ones, and a later
-    call's GPU kernel time and launches beside a first call's
-    (a system prompt no call stored; their ratio without the salt's hash bounds what the
-    prefill ratio can reach with no host time at all); a line after them says how far the
-    later prefill is from the issue's goal (>= 10x faster than the first)."""
+    prompts no call stored; those that captured nothing) and of the later ones, a later
+    call's GPU kernel time and launches beside a first call's (their ratio without the salt's
+    hash bounds what the prefill ratio can reach with no host time at all) and the ratio of
+    their matrix work; a line after them says how far the later prefill is from the issue's
+    goal (>= 10x faster than the first)."""
     gen = torch.Generator().manual_seed(6)
     system_len, user_len, calls = (40, 8, 6) if tiny else (2048, 64, 32)
     vocab = model.config.vocab_size
@@ -559,7 +559,8 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
     # sharing the system prompt as a row of its own, then 4 short extends over it, first
     # after computing it and then over the cached blocks). The extend steps' CUDA graphs
     # live as long as the patch, and a bucket is captured the second time it comes: each
-    # policy's timed calls follow three warm-up calls of their own (the first makes the pool).
+    # policy's timed calls follow warm-up calls of their own (``warm_again``; the first makes
+    # the pool).
     warm = calls_over(3)
     # three system prompts, each a first call and a later one: the prefill's graphs of both
     # kinds captured before the timed calls (whose first is a first call too)
@@ -587,6 +588,7 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
             seconds = [timer.call(model, ids, mask) for ids, mask in batches]
             timed_captures = captures(model) - before
             prefill = list(timer.seconds)
+            hits = nanoserve.cache_stats(model)["prefix_hits"]  # the last later call's
             # first calls timed apart, each on a system prompt of its own; those that captured
             # a graph (a capture runs the step eagerly too) are left out of the medians
             firsts = []
@@ -595,7 +597,6 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
                 call_s = timer.call(model, ids, mask)
                 if captures(model) == before:
                     firsts.append((call_s, timer.seconds[-1]))
-            hits = nanoserve.cache_stats(model)["prefix_hits"]
             gpu_ms, hash_ms, kernels = prefill_kernels(model, *profiled, device)
             first_ms, first_hash_ms, first_captures = warm_first_call_kernels(
                 model, first_calls, device

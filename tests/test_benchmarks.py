@@ -227,3 +227,22 @@ def test_forward_flops_count_what_torch_counts(rows, before):
     assert bench.forward_flops(config, [(rows, 1, before)]) == pytest.approx(
         counter.get_total_flops(), rel=1e-3
     )
+
+
+def test_system_prompt_rows_on_the_cpu():
+    """bench_generate --system-prompt on a tiny model (no CUDA: no graphs, no profile): later
+    calls find the system prompt (4 rows hit), every first call is timed (none captures),
+    and the FLOP ratio is the shared first call's work over a later one's (1 without
+    sharing, where every call prefills every row)."""
+    bench = import_benchmark_module("bench_generate")
+    model = bench.build_model(tiny=True, device="cpu")
+    shared, unshared = bench.system_prompt_calls(model, "cpu", tiny=True)
+    config = model.config
+    later = [(4, 8, 40)]
+    assert shared["flops_first/later"] == round(
+        bench.forward_flops(config, [(1, 40, 0), *later]) / bench.forward_flops(config, later), 2
+    )
+    assert shared["flops_first/later"] > 1 == unshared["flops_first/later"]
+    assert shared["hits_last_call"] == 4 and unshared["hits_last_call"] == 0
+    assert shared["first_calls_timed"] == unshared["first_calls_timed"] == bench.FIRST_CALLS_TIMED
+    assert shared["timed_captures"] == shared["first_profile_captures"] == 0
