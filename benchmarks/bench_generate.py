@@ -579,11 +579,13 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
     rows = []
     for name, sharing in (("prefix sharing (default)", True), ("prefix_sharing=False", False)):
         nanoserve.patch_model(model, prefix_sharing=sharing)
-        timer = None
+        # the timer's hooks before the warm-ups: the model's hooks are part of the prefix
+        # salt and of the graphs' key, so hooks added after them would drop the graphs and
+        # the stored prompts the warm-ups made
+        timer = PrefillTimer(model, device)
         try:
             for ids, mask in warm_again:
                 run_generate(model, ids, mask, 1, device)
-            timer = PrefillTimer(model, device)
             before = captures(model)
             seconds = [timer.call(model, ids, mask) for ids, mask in batches]
             timed_captures = captures(model) - before
@@ -602,8 +604,7 @@ def system_prompt_calls(model, device: str, tiny: bool) -> list[dict]:
                 model, first_calls, device
             )
         finally:
-            if timer is not None:
-                timer.remove()
+            timer.remove()
             nanoserve.release_memory(model)
             nanoserve.unpatch_model(model)
         whole_rows = [(4, system_len + user_len, 0)]  # no sharing: every call prefills each row

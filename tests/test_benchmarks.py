@@ -229,11 +229,16 @@ def test_forward_flops_count_what_torch_counts(rows, before):
     )
 
 
-def test_system_prompt_rows_on_the_cpu():
+def test_system_prompt_rows_on_the_cpu(caplog):
     """bench_generate --system-prompt on a tiny model (no CUDA: no graphs, no profile): later
     calls find the system prompt (4 rows hit), every first call is timed (none captures),
-    and the FLOP ratio is the shared first call's work over a later one's (1 without
-    sharing, where every call prefills every row)."""
+    the FLOP ratio is the shared first call's work over a later one's (1 without sharing,
+    where every call prefills every row), and the timer's hooks are on the model before the
+    warm-ups (no call logs a salt changed by hooks: on the GPU that drops the warm-ups'
+    graphs, and timed calls capture them again)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="nanoserve")
     bench = import_benchmark_module("bench_generate")
     model = bench.build_model(tiny=True, device="cpu")
     shared, unshared = bench.system_prompt_calls(model, "cpu", tiny=True)
@@ -246,3 +251,5 @@ def test_system_prompt_rows_on_the_cpu():
     assert shared["hits_last_call"] == 4 and unshared["hits_last_call"] == 0
     assert shared["first_calls_timed"] == unshared["first_calls_timed"] == bench.FIRST_CALLS_TIMED
     assert shared["timed_captures"] == shared["first_profile_captures"] == 0
+    changed = [r.getMessage() for r in caplog.records if "changed since" in r.getMessage()]
+    assert changed == []
