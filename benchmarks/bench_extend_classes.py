@@ -109,6 +109,19 @@ CLASSES = {
     "turns-4x64-d128": ExtendClass(32, 8, 128, (2048,) * 4, (64,) * 4),
     # short prompts with nothing cached (a batch of 32 prompts of 48 tokens, 1B heads)
     "short-32x48-d64": ExtendClass(32, 8, 64, (0,) * 32, (48,) * 32),
+    # the rest of the d64 small-grid, short-sequence bucket (route key ("16bit-d64", 1)): one
+    # chat turn, one short prompt, one chunk over history
+    "turns-1x64-d64": ExtendClass(32, 8, 64, (2048,), (64,)),
+    "short-400-d64": ExtendClass(32, 8, 64, (0,), (400,)),
+    "chunked-512-d64": ExtendClass(32, 8, 64, (3000,), (512,)),
+    # turns of 17..128 new tokens over history, and the same sizes with nothing cached
+    "turns-1x32-d64": ExtendClass(32, 8, 64, (2048,), (32,)),
+    "turns-1x64-d64-8k": ExtendClass(32, 8, 64, (8192,), (64,)),
+    "turns-2x128-d64": ExtendClass(32, 8, 64, (2048,) * 2, (128,) * 2),
+    "turns-32x48-d64": ExtendClass(32, 8, 64, (2048,) * 32, (48,) * 32),
+    "turns-1x64-d128": ExtendClass(32, 8, 128, (2048,), (64,)),
+    "short-1x64-d64": ExtendClass(32, 8, 64, (0,), (64,)),
+    "short-4x64-d64": ExtendClass(32, 8, 64, (0,) * 4, (64,) * 4),
 }
 
 # nanoserve candidates per head-dim family: ("tiles", (BLOCK_M, BLOCK_N, warps, stages)) is

@@ -198,8 +198,9 @@ def paged_extend_attention(
     query packed [T, Hq, D] with cu_seqlens_q int32 [S + 1]; returns [T, Hq, D].
     ``backend`` and ``check`` as in ``paged_decode_attention`` (no host sync with check=False).
     ``max_query_len``: optional host-known bound on the new tokens of any one sequence; a
-    small one (speculative verify) routes to the GQA-packed split-KV kernel. It only picks
-    the kernel: a wrong bound is slower, never wrong.
+    small one (speculative verify), or a turn of up to 128 over a long history (as long as
+    the block tables can hold), routes to the GQA-packed split-KV kernel. It only picks the
+    kernel: a wrong bound is slower, never wrong.
     """
     check_backend(backend)
     if max_query_len is not None:

@@ -270,6 +270,12 @@ INTERPRETER_CONFIG = (16, 32, 4, 1)
 # their own route_key bucket, which takes the GQA-packed split-KV kernel of triton_verify.py
 # (memory-bound like decode) unless ROUTES says otherwise.
 PACKED_MAX_QUERY_LEN = 16
+# Turns: a host-known bound of more new tokens than that, up to this many, over a history the
+# block tables make long enough to split (``triton_verify.turn_splits`` > 1) take the packed
+# kernel too, split so: chat turns and continuations over a cached prompt are memory-bound on
+# the history, which one program per tile reads alone. Measured on 16-bit head dims up to 128.
+TURN_MAX_QUERY_LEN = 128
+TURN_FAMILIES = frozenset({"16bit-d64", "16bit-d128"})
 # Fixed picks per route_key (family, bucket), bypassing autotune: ("tiles", (BLOCK_M,
 # BLOCK_N, num_warps, num_stages[, maxnreg])) for the extend kernel here, "tiles-ahead" for
 # it with the block ids loaded a step ahead (``TABLE_AHEAD``), ("packed", config or None,
@@ -364,6 +370,16 @@ def few_tokens(max_query_len: int | None) -> bool:
     return max_query_len is not None and max_query_len <= PACKED_MAX_QUERY_LEN
 
 
+def is_turn(key: tuple[str, int], max_query_len: int | None) -> bool:
+    """Whether a call of ``route_key`` ``key`` may be a turn (see ``TURN_MAX_QUERY_LEN``):
+    a 16-bit family of head dim up to 128 and a bound past the few-token one."""
+    return (
+        key[0] in TURN_FAMILIES
+        and max_query_len is not None
+        and PACKED_MAX_QUERY_LEN < max_query_len <= TURN_MAX_QUERY_LEN
+    )
+
+
 def extend_route(key: tuple[str, int]) -> tuple:
     """Which kernel a call of ``route_key`` ``key`` takes: ``ROUTES[key]``, else for few new
     tokens per sequence ("packed", None, None) (the packed kernel's own defaults), else
@@ -447,8 +463,9 @@ def paged_extend_attention_triton(
     (tests, sweeps). Otherwise ``extend_route`` picks the kernel: on CUDA the first call for a
     (head dim, bucket, dtype) not in ``ROUTES`` autotunes: warm up before capturing a CUDA
     graph. ``max_query_len``: a host-known bound on the new tokens of every sequence, or None;
-    at most ``PACKED_MAX_QUERY_LEN`` routes the call to the GQA-packed split-KV kernel (a
-    wrong bound costs speed, never correctness).
+    at most ``PACKED_MAX_QUERY_LEN`` routes the call to the GQA-packed split-KV kernel, and
+    so does a turn of up to ``TURN_MAX_QUERY_LEN`` over a long history (a wrong bound costs
+    speed, never correctness).
     """
     total_q, num_q_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
@@ -457,6 +474,12 @@ def paged_extend_attention_triton(
     if config is None:
         route = extend_route(key)
         # The packed kernel reads pools in the query's dtype only (no FP8 or INT8 scales yet).
+        if k_scale is None and is_turn(key, max_query_len):
+            from nanoserve.kernels.triton_verify import turn_splits
+
+            splits = turn_splits(query, key_cache, block_tables, max_query_len, sliding_window)
+            if splits > 1:
+                route = ("packed", None, splits)
         if route[0] == "packed" and k_scale is None:
             from nanoserve.kernels.triton_verify import paged_extend_attention_packed
 

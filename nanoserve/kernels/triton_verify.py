@@ -26,6 +26,10 @@ MAX_SPLITS = 32
 # Split until the grid holds about this many programs per SM (the few-token case has too few
 # programs to fill the GPU otherwise).
 PROGRAMS_PER_SM = 4
+# Turns (``triton_extend.TURN_MAX_QUERY_LEN``) split while each split keeps at least this many
+# keys of the history the block tables can hold: fewer keys a split cost more in partials and
+# merge than they win in parallel reads (the turn classes of benchmarks/RESULTS.md).
+TURN_SPLIT_KEYS = 512
 # Split partials (normalised outputs) of 16-bit queries in the query's dtype: half the scratch
 # traffic of float32 at one more rounding (float32 queries keep float32 partials).
 PARTIALS_16BIT = True
@@ -177,6 +181,35 @@ def packed_splits(programs: int, device: torch.device) -> int:
     """Splits over the history so that ``programs`` (tiles x KV heads) fill the GPU."""
     target = PROGRAMS_PER_SM * sm_count(device)
     return max(1, min(MAX_SPLITS, -(-target // max(programs, 1))))
+
+
+def turn_splits(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    sliding_window: int | None,
+) -> int:
+    """Splits over the history for a turn (query packed [T, Hq, D], pools [N, bs, Hkv, D],
+    tables int32 [S, width], ``max_query_len`` host-known), from shapes only: as many as keep
+    ``TURN_SPLIT_KEYS`` keys each of what the tables can hold (the window and the turn, with
+    one), and no more than the default tiles' programs resident at once fill the device (two
+    per SM up to head dim 64, one above: their shared memory). A power of two; 1 means a turn
+    too short or too wide to split."""
+    total_q, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_q_heads // num_kv_heads
+    on_gpu = query.device.type == "cuda"
+    block_m = packed_config(head_dim, group, max_query_len, query.dtype, on_gpu)[0]
+    programs = max(1, -(-total_q // (block_m // group)) * num_kv_heads)
+    history = block_tables.shape[1] * block_size
+    if sliding_window is not None:
+        history = min(history, sliding_window + max_query_len)
+    resident = 2 if next_pow2(head_dim) <= 64 else 1
+    splits = min(
+        -(-history // TURN_SPLIT_KEYS), resident * sm_count(query.device) // programs, MAX_SPLITS
+    )
+    return 1 << (max(splits, 1).bit_length() - 1)
 
 
 def paged_extend_attention_packed(

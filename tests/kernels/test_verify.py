@@ -160,6 +160,63 @@ def test_routes_table_picks_kernel_and_config(monkeypatch, poison_outputs):
     _assert_rows_close(out, ref, torch.float32)  # a bound below the truth: still right
 
 
+def test_turns_over_history_route_to_the_packed_kernel_split(monkeypatch, poison_outputs):
+    """17..TURN_MAX_QUERY_LEN new tokens over a history long enough to split (here 16 keys a
+    split) take the packed kernel with turn_splits' count, in 16-bit dtypes; no bound, a
+    longer one, float32, or a history too short to split keep the extend tiles."""
+    from nanoserve.kernels import triton_extend
+
+    calls = []
+    real = verify.paged_extend_attention_packed
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["num_splits"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verify, "paged_extend_attention_packed", spy)
+    monkeypatch.setattr(verify, "TURN_SPLIT_KEYS", 16)
+    history, new = [50, 9], [20, 18]
+    for dtype in (torch.float16, torch.float32):
+        args = _inputs(1, 4, 64, 16, history, new, dtype)
+        ref = _reference(*args, None, None)
+        for max_query_len in (None, 20, 17, 40, triton_extend.TURN_MAX_QUERY_LEN + 1):
+            calls.clear()
+            out = paged_extend_attention(*args, backend="triton", max_query_len=max_query_len)
+            turn = dtype == torch.float16 and max_query_len in (20, 17, 40)
+            splits = verify.turn_splits(args[0], args[1], args[3], 20, None)
+            assert splits > 1
+            assert calls == ([splits] if turn else []), (dtype, max_query_len)
+            _assert_rows_close(out, ref, dtype)
+    monkeypatch.setattr(verify, "TURN_SPLIT_KEYS", 512)  # 80 keys: too few to split
+    calls.clear()
+    args = _inputs(1, 4, 64, 16, history, new, torch.float16)
+    paged_extend_attention(*args, backend="triton", max_query_len=20)
+    assert calls == []
+
+
+def test_turn_splits_follow_the_history_and_the_programs(monkeypatch):
+    """More keys in the tables mean more splits, more programs (rows, KV heads) fewer; a
+    window caps the history; a power of two, within [1, MAX_SPLITS]; head dims past 64 fill
+    the device with half as many."""
+    monkeypatch.setattr(verify, "TURN_SPLIT_KEYS", 16)
+
+    def splits(rows, width, hkv=1, dim=64, window=None, new=20):
+        query = torch.zeros(rows * new, hkv * 4, dim, dtype=torch.float16)
+        pools = torch.zeros(1, 16, hkv, dim, dtype=torch.float16)
+        tables = torch.zeros(rows, width, dtype=torch.int32)
+        return verify.turn_splits(query, pools, tables, new, window)
+
+    by_width = [splits(1, w) for w in (1, 2, 4, 8, 64)]
+    assert by_width == sorted(by_width) and by_width[0] == 1 and by_width[-1] > 2
+    by_rows = [splits(r, 64) for r in (1, 2, 4, 8)]
+    assert by_rows == sorted(by_rows, reverse=True) and by_rows[-1] == 1
+    assert splits(1, 64, hkv=4) < splits(1, 64)
+    assert splits(1, 64, window=10) < splits(1, 64)
+    assert splits(1, 64, dim=128) == splits(1, 64) // 2
+    for count in by_width + by_rows:
+        assert 1 <= count <= verify.MAX_SPLITS and count & (count - 1) == 0
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "5"])
 def test_bad_max_query_len(bad):
     args = _inputs(1, 2, 64, 16, [3], [2], torch.float32)
