@@ -277,6 +277,41 @@ def test_few_new_tokens_take_the_packed_kernel(name, monkeypatch):
     assert torch.equal(stock, paged)
 
 
+@NEEDS_INTERPRETER
+def test_turns_over_a_cached_history_take_the_split_packed_kernel(monkeypatch):
+    """Chunks of 20 new tokens over the chunks before them (a float16 model, so a 16-bit
+    family; 8 keys a split, so these short histories split) run the GQA-packed kernel split
+    over the history, and follow the tiled kernel's logits and tokens (float16 tolerance).
+    Planted: attention passing no ``max_query_len``: the packed kernel never ran."""
+    from test_fused_decode import assert_follows
+
+    from nanoserve.kernels import triton_extend, triton_verify
+
+    model = tiny_model("llama").to(torch.float16)
+    inputs = padded_batch([40, 33], 40)
+    opts = dict(max_new_tokens=5, prefill_chunk_size=20, output_logits=True, **GREEDY)
+    opts.update(return_dict_in_generate=True)
+    splits = []
+    packed = triton_verify.paged_extend_attention_packed
+
+    def spied(*args, **kwargs):
+        splits.append(kwargs["num_splits"])
+        return packed(*args, **kwargs)
+
+    monkeypatch.setattr(triton_verify, "paged_extend_attention_packed", spied)
+    monkeypatch.setattr(triton_verify, "TURN_SPLIT_KEYS", 8)
+    patch = {"block_size": 4, "backend": "triton"}
+    with patched(model, **patch), torch.no_grad():
+        turns = model.generate(**inputs, **opts)
+    assert splits and min(splits) > 1, splits
+    splits.clear()
+    monkeypatch.setattr(triton_extend, "TURN_MAX_QUERY_LEN", 16)  # the tiled kernel
+    with patched(model, **patch), torch.no_grad():
+        tiles = model.generate(**inputs, **opts)
+    assert splits == []
+    assert_follows(tiles, turns)
+
+
 @pytest.mark.parametrize(
     "chunk, backend",
     [(3, "auto"), (8, "auto"), (16, "auto")]
