@@ -18,7 +18,8 @@ load a step ahead) come from ``ROUTES`` (fixed picks per ``route_key``: head-dim
 whether the grid fills the GPU, whether the sequences are short, window, soft-cap), or else
 on CUDA from ``triton.autotune`` over a small grid per family, and off GPU (the
 interpreter) from one small fixed tile that keeps the tests quick. Calls with
-few new tokens per sequence (a host-known ``max_query_len``), or routed so, take the
+few new tokens per sequence (a host-known ``max_query_len``), turns of up to
+``TURN_MAX_QUERY_LEN`` over a history long enough to split, or calls routed so, take the
 GQA-packed split-KV kernel of triton_verify.py instead.
 """
 

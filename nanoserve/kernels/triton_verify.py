@@ -1,5 +1,6 @@
 """Triton GQA-packed extend attention, split over the history: the few-query-token case
-(speculative verify, short chunks), which is memory-bound like decode.
+(speculative verify, short chunks) and turns of a few dozen tokens over a long history, which
+are memory-bound like decode.
 
 One program takes one KV head of one sequence and packs every query head of that KV head for
 ``BLOCK_M // GROUP`` consecutive new tokens into the rows of one tile (row r: token r // GROUP,
