@@ -46,6 +46,21 @@ def _reference(query, key_cache, value_cache, tables, seq_lens, cu, window, soft
     )  # fmt: skip
 
 
+def spy_packed(monkeypatch, *fields):
+    """A list that records each packed-kernel launch's keyword ``fields`` (one value, or a
+    tuple of several) while the launch still runs."""
+    calls = []
+    real = verify.paged_extend_attention_packed
+
+    def spy(*args, **kwargs):
+        values = tuple(kwargs[f] for f in fields)
+        calls.append(values[0] if len(values) == 1 else values)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verify, "paged_extend_attention_packed", spy)
+    return calls
+
+
 def _assert_rows_close(out, ref, dtype):
     """Every (token, head) row on its own: one wrong row cannot hide in a norm."""
     err = row_errors(out, ref)
@@ -105,14 +120,7 @@ def test_packed_ignores_nan_outside_the_window(poison_outputs):
 def test_max_query_len_routes_to_the_packed_kernel(monkeypatch, poison_outputs):
     """A small max_query_len takes the packed kernel, None keeps the extend tiles; a bound
     below the true maximum only changes the kernel, never the result."""
-    calls = []
-    real = verify.paged_extend_attention_packed
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["max_query_len"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(verify, "paged_extend_attention_packed", spy)
+    calls = spy_packed(monkeypatch, "max_query_len")
     args = _inputs(2, 4, 64, 16, [17, 40, 3], [2, 5, 20], torch.float32)
     ref = _reference(*args, None, None)
     for max_query_len, packed in ((None, False), (20, False), (5, True), (1, True)):
@@ -127,14 +135,7 @@ def test_routes_table_picks_kernel_and_config(monkeypatch, poison_outputs):
     and splits) or to the extend tiles at a fixed config, without max_query_len."""
     from nanoserve.kernels import triton_extend
 
-    calls = []
-    real_packed = verify.paged_extend_attention_packed
-
-    def spy(*args, **kwargs):
-        calls.append((kwargs["config"], kwargs["num_splits"]))
-        return real_packed(*args, **kwargs)
-
-    monkeypatch.setattr(verify, "paged_extend_attention_packed", spy)
+    calls = spy_packed(monkeypatch, "config", "num_splits")
     args = _inputs(2, 4, 64, 16, [17, 0], [30, 20], torch.float32)
     ref = _reference(*args, 9, None)
     key = triton_extend.route_key(args[0], 2, 9, None)
@@ -166,14 +167,7 @@ def test_turns_over_history_route_to_the_packed_kernel_split(monkeypatch, poison
     longer one, float32, or a history too short to split keep the extend tiles."""
     from nanoserve.kernels import triton_extend
 
-    calls = []
-    real = verify.paged_extend_attention_packed
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["num_splits"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(verify, "paged_extend_attention_packed", spy)
+    calls = spy_packed(monkeypatch, "num_splits")
     monkeypatch.setattr(verify, "TURN_SPLIT_KEYS", 16)
     history, new = [50, 9], [20, 18]
     for dtype in (torch.float16, torch.float32):
