@@ -274,7 +274,8 @@ PACKED_MAX_QUERY_LEN = 16
 # Turns: a host-known bound of more new tokens than that, up to this many, over a history the
 # block tables make long enough to split (``triton_verify.turn_splits`` > 1) take the packed
 # kernel too, split so: chat turns and continuations over a cached prompt are memory-bound on
-# the history, which one program per tile reads alone. Measured on 16-bit head dims up to 128.
+# the history, which one program per tile reads alone. Measured at 16-bit head dims 64 and
+# 128 (80 and 96 pad to 128 and take it unmeasured).
 TURN_MAX_QUERY_LEN = 128
 TURN_FAMILIES = frozenset({"16bit-d64", "16bit-d128"})
 # Fixed picks per route_key (family, bucket), bypassing autotune: ("tiles", (BLOCK_M,
@@ -397,10 +398,11 @@ def register_cap(config: tuple[int, ...], query: torch.Tensor) -> dict[str, int]
     return {"maxnreg": config[4]} if len(config) > 4 and nvidia else {}
 
 
-# Fixed ROUTES tiles a device could not launch (Triton's OutOfResources: a tile picked on an
-# H200 can need more shared memory than another GPU has), by (device, config): those calls
-# take the family's autotune instead, which skips the configs that do not fit.
-_UNFIT: set[tuple[torch.device, tuple[int, ...]]] = set()
+# Fixed ROUTES tiles and packed-kernel tiles a device could not launch (Triton's
+# OutOfResources: a tile picked on an H200 can need more shared memory than another GPU has),
+# by (device, config; a packed one as ("packed", *config)): those calls take the extend
+# kernel's route without it (the family's autotune skips the configs that do not fit).
+_UNFIT: set[tuple[torch.device, tuple]] = set()
 _TUNED: dict[str, object] = {}
 # What autotune chose, by (family, head_dim, bucket, dtypes): later calls launch the
 # kernel with it directly, skipping the autotuner's per-call Python (a launch-bound cost).
@@ -473,7 +475,7 @@ def paged_extend_attention_triton(
     key = route_key(query, num_seqs, sliding_window, softcap, max_query_len)
     routed, table_ahead = False, TABLE_AHEAD
     if config is None:
-        route = extend_route(key)
+        route = base_route = extend_route(key)
         # The packed kernel reads pools in the query's dtype only (no FP8 or INT8 scales yet).
         if k_scale is None and is_turn(key, max_query_len):
             from nanoserve.kernels.triton_verify import turn_splits
@@ -482,13 +484,24 @@ def paged_extend_attention_triton(
             if splits > 1:
                 route = ("packed", None, splits)
         if route[0] == "packed" and k_scale is None:
-            from nanoserve.kernels.triton_verify import paged_extend_attention_packed
+            from nanoserve.kernels import triton_verify as verify
 
-            return paged_extend_attention_packed(
-                query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
-                scale=scale, sliding_window=sliding_window, softcap=softcap,
-                max_query_len=max_query_len, config=route[1], num_splits=route[2],
-            )  # fmt: skip
+            group = num_q_heads // key_cache.shape[2]
+            on_gpu = query.device.type == "cuda"
+            packed = route[1] or verify.packed_config(
+                head_dim, group, max_query_len, query.dtype, on_gpu
+            )
+            unfit = (query.device, ("packed", *packed))
+            if unfit not in _UNFIT:
+                try:
+                    return verify.paged_extend_attention_packed(
+                        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                        scale=scale, sliding_window=sliding_window, softcap=softcap,
+                        max_query_len=max_query_len, config=packed, num_splits=route[2],
+                    )  # fmt: skip
+                except OutOfResources:  # raised before anything runs: nothing written yet
+                    _UNFIT.add(unfit)
+            route = base_route if base_route[0] != "packed" else ("autotune",)
         if route[0] in TILE_ROUTES and (query.device, route[1]) not in _UNFIT:
             config, routed = route[1], True
             table_ahead = table_ahead or route[0] == "tiles-ahead"

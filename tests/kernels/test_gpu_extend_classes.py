@@ -1,6 +1,7 @@
 """GPU tests (``pytest -m gpu``) of the extend paths the shape classes take: the GQA-packed
 split-KV kernel (speculative verify), head_dim 256 with soft-cap (tanh.approx and exact),
-sliding windows, in bf16 at real shapes, and a packed call captured in a CUDA graph."""
+sliding windows, in bf16 at real shapes, a packed call captured in a CUDA graph, and turns
+over a long history routed to the split packed kernel."""
 
 from __future__ import annotations
 

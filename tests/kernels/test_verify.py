@@ -188,6 +188,61 @@ def test_turns_over_history_route_to_the_packed_kernel_split(monkeypatch, poison
     assert calls == []
 
 
+# (num_kv_heads, group, head_dim, history_lens, new_lens, window, softcap): turns the CPU
+# routes once it counts a GPU's SMs
+TURNS = {
+    "window-narrower-than-a-tile": (2, 4, 64, [40, 3], [20, 19], 5, None),
+    "gqa7-d80-softcap": (1, 7, 80, [30, 60], [17, 25], None, 20.0),
+    "gqa32-d128": (1, 32, 128, [45], [18], None, None),
+    "mha-d96-window": (3, 1, 96, [70, 0], [33, 21], 40, None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(TURNS), ids=list(TURNS))
+def test_routed_turns_match_reference(case, monkeypatch, poison_outputs):
+    """Turns the route splits (132 SMs counted, 8 keys a split): GQA 1/4/7/32, head dims
+    64-128, windows narrower than a tile, soft-cap; every row against float64."""
+    hkv, group, dim, history, new, window, softcap = TURNS[case]
+    monkeypatch.setattr(verify, "sm_count", lambda device: 132)
+    monkeypatch.setattr(verify, "TURN_SPLIT_KEYS", 8)
+    calls = spy_packed(monkeypatch, "num_splits")
+    args = _inputs(hkv, group, dim, 16, history, new, torch.float16)
+    ref = _reference(*args, window, softcap)
+    out = paged_extend_attention(
+        *args, sliding_window=window, softcap=softcap, backend="triton", max_query_len=max(new)
+    )
+    assert calls == [verify.turn_splits(args[0], args[1], args[3], max(new), window)]
+    assert calls[0] > 1
+    _assert_rows_close(out, ref, torch.float16)
+
+
+def test_a_packed_tile_the_device_cannot_launch_falls_back_to_the_tiles(
+    monkeypatch, poison_outputs
+):
+    """OutOfResources from the packed launch (a tile too large for another GPU's shared
+    memory) leaves the turn to the extend tiles, and later calls of that tile skip it."""
+    from triton.runtime.errors import OutOfResources
+
+    from nanoserve.kernels import triton_extend
+
+    launches = []
+
+    def too_large(*args, **kwargs):
+        launches.append(kwargs["config"])
+        raise OutOfResources(232448, 101376, "shared memory")
+
+    monkeypatch.setattr(verify, "paged_extend_attention_packed", too_large)
+    monkeypatch.setattr(verify, "TURN_SPLIT_KEYS", 16)
+    monkeypatch.setattr(triton_extend, "_UNFIT", set())
+    args = _inputs(1, 4, 64, 16, [50, 9], [20, 18], torch.float16)
+    ref = _reference(*args, None, None)
+    for _ in range(2):
+        out = paged_extend_attention(*args, backend="triton", max_query_len=20)
+        _assert_rows_close(out, ref, torch.float16)
+    unfit = triton_extend._UNFIT
+    assert len(launches) == 1 and unfit == {(args[0].device, ("packed", *launches[0]))}
+
+
 def test_turn_splits_follow_the_history_and_the_programs(monkeypatch):
     """More keys in the tables mean more splits, more programs (rows, KV heads) fewer; a
     window caps the history; a power of two, within [1, MAX_SPLITS]; head dims past 64 fill
