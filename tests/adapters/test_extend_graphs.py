@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BACKENDS, check_launches, count_triton_launches, sharpen
+from helpers import BACKENDS, NEEDS_INTERPRETER, check_launches, count_triton_launches, sharpen
 from test_families import tiny_model
 
 import nanoserve
@@ -223,3 +223,55 @@ def test_compile_decode_leaves_extend_steps_uncompiled(monkeypatch):
     replays = check_calls(model, calls, patch, graphs)
     assert replays == [1, 1]
     assert entered == [True] * (graphs.replays - graphs.extend_replays)
+
+
+@NEEDS_INTERPRETER
+def test_turns_through_the_extend_buffers_take_the_split_packed_kernel(monkeypatch):
+    """float16 turns over a cached prompt through the static buffers (padding sequences among
+    the rows) run the packed kernel split over the history (132 SMs counted, 8 keys a split),
+    and follow the tiled kernel's tokens and logits (float16 tolerance). Planted: the packed
+    kernel's history one token short (ctx = seq_len - q_len - 1): the logits left the tiles'."""
+    from types import SimpleNamespace
+
+    from test_fused_decode import assert_follows
+
+    from nanoserve.kernels import triton_extend, triton_verify
+
+    model = sharpen(tiny_model("llama")).to(torch.float16)
+    gen = torch.Generator().manual_seed(0)
+    system = torch.randint(3, VOCAB, (40,), generator=gen)
+    calls = [chat_batch(system, own, gen) for own in ([20, 25, 30], [18, 33])]
+    monkeypatch.setattr(triton_verify, "sm_count", lambda device: 132)
+    monkeypatch.setattr(triton_verify, "TURN_SPLIT_KEYS", 8)
+    splits = []
+    packed = triton_verify.paged_extend_attention_packed
+
+    def spied(*args, **kwargs):
+        splits.append(kwargs["num_splits"])
+        return packed(*args, **kwargs)
+
+    monkeypatch.setattr(triton_verify, "paged_extend_attention_packed", spied)
+
+    def run():
+        nanoserve.patch_model(model, block_size=4, backend="triton")
+        state_of(model).graphs = DecodeGraphs(capture=False)
+        outs = []
+        try:
+            for call in calls:
+                with torch.no_grad():
+                    out = model.generate(**call, max_new_tokens=4, **GREEDY)
+                outs.append(SimpleNamespace(sequences=out.sequences, logits=out.logits))
+                del out
+            replays = nanoserve.decode_graph_stats(model)["extend_replays"]
+        finally:
+            nanoserve.unpatch_model(model)
+        return outs, replays
+
+    turns, replays = run()
+    assert replays == len(calls) and splits and min(splits) > 1, (replays, splits)
+    splits.clear()
+    monkeypatch.setattr(triton_extend, "TURN_MAX_QUERY_LEN", 16)  # the tiled kernel
+    tiles, _ = run()
+    assert splits == []
+    for plain, routed in zip(tiles, turns, strict=True):
+        assert_follows(plain, routed)
