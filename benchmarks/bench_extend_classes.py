@@ -75,6 +75,7 @@ class ExtendClass:
     new: tuple[int, ...]
     window: int | None = None
     softcap: float | None = None
+    table_tokens: int = 0  # block tables with room for at least this many tokens (generate's)
 
     def kv_bytes(self) -> int:
         """Bytes of K and V the class's sequences hold (every one is read at least once)."""
@@ -122,6 +123,8 @@ CLASSES = {
     "turns-1x64-d128": ExtendClass(32, 8, 128, (2048,), (64,)),
     "short-1x64-d64": ExtendClass(32, 8, 64, (0,), (64,)),
     "short-4x64-d64": ExtendClass(32, 8, 64, (0,) * 4, (64,) * 4),
+    # a first prefill in generate: tables sized for the prompt and 1,984 new tokens
+    "short-4x64-d64-wide": ExtendClass(32, 8, 64, (0,) * 4, (64,) * 4, table_tokens=2048),
 }
 
 # nanoserve candidates per head-dim family: ("tiles", (BLOCK_M, BLOCK_N, warps, stages)) is
@@ -206,7 +209,7 @@ def make_set(cls: ExtendClass) -> dict:
     """Pools with the class's sequences on scattered blocks (NaN elsewhere), packed queries."""
     lens = [h + n for h, n in zip(cls.history, cls.new, strict=True)]
     pages = [-(-n // BS) for n in lens]
-    width = max(pages) + 1
+    width = max(max(pages) + 1, -(-cls.table_tokens // BS))
     total = sum(pages) + 16
     kc = torch.full((total, BS, cls.hkv, cls.dim), float("nan"), dtype=DTYPE, device="cuda")
     vc = torch.full_like(kc, float("nan"))
