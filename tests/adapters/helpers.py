@@ -133,3 +133,20 @@ def check_launches(launches: Counter, backend: str, kinds=("decode", "extend", "
         assert not missing, f"backend='triton' never launched {missing}: {dict(launches)}"
     else:
         assert sum(launches.values()) == 0, f"backend={backend!r} launched Triton: {launches}"
+
+
+def spy_packed(monkeypatch, *fields):
+    """A list that records each packed-kernel launch's keyword ``fields`` (one value, or a
+    tuple of several) while the launch still runs."""
+    from nanoserve.kernels import triton_verify
+
+    calls = []
+    real = triton_verify.paged_extend_attention_packed
+
+    def spy(*args, **kwargs):
+        values = tuple(kwargs[f] for f in fields)
+        calls.append(values[0] if len(values) == 1 else values)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_verify, "paged_extend_attention_packed", spy)
+    return calls

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BACKENDS, NEEDS_INTERPRETER, check_launches, count_triton_launches, sharpen
+from helpers import (
+    BACKENDS,
+    NEEDS_INTERPRETER,
+    check_launches,
+    count_triton_launches,
+    sharpen,
+    spy_packed,
+)
 from test_families import tiny_model
 
 import nanoserve
@@ -243,14 +250,7 @@ def test_turns_through_the_extend_buffers_take_the_split_packed_kernel(monkeypat
     calls = [chat_batch(system, own, gen) for own in ([20, 25, 30], [18, 33])]
     monkeypatch.setattr(triton_verify, "sm_count", lambda device: 132)
     monkeypatch.setattr(triton_verify, "TURN_SPLIT_KEYS", 8)
-    splits = []
-    packed = triton_verify.paged_extend_attention_packed
-
-    def spied(*args, **kwargs):
-        splits.append(kwargs["num_splits"])
-        return packed(*args, **kwargs)
-
-    monkeypatch.setattr(triton_verify, "paged_extend_attention_packed", spied)
+    splits = spy_packed(monkeypatch, "num_splits")
 
     def run():
         nanoserve.patch_model(model, block_size=4, backend="triton")

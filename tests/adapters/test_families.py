@@ -14,6 +14,7 @@ from helpers import (
     count_triton_launches,
     patched,
     sharpen,
+    spy_packed,
     stock_and_paged,
 )
 
@@ -247,18 +248,10 @@ def test_few_new_tokens_take_the_packed_kernel(name, monkeypatch):
     padded width as ``max_query_len`` and run the GQA-packed split-KV kernel: per-step logits
     and tokens are stock's. Planted: attention passing no ``max_query_len``: the packed
     kernel never ran, both cases failed."""
-    from nanoserve.kernels import triton_verify
 
     model = tiny_model(name)
     inputs = padded_batch([12, 5], 12)
-    bounds = []
-    packed = triton_verify.paged_extend_attention_packed
-
-    def spied(*args, **kwargs):
-        bounds.append(kwargs["max_query_len"])
-        return packed(*args, **kwargs)
-
-    monkeypatch.setattr(triton_verify, "paged_extend_attention_packed", spied)
+    bounds = spy_packed(monkeypatch, "max_query_len")
     opts = dict(max_new_tokens=6, output_logits=True, return_dict_in_generate=True, **GREEDY)
     patch = {"block_size": 4, "backend": "triton"}
     stock, paged = stock_and_paged(model, **inputs, **opts, patch_options=patch)
@@ -291,14 +284,7 @@ def test_turns_over_a_cached_history_take_the_split_packed_kernel(monkeypatch):
     inputs = padded_batch([40, 33], 40)
     opts = dict(max_new_tokens=5, prefill_chunk_size=20, output_logits=True, **GREEDY)
     opts.update(return_dict_in_generate=True)
-    splits = []
-    packed = triton_verify.paged_extend_attention_packed
-
-    def spied(*args, **kwargs):
-        splits.append(kwargs["num_splits"])
-        return packed(*args, **kwargs)
-
-    monkeypatch.setattr(triton_verify, "paged_extend_attention_packed", spied)
+    splits = spy_packed(monkeypatch, "num_splits")
     monkeypatch.setattr(triton_verify, "TURN_SPLIT_KEYS", 8)
     patch = {"block_size": 4, "backend": "triton"}
     with patched(model, **patch), torch.no_grad():

@@ -257,3 +257,20 @@ def check_decode_planted(
             assert dist.max() < row_tol, f"{where} should dominate: distance {dist.max():.2e}"
         else:
             assert dist.min() > 0.1, f"{where} lies outside the window yet dominates"
+
+
+def spy_packed(monkeypatch, *fields):
+    """A list that records each packed-kernel launch's keyword ``fields`` (one value, or a
+    tuple of several) while the launch still runs."""
+    from nanoserve.kernels import triton_verify
+
+    calls = []
+    real = triton_verify.paged_extend_attention_packed
+
+    def spy(*args, **kwargs):
+        values = tuple(kwargs[f] for f in fields)
+        calls.append(values[0] if len(values) == 1 else values)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_verify, "paged_extend_attention_packed", spy)
+    return calls

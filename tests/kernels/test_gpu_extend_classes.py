@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import TOLERANCE, make_paged_kv, row_errors
+from kernel_inputs import TOLERANCE, make_paged_kv, row_errors, spy_packed
 
 from nanoserve.kernels import paged_extend_attention, paged_extend_attention_ref, triton_extend
 from nanoserve.kernels.triton_verify import paged_extend_attention_packed
@@ -165,14 +165,7 @@ def test_turns_take_the_split_packed_kernel(case, monkeypatch, poison_outputs):
 
     history, new, hkv, group, dim, bs, dtype, window = TURNS[case]
     args = _inputs(history, new, hkv, group, dim, bs, dtype)
-    splits = []
-    real = triton_verify.paged_extend_attention_packed
-
-    def spy(*a, **kw):
-        splits.append(kw["num_splits"])
-        return real(*a, **kw)
-
-    monkeypatch.setattr(triton_verify, "paged_extend_attention_packed", spy)
+    splits = spy_packed(monkeypatch, "num_splits")
     ref = paged_extend_attention_ref(
         *(a.double() if a.is_floating_point() else a for a in args), sliding_window=window
     )

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import TOLERANCE, make_paged_kv, needs_interpreter, poison_hidden, row_errors
+from kernel_inputs import (
+    TOLERANCE,
+    make_paged_kv,
+    needs_interpreter,
+    poison_hidden,
+    row_errors,
+    spy_packed,
+)
 
 from nanoserve.kernels import paged_extend_attention, paged_extend_attention_ref
 from nanoserve.kernels import triton_verify as verify
@@ -44,21 +51,6 @@ def _reference(query, key_cache, value_cache, tables, seq_lens, cu, window, soft
         query.double(), key_cache.double(), value_cache.double(), tables, seq_lens, cu,
         sliding_window=window, softcap=softcap,
     )  # fmt: skip
-
-
-def spy_packed(monkeypatch, *fields):
-    """A list that records each packed-kernel launch's keyword ``fields`` (one value, or a
-    tuple of several) while the launch still runs."""
-    calls = []
-    real = verify.paged_extend_attention_packed
-
-    def spy(*args, **kwargs):
-        values = tuple(kwargs[f] for f in fields)
-        calls.append(values[0] if len(values) == 1 else values)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(verify, "paged_extend_attention_packed", spy)
-    return calls
 
 
 def _assert_rows_close(out, ref, dtype):
