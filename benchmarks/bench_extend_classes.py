@@ -123,6 +123,8 @@ CLASSES = {
     "turns-1x64-d128": ExtendClass(32, 8, 128, (2048,), (64,)),
     "short-1x64-d64": ExtendClass(32, 8, 64, (0,), (64,)),
     "short-4x64-d64": ExtendClass(32, 8, 64, (0,) * 4, (64,) * 4),
+    # turns outside the rule's measured grid: Qwen2-7B heads (GQA 7), two unequal turns
+    "turns-2x100-d128-g7": ExtendClass(28, 4, 128, (4096, 1000), (100, 40)),
     # a first prefill in generate: tables sized for the prompt and 1,984 new tokens
     "short-4x64-d64-wide": ExtendClass(32, 8, 64, (0,) * 4, (64,) * 4, table_tokens=2048),
 }

@@ -272,7 +272,7 @@ INTERPRETER_CONFIG = (16, 32, 4, 1)
 # (memory-bound like decode) unless ROUTES says otherwise.
 PACKED_MAX_QUERY_LEN = 16
 # Turns: a host-known bound of more new tokens than that, up to this many, over a history the
-# block tables make long enough to split (``triton_verify.turn_splits`` > 1) take the packed
+# block tables make long enough to split (``triton_verify.turn_plan``) take the packed
 # kernel too, split so: chat turns and continuations over a cached prompt are memory-bound on
 # the history, which one program per tile reads alone. Measured at 16-bit head dims 64 and
 # 128 (80 and 96 pad to 128 and take it unmeasured).
@@ -478,11 +478,11 @@ def paged_extend_attention_triton(
         route = base_route = extend_route(key)
         # The packed kernel reads pools in the query's dtype only (no FP8 or INT8 scales yet).
         if k_scale is None and is_turn(key, max_query_len):
-            from nanoserve.kernels.triton_verify import turn_splits
+            from nanoserve.kernels.triton_verify import turn_plan
 
-            splits = turn_splits(query, key_cache, block_tables, max_query_len, sliding_window)
+            tile, splits = turn_plan(query, key_cache, block_tables, max_query_len, sliding_window)
             if splits > 1:
-                route = ("packed", None, splits)
+                route = ("packed", tile, splits)
         if route[0] == "packed" and k_scale is None:
             from nanoserve.kernels import triton_verify as verify
 

@@ -34,6 +34,9 @@ TURN_SPLIT_KEYS = 512
 # Split partials (normalised outputs) of 16-bit queries in the query's dtype: half the scratch
 # traffic of float32 at one more rounding (float32 queries keep float32 partials).
 PARTIALS_16BIT = True
+# A turn's tile where the default 128-row tile would leave SMs idle or hold one program an SM
+# (head dims past 64): more programs, each over fewer query rows (``turn_plan``).
+TURN_NARROW_TILE = (64, 64, 4, 3)
 
 
 @triton.jit(do_not_specialize=["window", "num_seqs", "num_q_heads"])
@@ -184,6 +187,46 @@ def packed_splits(programs: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS, -(-target // max(programs, 1))))
 
 
+def turn_plan(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    sliding_window: int | None,
+) -> tuple[tuple[int, int, int, int], int]:
+    """(config, splits) of the packed kernel for a turn (query packed [T, Hq, D], pools
+    [N, bs, Hkv, D], tables int32 [S, width], ``max_query_len`` host-known), from shapes only.
+
+    Splits: as many as keep ``TURN_SPLIT_KEYS`` keys each of what the tables can hold (the
+    window and the turn, with one), and no more than the tile's programs resident at once fill
+    the device (two per SM, one for a 128-row tile past head dim 64: their shared memory); a
+    power of two, 1 meaning a turn too short or too wide to split. Tile: ``packed_config``'s,
+    or ``TURN_NARROW_TILE`` past head dim 64 and where the default tile's programs, split by
+    the keys, would not give every SM one."""
+    total_q, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_q_heads // num_kv_heads
+    on_gpu = query.device.type == "cuda"
+    history = block_tables.shape[1] * block_size
+    if sliding_window is not None:
+        history = min(history, sliding_window + max_query_len)
+    key_splits = min(-(-history // TURN_SPLIT_KEYS), MAX_SPLITS)
+    sms = sm_count(query.device)
+
+    def programs(block_m: int) -> int:
+        return max(1, -(-total_q // (block_m // group)) * num_kv_heads)
+
+    config = packed_config(head_dim, group, max_query_len, query.dtype, on_gpu)
+    narrow_rows = TURN_NARROW_TILE[0]
+    if config[0] > narrow_rows >= group and (
+        next_pow2(head_dim) > 64 or programs(config[0]) * key_splits < sms
+    ):
+        config = TURN_NARROW_TILE if on_gpu else (narrow_rows, *config[1:])
+    resident = 2 if config[0] <= narrow_rows or next_pow2(head_dim) <= 64 else 1
+    splits = min(key_splits, resident * sms // programs(config[0]))
+    return config, 1 << (max(splits, 1).bit_length() - 1)
+
+
 def turn_splits(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -191,26 +234,8 @@ def turn_splits(
     max_query_len: int,
     sliding_window: int | None,
 ) -> int:
-    """Splits over the history for a turn (query packed [T, Hq, D], pools [N, bs, Hkv, D],
-    tables int32 [S, width], ``max_query_len`` host-known), from shapes only: as many as keep
-    ``TURN_SPLIT_KEYS`` keys each of what the tables can hold (the window and the turn, with
-    one), and no more than the default tiles' programs resident at once fill the device (two
-    per SM up to head dim 64, one above: their shared memory). A power of two; 1 means a turn
-    too short or too wide to split."""
-    total_q, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_q_heads // num_kv_heads
-    on_gpu = query.device.type == "cuda"
-    block_m = packed_config(head_dim, group, max_query_len, query.dtype, on_gpu)[0]
-    programs = max(1, -(-total_q // (block_m // group)) * num_kv_heads)
-    history = block_tables.shape[1] * block_size
-    if sliding_window is not None:
-        history = min(history, sliding_window + max_query_len)
-    resident = 2 if next_pow2(head_dim) <= 64 else 1
-    splits = min(
-        -(-history // TURN_SPLIT_KEYS), resident * sm_count(query.device) // programs, MAX_SPLITS
-    )
-    return 1 << (max(splits, 1).bit_length() - 1)
+    """``turn_plan``'s split count (1: the turn keeps the extend tiles)."""
+    return turn_plan(query, key_cache, block_tables, max_query_len, sliding_window)[1]
 
 
 def paged_extend_attention_packed(

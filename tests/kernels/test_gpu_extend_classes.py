@@ -151,6 +151,7 @@ def test_packed_cuda_graph(poison_outputs):
 # (history, new, hkv, group, dim, block_size, dtype, window): turns over a cached prompt
 TURNS = {
     "llama1b-4x64-over-2048": ([2048] * 4, [64] * 4, 8, 4, 64, 16, BF16, None),
+    "llama1b-1x32-over-2048": ([2048], [32], 8, 4, 64, 16, BF16, None),
     "llama8b-1x64-over-8192": ([8192], [64], 8, 4, 128, 16, BF16, None),
     "ragged-d80-window": ([3000, 100, 5000], [64, 30, 17], 4, 8, 80, 16, FP16, 1000),
     "mha-d64-2x128": ([1500, 4000], [128, 100], 8, 1, 64, 32, BF16, None),
@@ -160,16 +161,17 @@ TURNS = {
 @pytest.mark.parametrize("case", list(TURNS), ids=list(TURNS))
 def test_turns_take_the_split_packed_kernel(case, monkeypatch, poison_outputs):
     """A turn's routed call (max_query_len up to TURN_MAX_QUERY_LEN over long history) runs
-    the packed kernel at turn_splits' count and matches the float64 reference, row by row."""
+    the packed kernel with turn_plan's tile and count and matches the float64 reference, row
+    by row."""
     from nanoserve.kernels import triton_verify
 
     history, new, hkv, group, dim, bs, dtype, window = TURNS[case]
     args = _inputs(history, new, hkv, group, dim, bs, dtype)
-    splits = spy_packed(monkeypatch, "num_splits")
+    plans = spy_packed(monkeypatch, "config", "num_splits")
     ref = paged_extend_attention_ref(
         *(a.double() if a.is_floating_point() else a for a in args), sliding_window=window
     )
     out = paged_extend_attention(*args, sliding_window=window, max_query_len=max(new))
-    expected = triton_verify.turn_splits(args[0], args[1], args[3], max(new), window)
-    assert expected > 1 and splits == [expected]
+    expected = triton_verify.turn_plan(args[0], args[1], args[3], max(new), window)
+    assert expected[1] > 1 and plans == [expected]
     _check_rows(out, ref, dtype)

@@ -237,8 +237,7 @@ def test_a_packed_tile_the_device_cannot_launch_falls_back_to_the_tiles(
 
 def test_turn_splits_follow_the_history_and_the_programs(monkeypatch):
     """More keys in the tables mean more splits, more programs (rows, KV heads) fewer; a
-    window caps the history; a power of two, within [1, MAX_SPLITS]; head dims past 64 fill
-    the device with half as many."""
+    window caps the history; a power of two, within [1, MAX_SPLITS]."""
     monkeypatch.setattr(verify, "TURN_SPLIT_KEYS", 16)
 
     def splits(rows, width, hkv=1, dim=64, window=None, new=20):
@@ -253,9 +252,46 @@ def test_turn_splits_follow_the_history_and_the_programs(monkeypatch):
     assert by_rows == sorted(by_rows, reverse=True) and by_rows[-1] == 1
     assert splits(1, 64, hkv=4) < splits(1, 64)
     assert splits(1, 64, window=10) < splits(1, 64)
-    assert splits(1, 64, dim=128) == splits(1, 64) // 2
     for count in by_width + by_rows:
         assert 1 <= count <= verify.MAX_SPLITS and count & (count - 1) == 0
+
+
+# (rows, new tokens, history, head_dim) -> (tile rows, splits) on 132 SMs, 32 query / 8 KV
+# heads, block 16: the turn classes of benchmarks/bench_extend_classes.py
+TURN_PLANS = {
+    (1, 64, 2048, 64): (64, 4),  # 128-row tiles: 16 programs x 5 key splits < 132
+    (1, 32, 2048, 64): (64, 4),
+    (4, 64, 2048, 64): (128, 4),  # 64 programs x 5 >= 132: the default tile
+    (2, 128, 2048, 64): (128, 4),
+    (1, 64, 8192, 64): (128, 16),
+    (1, 64, 2048, 128): (64, 4),  # past head dim 64 always the narrow tile
+    (4, 64, 2048, 128): (64, 2),  # 128 programs, two resident an SM
+    (1, 64, 2048, 96): (64, 4),
+}
+
+
+@pytest.mark.parametrize("shape", list(TURN_PLANS), ids=[str(k) for k in TURN_PLANS])
+def test_turn_plan_narrows_the_tile_where_the_default_leaves_sms_idle(shape, monkeypatch):
+    """The 64-row tile past head dim 64 and where 128-row tiles split by the keys give
+    fewer programs than SMs; its splits fill two programs an SM."""
+    monkeypatch.setattr(verify, "sm_count", lambda device: 132)
+    rows, new, history, dim = shape
+    query = torch.zeros(rows * new, 32, dim, dtype=torch.float16)
+    pools = torch.zeros(1, 16, 8, dim, dtype=torch.float16)
+    tables = torch.zeros(rows, -(-(history + new) // 16), dtype=torch.int32)
+    config, splits = verify.turn_plan(query, pools, tables, new, None)
+    assert (config[0], splits) == TURN_PLANS[shape]
+    assert verify.turn_splits(query, pools, tables, new, None) == splits
+
+
+def test_turn_plan_keeps_the_default_tile_for_groups_past_its_rows(monkeypatch):
+    """A GQA group wider than the narrow tile's rows (one token's heads must fit a tile)."""
+    monkeypatch.setattr(verify, "sm_count", lambda device: 132)
+    query = torch.zeros(20, 128, 128, dtype=torch.float16)
+    pools = torch.zeros(1, 16, 1, 128, dtype=torch.float16)
+    tables = torch.zeros(1, 200, dtype=torch.int32)
+    config, splits = verify.turn_plan(query, pools, tables, 20, None)
+    assert config[0] >= 128 and splits > 1
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "5"])
