@@ -157,15 +157,16 @@ VERIFY = [((64, 64, 4, 3), None), ((64, 64, 4, 2), 4), ((64, 64, 4, 3), 8), ((64
 
 def parse_extra(text: str) -> dict[str, list[tuple]]:
     """``--extra`` -> {class: [candidate]}: entries split by ";", each
-    ``class=tiles:M,N,W,S[,R]`` (R: a register cap) or ``class=packed:M,N,W,S[:splits]``."""
+    ``class=tiles:M,N,W,S[,R][:splits]`` (R: a register cap; splits: runs of keys per tile),
+    ``class=table-ahead:...`` alike, or ``class=packed:M,N,W,S[:splits]``."""
     extra: dict[str, list[tuple]] = {}
     for entry in filter(None, text.split(";")):
         try:
             name, spec = entry.split("=")
             kind, config, *splits = spec.split(":")
             numbers = tuple(int(x) for x in config.split(","))
-            if kind == "tiles" and not splits and len(numbers) in (4, 5):
-                candidate: tuple = ("tiles", numbers)
+            if kind in ("tiles", "table-ahead") and len(splits) <= 1 and len(numbers) in (4, 5):
+                candidate: tuple = (kind, numbers, *(int(x) for x in splits))
             elif kind == "packed" and len(splits) <= 1 and len(numbers) == 4:
                 candidate = ("packed", numbers, int(splits[0]) if splits else None)
             else:
@@ -204,6 +205,8 @@ def label(candidate: tuple) -> str:
     if kind.startswith("packed"):
         config, splits = rest
         return f"{kind} {config} splits {splits or 'auto'}"
+    if len(rest) > 1:  # a tiles candidate with key splits
+        return f"{kind} {rest[0]} splits {rest[1]}"
     return kind if not rest else f"{kind} {rest[0]}"
 
 
@@ -257,8 +260,9 @@ def nanoserve_fn(cls: ExtendClass, s: dict, candidate: tuple):
             *args, **opts, scale=cls.dim**-0.5, config=config, num_splits=splits
         )
     return lambda: triton_extend.paged_extend_attention_triton(
-        *args, **opts, scale=cls.dim**-0.5, config=rest[0]
-    )
+        *args, **opts, scale=cls.dim**-0.5, config=rest[0],
+        num_splits=rest[1] if len(rest) > 1 else None,
+    )  # fmt: skip
 
 
 def flashinfer_fn(cls: ExtendClass, s: dict, flashinfer):
@@ -346,7 +350,7 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
                 candidate = ("tiles", candidate[1])
             if candidate[0] == "table-ahead":  # the tiles kernel, block ids a step ahead
                 triton_extend.TABLE_AHEAD = True
-                candidate = ("tiles", candidate[1])
+                candidate = ("tiles", *candidate[1:])
             if candidate[0] == "other-order":  # the tiles kernel, the other program order
                 family = triton_extend.config_family(cls.dim, DTYPE)
                 triton_extend.TILE_MAJOR_FAMILIES = TILE_MAJOR ^ {family}

@@ -155,7 +155,12 @@ def _extend_kernel(
     k_scale=None, v_scale=None, FP8: tl.constexpr = False,
     INT8: tl.constexpr = False, K_GROUPS: tl.constexpr = 1, G_PAD: tl.constexpr = 1,
     TABLE_AHEAD: tl.constexpr = False,
+    mid_o=None, mid_lse=None, NUM_SPLITS: tl.constexpr = 1,
 ):  # fmt: skip
+    # NUM_SPLITS > 1: the last grid axis cuts each tile's keys into runs of whole key tiles;
+    # each program leaves its run's normalised output and log-sum-exp (base 2) in mid_o /
+    # mid_lse [T, Hq, NUM_SPLITS(, D_PAD)] for triton_verify's merge kernel.
+    split = tl.program_id(1 if HEADS_INNER else 2)
     if HEADS_INNER:  # one 1-D grid, every head of a tile before the next tile
         tiles = tl.num_programs(0) // NUM_Q_HEADS
         tile = tiles - 1 - tl.program_id(0) // NUM_Q_HEADS  # latest (longest) tiles first
@@ -205,6 +210,13 @@ def _extend_kernel(
         # From full_lo on, keys are inside the last row's window, hence inside every row's.
         full_lo = tl.cdiv(tl.maximum(ctx + q_end - window, 0), BLOCK_N) * BLOCK_N
         full_lo = tl.minimum(full_lo, diag)
+    # this program's keys [a, b): all of [first window tile, kv_hi), or a split's run of it
+    a = (kv_lo // BLOCK_N) * BLOCK_N
+    b = kv_hi
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tl.cdiv(kv_hi - a, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        a = a + split * per_split
+        b = tl.minimum(a + per_split, kv_hi)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -214,20 +226,20 @@ def _extend_kernel(
     if HAS_WINDOW:
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb,
-            stride_ct, (kv_lo // BLOCK_N) * BLOCK_N, full_lo, kv_lo, kv_hi, qk_scale, scale,
+            stride_ct, a, tl.minimum(b, full_lo), kv_lo, kv_hi, qk_scale, scale,
             softcap, window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True,
             HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH, False,
             k_scale, v_scale, INT8, K_GROUPS, G_PAD,
         )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
-        full_lo, diag, kv_lo, kv_hi, qk_scale, scale, softcap, window,
-        HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
-        WARP_SPEC, k_scale, v_scale, INT8, K_GROUPS, G_PAD, TABLE_AHEAD,
+        tl.maximum(a, full_lo), tl.minimum(b, diag), kv_lo, kv_hi, qk_scale, scale, softcap,
+        window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, HAS_SOFTCAP, FP32,
+        FAST_TANH, WARP_SPEC, k_scale, v_scale, INT8, K_GROUPS, G_PAD, TABLE_AHEAD,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, key_cache, value_cache, table, head_off, stride_cb, stride_ct,
-        diag, kv_hi, kv_lo, kv_hi, qk_scale, scale, softcap, window,
+        tl.maximum(a, diag), b, kv_lo, kv_hi, qk_scale, scale, softcap, window,
         HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, HAS_SOFTCAP, FP32, FAST_TANH,
         False, k_scale, v_scale, INT8, K_GROUPS, G_PAD,
     )  # fmt: skip
@@ -235,8 +247,16 @@ def _extend_kernel(
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if FP8:
         o = o * v_mul
-    dst = out + tokens[:, None] * stride_ot + head * stride_oh + d[None, :]
-    tl.store(dst, o.to(out.dtype.element_ty), mask=q_mask)
+    if NUM_SPLITS == 1:
+        dst = out + tokens[:, None] * stride_ot + head * stride_oh + d[None, :]
+        tl.store(dst, o.to(out.dtype.element_ty), mask=q_mask)
+    else:
+        # an empty run stores lse -inf (weight 0 in the merge); each row's own key is in one
+        row = (tokens * NUM_Q_HEADS + head) * NUM_SPLITS + split
+        tl.store(mid_o + row[:, None] * D_PAD + d[None, :], o.to(mid_o.dtype.element_ty),
+                 mask=q_mask)  # fmt: skip
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(mid_lse + row, lse, mask=rows < q_len)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages[, max registers per thread]) per family on CUDA;
@@ -457,13 +477,16 @@ def paged_extend_attention_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Launch extend attention (arguments already validated); returns [T, Hq, D] like query.
     FP8 pools come with float32 ``k_scale``/``v_scale`` [Hkv], INT8 pools with their float16
     per-slot scales.
 
     ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) bypasses routing and autotuning
-    (tests, sweeps). Otherwise ``extend_route`` picks the kernel: on CUDA the first call for a
+    (tests, sweeps), with ``num_splits`` runs of keys per tile (merged by a second kernel; None:
+    the route's count, 1 off a route). Otherwise ``extend_route`` picks the kernel: on CUDA the
+    first call for a
     (head dim, bucket, dtype) not in ``ROUTES`` autotunes: warm up before capturing a CUDA
     graph. ``max_query_len``: a host-known bound on the new tokens of every sequence, or None;
     at most ``PACKED_MAX_QUERY_LEN`` routes the call to the GQA-packed split-KV kernel, and
@@ -505,6 +528,8 @@ def paged_extend_attention_triton(
         if route[0] in TILE_ROUTES and (query.device, route[1]) not in _UNFIT:
             config, routed = route[1], True
             table_ahead = table_ahead or route[0] == "tiles-ahead"
+            if num_splits is None and len(route) > 2:
+                num_splits = route[2]
     if config is None and query.device.type != "cuda":
         config = INTERPRETER_CONFIG
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -534,17 +559,39 @@ def paged_extend_attention_triton(
         INT8=key_cache.dtype == INT8_DTYPE, K_GROUPS=int8_groups(head_dim, INT8_K_GROUP),
         G_PAD=head_dim_pad(head_dim) // INT8_K_GROUP,
     )  # fmt: skip
+    if num_splits is not None and num_splits > 1 and config is not None:
+        from nanoserve.kernels.triton_verify import PARTIALS_16BIT
 
-    def grid(m: dict) -> tuple[int, int]:
+        partial_dtype = query.dtype if PARTIALS_16BIT else torch.float32
+        d_pad = meta["D_PAD"]
+        meta.update(
+            NUM_SPLITS=num_splits,
+            mid_o=torch.empty(total_q, num_q_heads, num_splits, d_pad, dtype=partial_dtype,
+                              device=query.device),
+            mid_lse=torch.empty(total_q, num_q_heads, num_splits, dtype=torch.float32,
+                                device=query.device),
+        )  # fmt: skip
+
+    def grid(m: dict) -> tuple[int, ...]:
         tiles = total_q // m["BLOCK_M"] + num_seqs
-        return (tiles * num_q_heads, 1) if m["HEADS_INNER"] else (tiles, num_q_heads)
+        splits = m.get("NUM_SPLITS", 1)
+        return (tiles * num_q_heads, splits) if m["HEADS_INNER"] else (tiles, num_q_heads, splits)
 
     def launch(config: tuple[int, ...]) -> None:
         block_m, block_n, num_warps, num_stages = config[:4]
+        splits = meta.get("NUM_SPLITS", 1)
         _extend_kernel[grid({"BLOCK_M": block_m, **meta})](
             *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps, num_stages=num_stages, **register_cap(config, query),
         )  # fmt: skip
+        if splits > 1:
+            from nanoserve.kernels.triton_verify import _merge_kernel
+
+            _merge_kernel[(total_q, num_q_heads)](
+                meta["mid_o"], meta["mid_lse"], out, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, D_PAD=meta["D_PAD"], NUM_SPLITS=splits,
+                SPLITS_PAD=next_pow2(splits), PDL=False,
+            )  # fmt: skip
 
     if routed:
         try:
@@ -554,6 +601,8 @@ def paged_extend_attention_triton(
             _UNFIT.add((query.device, config))
             config = INTERPRETER_CONFIG if query.device.type != "cuda" else None
             meta["TABLE_AHEAD"] = TABLE_AHEAD  # what an unrouted call takes
+            for split_key in ("NUM_SPLITS", "mid_o", "mid_lse"):
+                meta.pop(split_key, None)
     picked_key = (family, head_dim, tune_key, query.dtype, key_cache.dtype)
     if config is None:
         config = _PICKED.get(picked_key)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import TOLERANCE, make_paged_kv, needs_interpreter, poison_hidden, rel_err
+from kernel_inputs import (
+    TOLERANCE,
+    make_paged_kv,
+    needs_interpreter,
+    poison_hidden,
+    rel_err,
+    row_errors,
+)
 
 from nanoserve.kernels import paged_extend_attention, paged_extend_attention_ref, triton_extend
 from nanoserve.kernels.triton_extend import paged_extend_attention_triton
@@ -255,3 +262,43 @@ def test_a_routed_tile_the_device_cannot_hold_falls_back(monkeypatch, poison_out
         assert rel_err(out, ref) < TOLERANCE[torch.float32]
     fallback = triton_extend.INTERPRETER_CONFIG[0]
     assert launched == [routed[0], fallback, fallback]
+
+
+# (num_kv_heads, group, head_dim, block_size, history_lens, new_lens, window, softcap): every
+# split run kind: empty runs (more splits than key tiles), a run ending inside the diagonal,
+# a window's masked edge cut by a split, an empty sequence between others
+SPLIT_CASES = {
+    "chunks-over-history": (2, 4, 64, 16, [100, 45, 0], [70, 1, 33], None, None),
+    "gqa7-d80-window-softcap": (1, 7, 80, 8, [90, 0], [21, 40], 37, 10.0),
+    "mha-d128-empty-between": (2, 1, 128, 16, [60, 5, 30], [17, 0, 3], None, None),
+}
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("tile_major", [False, True], ids=["tile-head-grid", "tile-major"])
+@pytest.mark.parametrize("case", list(SPLIT_CASES), ids=list(SPLIT_CASES))
+def test_extend_split_over_keys_matches_reference(
+    case, tile_major, splits, poison_outputs, monkeypatch
+):
+    """num_splits runs of key tiles per tile, merged: every row against float64 (float16
+    partials); a run with no visible key weighs nothing. Planted: the runs' bounds off by
+    one key tile (a tile skipped between runs): failed every case."""
+    num_kv_heads, group, head_dim, block_size, history, new, window, softcap = SPLIT_CASES[case]
+    families = frozenset({"fp32", "16bit-d64", "16bit-d128"}) if tile_major else frozenset()
+    monkeypatch.setattr(triton_extend, "TILE_MAJOR_FAMILIES", families)
+    lens = [h + n for h, n in zip(history, new, strict=True)]
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(
+        lens, num_kv_heads, head_dim, block_size, torch.float16
+    )
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), num_kv_heads * group, head_dim).half()
+    ref = paged_extend_attention_ref(
+        query.double(), key_cache.double(), value_cache.double(), tables, seq_lens, cu,
+        sliding_window=window, softcap=softcap,
+    )  # fmt: skip
+    out = paged_extend_attention_triton(
+        query, key_cache, value_cache, tables, seq_lens, cu, scale=head_dim**-0.5,
+        sliding_window=window, softcap=softcap, config=(16, 16, 4, 1), num_splits=splits,
+    )  # fmt: skip
+    assert out.dtype == torch.float16
+    assert row_errors(out, ref).max() < TOLERANCE[torch.float16]
