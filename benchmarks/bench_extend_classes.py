@@ -104,6 +104,8 @@ CLASSES = {
     "short-400": ExtendClass(32, 8, 128, (0,), (400,)),
     "window-2x4096": ExtendClass(32, 8, 128, (0, 0), (4096, 4096), window=2048),
     "d256-chunked-256": ExtendClass(16, 8, 256, (5000,), (256,)),
+    # a chunk of a model with few heads (Qwen2.5-1.5B: 12 / 2, head_dim 128): a short grid
+    "chunked-256-d128-12h": ExtendClass(12, 2, 128, (3000,), (256,)),
     # chat turns over a shared cached system prompt (the repeated system prompt of issue 14):
     # four rows of 64 new tokens over 2,048 cached, Llama-3.2-1B's heads and Llama-3-8B's
     "turns-4x64-d64": ExtendClass(32, 8, 64, (2048,) * 4, (64,) * 4),

@@ -319,6 +319,11 @@ ROUTES: dict[tuple[str, int], tuple] = {
 }
 # Route kinds that launch the extend kernel here at a fixed config.
 TILE_ROUTES = ("tiles", "tiles-ahead")
+# A routed call whose tiles give fewer than half the SMs a program (a chunk over history of a
+# model with few heads) splits each tile's keys into runs that fill them, each of at least
+# this many keys of what the block tables hold (``extend_splits``; benchmarks/RESULTS.md).
+EXTEND_SPLIT_KEYS = 1024
+EXTEND_MAX_SPLITS = 8
 # Warp-specialize the extend kernel's unmasked key loop (Triton's automatic warp
 # specialization); off until the class benchmark shows it pays.
 WARP_SPECIALIZE = False
@@ -411,6 +416,34 @@ def extend_route(key: tuple[str, int]) -> tuple:
     return ("packed", None, None) if key[1] & 16 else ("autotune",)
 
 
+def extend_splits(
+    query: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    block_m: int,
+    sliding_window: int | None,
+    max_query_len: int | None,
+) -> int:
+    """Key runs per tile for a routed call (query packed [T, Hq, D], tables [S, width]), from
+    shapes and host values only: as many as give each SM about one program, while a run keeps
+    ``EXTEND_SPLIT_KEYS`` keys of what the tables hold (the window and the new tokens, with
+    one); a power of two up to ``EXTEND_MAX_SPLITS``, 1 for a grid that fills half the SMs."""
+    total_q, num_q_heads, _ = query.shape
+    num_seqs = block_tables.shape[0]
+    tiles = total_q // block_m + num_seqs
+    if max_query_len is not None:
+        tiles = min(tiles, num_seqs * -(-max_query_len // block_m))
+    history = block_tables.shape[1] * block_size
+    if sliding_window is not None:
+        history = min(history, sliding_window + (max_query_len or total_q))
+    splits = min(
+        sm_count(query.device) // max(tiles * num_q_heads, 1),
+        history // EXTEND_SPLIT_KEYS,
+        EXTEND_MAX_SPLITS,
+    )
+    return 1 << (max(splits, 1).bit_length() - 1)
+
+
 def register_cap(config: tuple[int, ...], query: torch.Tensor) -> dict[str, int]:
     """Launch options for a config's register cap (its fifth entry): Triton's ``maxnreg``,
     an NVIDIA-backend option, so none on other devices."""
@@ -483,10 +516,10 @@ def paged_extend_attention_triton(
     FP8 pools come with float32 ``k_scale``/``v_scale`` [Hkv], INT8 pools with their float16
     per-slot scales.
 
-    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) bypasses routing and autotuning
-    (tests, sweeps), with ``num_splits`` runs of keys per tile (merged by a second kernel; None:
-    the route's count, 1 off a route). Otherwise ``extend_route`` picks the kernel: on CUDA the
-    first call for a
+    ``config`` (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) bypasses routing and
+    autotuning (tests, sweeps); ``num_splits`` cuts each tile's keys into runs merged by a
+    second kernel (None: ``extend_splits``' count on a fixed route, else 1). Otherwise
+    ``extend_route`` picks the kernel: on CUDA the first call for a
     (head dim, bucket, dtype) not in ``ROUTES`` autotunes: warm up before capturing a CUDA
     graph. ``max_query_len``: a host-known bound on the new tokens of every sequence, or None;
     at most ``PACKED_MAX_QUERY_LEN`` routes the call to the GQA-packed split-KV kernel, and
@@ -528,8 +561,11 @@ def paged_extend_attention_triton(
         if route[0] in TILE_ROUTES and (query.device, route[1]) not in _UNFIT:
             config, routed = route[1], True
             table_ahead = table_ahead or route[0] == "tiles-ahead"
-            if num_splits is None and len(route) > 2:
-                num_splits = route[2]
+            if num_splits is None:
+                num_splits = extend_splits(
+                    query, block_tables, key_cache.shape[1], config[0], sliding_window,
+                    max_query_len,
+                )  # fmt: skip
     if config is None and query.device.type != "cuda":
         config = INTERPRETER_CONFIG
     _, block_size, num_kv_heads, _ = key_cache.shape

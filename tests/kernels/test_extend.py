@@ -302,3 +302,71 @@ def test_extend_split_over_keys_matches_reference(
     )  # fmt: skip
     assert out.dtype == torch.float16
     assert row_errors(out, ref).max() < TOLERANCE[torch.float16]
+
+
+def _chunk_inputs(history, new, num_kv_heads=1, group=2, head_dim=64, block_size=16):
+    lens = [h + n for h, n in zip(history, new, strict=True)]
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(
+        lens, num_kv_heads, head_dim, block_size, torch.float16
+    )
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), num_kv_heads * group, head_dim).half()
+    return query, key_cache, value_cache, tables, seq_lens, cu
+
+
+def test_extend_splits_fill_the_sms_while_runs_keep_their_keys(monkeypatch):
+    """Fewer programs, or more keys in the tables, give more runs; a window caps the keys;
+    a grid filling half the SMs gets 1; powers of two within [1, EXTEND_MAX_SPLITS]."""
+    monkeypatch.setattr(triton_extend, "sm_count", lambda device: 132)
+    monkeypatch.setattr(triton_extend, "EXTEND_SPLIT_KEYS", 64)
+
+    def splits(new, width, heads=8, window=None, bound=True, block_m=64):
+        query = torch.zeros(sum(new), heads, 64, dtype=torch.float16)
+        tables = torch.zeros(len(new), width, dtype=torch.int32)
+        max_query_len = max(new) if bound else None
+        return triton_extend.extend_splits(query, tables, 16, block_m, window, max_query_len)
+
+    assert splits([512], 256) == 2  # 8 tiles x 8 heads = 64 programs
+    assert splits([512], 256, heads=4) == 4
+    assert splits([512], 256, heads=2) == 8  # capped at EXTEND_MAX_SPLITS
+    assert splits([512], 8) == 2 and splits([512], 4) == 1  # 128 / 64 keys a run
+    assert splits([128], 256, heads=4) == 8
+    assert splits([128], 256, heads=4, window=64) == 2  # 64 + 128 keys in reach
+    assert splits([512], 256, heads=16) == 1  # 128 programs: the grid fills half the SMs
+    # with no bound every sequence counts a tile more (the grid's idle tiles): 9 x 8 = 72
+    assert splits([512], 256, bound=False) == 1
+    assert splits([64] * 8, 256, heads=2, bound=False) == 4  # 16 tiles, 8 of them idle
+    assert splits([64] * 8, 256, heads=2) == 8
+    for count in (splits([100], w, heads=h) for w in (1, 9, 300) for h in (1, 3, 8, 40)):
+        assert 1 <= count <= triton_extend.EXTEND_MAX_SPLITS and count & (count - 1) == 0
+
+
+def test_a_routed_chunk_on_a_short_grid_splits_its_keys(monkeypatch, poison_outputs):
+    """A routed (fixed-tile) call whose grid leaves SMs idle launches extend_splits' runs
+    and matches float64 row by row; the same call with the grid full launches one.
+    Planted: the route's count not passed to the launch: one run, the assert below failed."""
+    monkeypatch.setattr(triton_extend, "sm_count", lambda device: 132)
+    monkeypatch.setattr(triton_extend, "EXTEND_SPLIT_KEYS", 32)
+    args = _chunk_inputs([150, 70], [40, 18])
+    ref = paged_extend_attention_ref(*(a.double() if a.is_floating_point() else a for a in args))
+    key = triton_extend.route_key(args[0], 2, None, None, 40)
+    monkeypatch.setitem(triton_extend.ROUTES, key, ("tiles", (16, 16, 4, 1)))
+    real, launched = triton_extend._extend_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*a, **meta):
+                launched.append(meta.get("NUM_SPLITS", 1))
+                return real[grid](*a, **meta)
+
+            return run
+
+    monkeypatch.setattr(triton_extend, "_extend_kernel", Spy())
+    out = paged_extend_attention(*args, backend="triton", max_query_len=40)
+    expected = triton_extend.extend_splits(args[0], args[3], 16, 16, None, 40)
+    assert expected > 1 and launched == [expected]
+    assert row_errors(out, ref).max() < TOLERANCE[torch.float16]
+    monkeypatch.setattr(triton_extend, "sm_count", lambda device: 4)
+    launched.clear()
+    out = paged_extend_attention(*args, backend="triton", max_query_len=40)
+    assert launched == [1] and row_errors(out, ref).max() < TOLERANCE[torch.float16]

@@ -175,3 +175,55 @@ def test_turns_take_the_split_packed_kernel(case, monkeypatch, poison_outputs):
     expected = triton_verify.turn_plan(args[0], args[1], args[3], max(new), window)
     assert expected[1] > 1 and plans == [expected]
     _check_rows(out, ref, dtype)
+
+
+# (history, new, hkv, group, dim, block_size, dtype, window, softcap): routed chunks whose
+# tiles leave most SMs idle (few heads), so their keys split into runs
+SHORT_GRID_CHUNKS = {
+    "gemma3-4b-d256-512-over-3000": ([3000], [512], 4, 2, 256, 16, BF16, None, None),
+    "d256-softcap-256-over-5000": ([5000], [256], 8, 2, 256, 16, BF16, None, 50.0),
+    "qwen-1.5b-d128-256-over-3000": ([3000], [256], 2, 6, 128, 16, BF16, None, None),
+    "d128-fp16-two-chunks": ([2000, 900], [150, 40], 1, 8, 128, 32, FP16, None, None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SHORT_GRID_CHUNKS), ids=list(SHORT_GRID_CHUNKS))
+def test_short_grid_chunks_split_their_keys(case, monkeypatch, poison_outputs):
+    """A routed chunk on a short grid launches extend_splits' runs (more than one) and
+    matches the float64 reference row by row, eagerly and replayed from a CUDA graph."""
+    history, new, hkv, group, dim, bs, dtype, window, softcap = SHORT_GRID_CHUNKS[case]
+    args = _inputs(history, new, hkv, group, dim, bs, dtype)
+    key = triton_extend.route_key(args[0], len(new), window, softcap, max(new))
+    route = triton_extend.extend_route(key)
+    assert route[0] in triton_extend.TILE_ROUTES, (key, route)
+    expected = triton_extend.extend_splits(args[0], args[3], bs, route[1][0], window, max(new))
+    assert expected > 1
+    real, launched = triton_extend._extend_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*a, **meta):
+                launched.append(meta.get("NUM_SPLITS", 1))
+                return real[grid](*a, **meta)
+
+            return run
+
+    monkeypatch.setattr(triton_extend, "_extend_kernel", Spy())
+    opts = dict(sliding_window=window, softcap=softcap, max_query_len=max(new))
+    ref = paged_extend_attention_ref(
+        *(a.double() if a.is_floating_point() else a for a in args),
+        sliding_window=window, softcap=softcap,
+    )  # fmt: skip
+    _check_rows(paged_extend_attention(*args, **opts), ref, dtype)
+    assert launched == [expected]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        paged_extend_attention(*args, **opts)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = paged_extend_attention(*args, **opts)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_rows(replayed, ref, dtype)
