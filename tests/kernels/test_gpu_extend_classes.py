@@ -219,11 +219,11 @@ def test_short_grid_chunks_split_their_keys(case, monkeypatch, poison_outputs):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        paged_extend_attention(*args, **opts)
+        paged_extend_attention(*args, **opts, check=False)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = paged_extend_attention(*args, **opts)
+        replayed = paged_extend_attention(*args, **opts, check=False)
     graph.replay()
     torch.cuda.synchronize()
     _check_rows(replayed, ref, dtype)
