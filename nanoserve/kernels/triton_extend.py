@@ -11,7 +11,10 @@ across heads too.
 
 Each program walks its keys in up to three runs: key tiles wholly below the diagonal (and,
 with a sliding window, wholly inside every row's window) take no mask at all; the diagonal
-tiles (and the window's lower edge) take the causal / window / length mask.
+tiles (and the window's lower edge) take the causal / window / length mask. With
+``NUM_SPLITS`` > 1 (a routed call on a grid that leaves most SMs idle, ``extend_splits``) a
+third grid axis cuts those keys into runs of whole key tiles, and triton_verify.py's merge
+kernel combines the runs' partial results.
 
 The tile shape, warps, pipeline depth (a register cap, and whether each tile's block ids
 load a step ahead) come from ``ROUTES`` (fixed picks per ``route_key``: head-dim family,
