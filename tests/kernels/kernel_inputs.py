@@ -274,3 +274,23 @@ def spy_packed(monkeypatch, *fields):
 
     monkeypatch.setattr(triton_verify, "paged_extend_attention_packed", spy)
     return calls
+
+
+def spy_extend_runs(monkeypatch):
+    """A list that records each tiled extend launch's key runs (``NUM_SPLITS``, 1 when the
+    launch passes none) while the launch still runs."""
+    from nanoserve.kernels import triton_extend
+
+    launched = []
+    real = triton_extend._extend_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                launched.append(meta.get("NUM_SPLITS", 1))
+                return real[grid](*args, **meta)
+
+            return run
+
+    monkeypatch.setattr(triton_extend, "_extend_kernel", Spy())
+    return launched

@@ -11,6 +11,7 @@ from kernel_inputs import (
     poison_hidden,
     rel_err,
     row_errors,
+    spy_extend_runs,
 )
 
 from nanoserve.kernels import paged_extend_attention, paged_extend_attention_ref, triton_extend
@@ -264,6 +265,16 @@ def test_a_routed_tile_the_device_cannot_hold_falls_back(monkeypatch, poison_out
     assert launched == [routed[0], fallback, fallback]
 
 
+def _chunk_inputs(history, new, num_kv_heads=1, group=2, head_dim=64, block_size=16):
+    lens = [h + n for h, n in zip(history, new, strict=True)]
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(
+        lens, num_kv_heads, head_dim, block_size, torch.float16
+    )
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), num_kv_heads * group, head_dim).half()
+    return query, key_cache, value_cache, tables, seq_lens, cu
+
+
 # (num_kv_heads, group, head_dim, block_size, history_lens, new_lens, window, softcap): every
 # split run kind: empty runs (more splits than key tiles), a run ending inside the diagonal,
 # a window's masked edge cut by a split, an empty sequence between others
@@ -286,32 +297,17 @@ def test_extend_split_over_keys_matches_reference(
     num_kv_heads, group, head_dim, block_size, history, new, window, softcap = SPLIT_CASES[case]
     families = frozenset({"fp32", "16bit-d64", "16bit-d128"}) if tile_major else frozenset()
     monkeypatch.setattr(triton_extend, "TILE_MAJOR_FAMILIES", families)
-    lens = [h + n for h, n in zip(history, new, strict=True)]
-    key_cache, value_cache, tables, seq_lens = make_paged_kv(
-        lens, num_kv_heads, head_dim, block_size, torch.float16
-    )
-    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
-    query = torch.randn(int(cu[-1]), num_kv_heads * group, head_dim).half()
+    args = _chunk_inputs(history, new, num_kv_heads, group, head_dim, block_size)
     ref = paged_extend_attention_ref(
-        query.double(), key_cache.double(), value_cache.double(), tables, seq_lens, cu,
+        *(a.double() if a.is_floating_point() else a for a in args),
         sliding_window=window, softcap=softcap,
     )  # fmt: skip
     out = paged_extend_attention_triton(
-        query, key_cache, value_cache, tables, seq_lens, cu, scale=head_dim**-0.5,
+        *args, scale=head_dim**-0.5,
         sliding_window=window, softcap=softcap, config=(16, 16, 4, 1), num_splits=splits,
     )  # fmt: skip
     assert out.dtype == torch.float16
     assert row_errors(out, ref).max() < TOLERANCE[torch.float16]
-
-
-def _chunk_inputs(history, new, num_kv_heads=1, group=2, head_dim=64, block_size=16):
-    lens = [h + n for h, n in zip(history, new, strict=True)]
-    key_cache, value_cache, tables, seq_lens = make_paged_kv(
-        lens, num_kv_heads, head_dim, block_size, torch.float16
-    )
-    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
-    query = torch.randn(int(cu[-1]), num_kv_heads * group, head_dim).half()
-    return query, key_cache, value_cache, tables, seq_lens, cu
 
 
 def test_extend_splits_fill_the_sms_while_runs_keep_their_keys(monkeypatch):
@@ -351,17 +347,7 @@ def test_a_routed_chunk_on_a_short_grid_splits_its_keys(monkeypatch, poison_outp
     ref = paged_extend_attention_ref(*(a.double() if a.is_floating_point() else a for a in args))
     key = triton_extend.route_key(args[0], 2, None, None, 40)
     monkeypatch.setitem(triton_extend.ROUTES, key, ("tiles", (16, 16, 4, 1)))
-    real, launched = triton_extend._extend_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def run(*a, **meta):
-                launched.append(meta.get("NUM_SPLITS", 1))
-                return real[grid](*a, **meta)
-
-            return run
-
-    monkeypatch.setattr(triton_extend, "_extend_kernel", Spy())
+    launched = spy_extend_runs(monkeypatch)
     out = paged_extend_attention(*args, backend="triton", max_query_len=40)
     expected = triton_extend.extend_splits(args[0], args[3], 16, 16, None, 40)
     assert expected > 1 and launched == [expected]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import TOLERANCE, make_paged_kv, row_errors, spy_packed
+from kernel_inputs import TOLERANCE, make_paged_kv, row_errors, spy_extend_runs, spy_packed
 
 from nanoserve.kernels import paged_extend_attention, paged_extend_attention_ref, triton_extend
 from nanoserve.kernels.triton_verify import paged_extend_attention_packed
@@ -198,17 +198,7 @@ def test_short_grid_chunks_split_their_keys(case, monkeypatch, poison_outputs):
     assert route[0] in triton_extend.TILE_ROUTES, (key, route)
     expected = triton_extend.extend_splits(args[0], args[3], bs, route[1][0], window, max(new))
     assert expected > 1
-    real, launched = triton_extend._extend_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def run(*a, **meta):
-                launched.append(meta.get("NUM_SPLITS", 1))
-                return real[grid](*a, **meta)
-
-            return run
-
-    monkeypatch.setattr(triton_extend, "_extend_kernel", Spy())
+    launched = spy_extend_runs(monkeypatch)
     opts = dict(sliding_window=window, softcap=softcap, max_query_len=max(new))
     ref = paged_extend_attention_ref(
         *(a.double() if a.is_floating_point() else a for a in args),
