@@ -56,6 +56,7 @@ from nanoserve.adapters.step import (
     check_whole_mask,
     find_cache,
     forget_original_attn,
+    inferred_mask,
     new_token_mask,
     no_cache,
     no_paged_step,
@@ -950,6 +951,12 @@ def _paged_generate(self, *args, **kwargs):
             # (a row's last column padding stays refused below: right padding, a caller's bug)
             _log.info("fallback: stock generate (attention_mask: padding between real tokens)")
             return stock(*args, **kwargs)  # stock's cache: the paged one holds no such holes
+    inferred = inferred_mask(self, args, kwargs) if mask is None else None
+    if inferred is not None and bool((inferred[:, 1:] < inferred[:, :-1]).any()):
+        # a token equal to pad_token_id after a prompt's first real one: generate attends
+        # around the hole (or the right padding) the mask it infers has
+        _log.info("fallback: stock generate (the mask generate infers from pad_token_id)")
+        return stock(*args, **kwargs)
     empty_row = isinstance(mask, torch.Tensor) and not check_left_padded(mask).any(dim=1).all()
     if empty_row and state.original_attn != "sdpa":
         # eager attention gives a row of nothing but padding even weights over every column,

@@ -27,7 +27,7 @@ import torch
 from nanoserve.adapters.compiled_layers import CompiledLayers
 from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.fused_decode import FusedDecode
-from nanoserve.adapters.sizing import PoolOptions
+from nanoserve.adapters.sizing import PoolOptions, call_inputs, generate_option
 from nanoserve.cache import BlockAllocator, StepMetadata
 
 # How forward and generate take the cache: 5.24 renamed past_key_values to cache.
@@ -395,6 +395,29 @@ def padding_inside(mask: torch.Tensor) -> bool:
     if mask.shape[1] < 2 or not bool(mask[:, -1].all()):
         return False
     return bool((mask[:, 1:] < mask[:, :-1]).any())
+
+
+def inferred_mask(model, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The attention mask [B, n] (bool, on the host) that generate infers for a call passing
+    none, as transformers' ``_prepare_attention_mask_for_generation`` does: the ids that are
+    not ``pad_token_id``, where the ids hold it and it is no EOS id. None where generate
+    infers all ones (or the call passes a mask)."""
+    if kwargs.get("attention_mask") is not None:
+        return None
+    ids = kwargs.get("input_ids")
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 0):
+        ids = call_inputs(args, kwargs)
+    pad = generate_option(model, kwargs, "pad_token_id")
+    if pad is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None  # (without a pad id generate pads with the first EOS id: no inference)
+    if ids.dtype not in (torch.int32, torch.int64):
+        return None
+    pads = torch.as_tensor(pad).flatten().cpu()
+    eos = generate_option(model, kwargs, "eos_token_id")
+    if eos is not None and bool(torch.isin(torch.as_tensor(eos).flatten().cpu(), pads).any()):
+        return None
+    padding = torch.isin(ids.cpu(), pads)
+    return ~padding if bool(padding.any()) else None
 
 
 def check_left_padded(mask: torch.Tensor, cached_lens: list[int] | None = None) -> torch.Tensor:

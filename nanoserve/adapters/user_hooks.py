@@ -61,9 +61,9 @@ class HookScan(NamedTuple):
 
 def scan_hooks(model, named=None) -> HookScan:
     """Walk ``model``'s modules once for forward hooks, pre-hooks and wrapped forwards (and
-    the global hooks); see ``HookScan``. The model's own forward is nanoserve's while
-    patched, so only its hooks count. ``named``: ``model.named_modules()`` when already
-    listed (``ModelWalk``)."""
+    the global hooks); see ``HookScan``. On the model itself its hooks count, and the
+    caller's code that runs with its forward (``model_forward_code``). ``named``:
+    ``model.named_modules()`` when already listed (``ModelWalk``)."""
     global_hooks = (
         *_torch_module._global_forward_hooks.values(),
         *_torch_module._global_forward_pre_hooks.values(),
@@ -77,6 +77,11 @@ def scan_hooks(model, named=None) -> HookScan:
         if not name:  # the model itself: its hooks run around its forward, replay or not
             if any(not _neutral(h, module) for h in hooks):
                 batch = batch or "a forward hook on the model"
+            inside, around = model_forward_code(module)
+            if inside is not None:
+                replay, rows, batch = replay or inside, rows or inside, batch or inside
+            if around is not None:
+                batch = batch or around
             continue
         if module.training and "parametrizations" in module._modules:
             # its weights computed at each forward may update state (spectral_norm's power
@@ -97,6 +102,57 @@ def scan_hooks(model, named=None) -> HookScan:
         if replay is not None and rows is not None and batch is not None:
             break
     return HookScan(replay, rows, batch)
+
+
+# where the model class's own forward may come from: transformers' modeling code (a class
+# built on it without a forward of its own inherits it)
+_LIBRARY_FORWARDS = ("transformers.",)
+# wrappers of a model's forward that change no row's values: accelerate's output casts
+# (Accelerator.prepare) and torch's autocast decorator
+_NEUTRAL_FORWARD_WRAPPERS = ("accelerate.", "torch.")
+
+
+def model_forward_code(model) -> tuple[str | None, str | None]:
+    """Code of the caller's that runs with the patched model's forward, as phrases (None:
+    none). ``inside``: a forward the patched one calls at every step, so that replays,
+    shared rows and the decode loop's batch would all reach it: a class forward written
+    outside transformers (a subclass overriding ``forward``) or a wrapper set on the model
+    before ``patch_model``. ``around``: a wrapper set on ``model.forward`` after patching,
+    which runs around every step and sees the batch nanoserve's decode loop shrinks."""
+    from nanoserve.adapters.step import STATE_ATTR  # (step imports the graph modules)
+
+    state = model.__dict__.get(STATE_ATTR)
+    inside = around = None
+    class_forward = getattr(type(model), "forward", None)
+    where = getattr(class_forward, "__module__", None) or ""
+    if class_forward is not None and not where.startswith(_LIBRARY_FORWARDS):
+        inside = f"{type(model).__name__}.forward (a class forward of the caller's)"
+    previous = getattr(state, "previous_forward", None)
+    if inside is None and previous is not None and not _neutral_forward(previous, model):
+        inside = "a wrapper set on model.forward before patch_model"
+    current = model.__dict__.get("forward")
+    if state is None or current is None:
+        return inside, around
+    if is_accelerate_wrapper(current, model):  # accelerate's hooks added after patching
+        if not _value_neutral_hooks(model):
+            around = "accelerate hooks of the caller's on the model"
+        current = model.__dict__.get("_old_forward")
+    if getattr(current, "__func__", None) is not state.patched_forward and not (
+        own_forward(current, model) or _neutral_forward(current, model)
+    ):
+        around = around or "a wrapper set on model.forward after patch_model"
+    return inside, around
+
+
+def _neutral_forward(forward, module) -> bool:
+    """A forward held by ``module`` that computes what the class's own does, row by row: the
+    class's own, accelerate's device and cast hooks around it, an output cast or autocast
+    around it (``_NEUTRAL_FORWARD_WRAPPERS``)."""
+    if own_forward(forward, module) or _neutral(forward, module):
+        return True
+    function = _unwrapped(getattr(forward, "__func__", forward))
+    where = getattr(function, "__module__", None) or type(function).__module__
+    return where.startswith(_NEUTRAL_FORWARD_WRAPPERS)
 
 
 def _unwrapped(hook):
@@ -151,6 +207,12 @@ def _neutral(hook, module) -> bool:
         is_accelerate_wrapper(hook, module) and own_forward(module._old_forward, module)
     ):
         return False
+    return _value_neutral_hooks(module)
+
+
+def _value_neutral_hooks(module) -> bool:
+    """Whether accelerate's hooks attached to ``module`` (``_hf_hook``) are all device or
+    cast hooks (``_VALUE_NEUTRAL_ACCELERATE_HOOKS``)."""
     attached = module.__dict__.get("_hf_hook")
     parts = getattr(attached, "hooks", (attached,))  # accelerate's SequentialHook
     return attached is not None and all(
