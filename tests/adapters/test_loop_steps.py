@@ -313,8 +313,9 @@ def hooked_on_the_model(model, calls: list):
 
 
 def wrapped_after_patching(model, calls: list):
-    """The patched forward wrapped by the caller (an autocast wrapper, say); returns a
-    handle whose ``remove`` puts the patched forward back."""
+    """The patched forward wrapped after patching by a wrapper the loop lets through (named
+    as torch's autocast decorator, which changes no row's values); returns a handle whose
+    ``remove`` puts the patched forward back."""
     inner = model.forward
 
     @functools.wraps(inner)  # (generate reads forward's parameters)
@@ -322,6 +323,7 @@ def wrapped_after_patching(model, calls: list):
         calls.append(1)
         return inner(*args, **kwargs)
 
+    wrapped.__module__ = "torch.amp.autocast_mode"
     model.forward = wrapped
 
     class Handle:
