@@ -59,7 +59,8 @@ def _grouped(x: torch.Tensor, width: int) -> torch.Tensor:
     pad = -x.shape[-1] % width
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
-    return x.reshape(*x.shape[:-1], -1, width)
+    # (the group count spelled out: -1 cannot be inferred when x holds no row)
+    return x.reshape(*x.shape[:-1], x.shape[-1] // width, width)
 
 
 def quantize_int8(
@@ -79,7 +80,7 @@ def quantize_int8(
     scale = torch.where(finite, scale, torch.nan)
     q = groups / scale.to(torch.float32)[..., None]
     q = torch.where(finite[..., None], q.round().clamp(-INT8_MAX, INT8_MAX), 0.0)
-    q = q.reshape(*x.shape[:-1], -1)[..., :head_dim]
+    q = q.flatten(-2)[..., :head_dim]
     return q.to(INT8_DTYPE).contiguous(), scale
 
 
@@ -93,7 +94,7 @@ def dequantize_int8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
         raise ValueError(f"scale: {groups} groups fit no INT8 layout of head dim {head_dim}")
     values = _grouped(x.to(compute), head_dim if groups == 1 else INT8_K_GROUP)
     values = values * scale.to(compute)[..., None]
-    return values.reshape(*x.shape[:-1], -1)[..., :head_dim].to(dtype).contiguous()
+    return values.flatten(-2)[..., :head_dim].to(dtype).contiguous()
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -139,6 +139,28 @@ def test_reference_scatter_writes_values_and_scales_of_real_rows_only():
     assert (k_scale == 65504.0).any() and torch.isnan(k_scale).any()
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("slots", [[-1, -1, -1], []], ids=["all-skipped", "no-token"])
+def test_int8_scatter_of_no_stored_token_changes_nothing(slots, backend):
+    """A step that stores no token (every row padding: each slot -1, or no token at all)
+    leaves INT8 pools and scales as they were, as float pools are. Found by a sweep: the
+    reference's group reshape could not infer its size from no row and raised."""
+    key, value, key_cache, value_cache, _, k_scale, v_scale = _scatter_inputs(
+        3, 2, 80, 4, torch.float32
+    )
+    mapping = torch.tensor(slots, dtype=torch.int64)
+    key, value = key[: len(slots)], value[: len(slots)]
+    before = [t.clone() for t in (key_cache, value_cache, k_scale, v_scale)]
+    slot_scatter(
+        key, value, key_cache, value_cache, mapping, k_scale=k_scale, v_scale=v_scale,
+        backend=backend,
+    )  # fmt: skip
+    for after, was in zip((key_cache, value_cache, k_scale, v_scale), before, strict=True):
+        assert torch.equal(after, was)
+    assert quantize_int8(torch.zeros(0, 2, 80))[1].shape == (0, 2, 5)
+    assert dequantize_int8(key_cache[:0], k_scale[:0], torch.float32).shape == (0, 4, 2, 80)
+
+
 @needs_interpreter
 @pytest.mark.parametrize(
     ("num_tokens", "num_kv_heads", "head_dim", "block_size", "dtype"),
