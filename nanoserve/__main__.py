@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import math
 import sys
 import time
 from pathlib import Path
@@ -33,8 +34,18 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
+    if not 0 <= value < 2**64:  # what torch.manual_seed takes
+        raise argparse.ArgumentTypeError(f"must lie in [0, 2**64), got {value}")
     return value
 
 
@@ -192,7 +203,9 @@ def generate(args) -> int:
             return 2
         try:
             return cli_prompts.serve(args, model, tokenizer, prompts)
-        except ValueError as error:  # a call nanoserve refuses (a pool past the memory, ...)
+        # a call nanoserve refuses (a pool past the memory, ...), or sampling that fails as
+        # stock's does (a temperature so small that the probabilities overflow)
+        except (ValueError, RuntimeError) as error:
             return _one_line(error)
         finally:
             nanoserve.unpatch_model(model)
@@ -369,7 +382,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--top-k", type=_positive_int, metavar="K", help="top-k sampling (50; with --do-sample)"
     )
-    gen.add_argument("--seed", type=int, metavar="N", help="torch.manual_seed before generating")
+    gen.add_argument("--seed", type=_seed, metavar="N", help="torch.manual_seed before generating")
     gen.add_argument(
         "--no-chat-template",
         dest="chat_template",

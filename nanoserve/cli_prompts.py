@@ -11,7 +11,9 @@ and ``finish_reason`` is ``"stop"`` (an EOS) or ``"length"``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -127,14 +129,12 @@ def _summary(records: int, new_tokens: int, seconds: float, largest: dict) -> st
 def serve(args, model, tokenizer, prompts: list[list[int]]) -> int:
     """Generate for every record of ``args.prompts`` (its token ids: ``prompts``) in batches
     of ``args.batch_size`` on the patched ``model``; writes ``args.out`` and prints the
-    summary."""
+    summary. The answers go to a file beside ``args.out`` that replaces it once every
+    prompt is answered: a call that fails leaves ``args.out`` as it was."""
     import torch
-    from tqdm.auto import tqdm
 
-    import nanoserve
-    from nanoserve.adapters.generate_batch import eos_ids, left_padded
+    from nanoserve.adapters.generate_batch import eos_ids
 
-    records = args.records
     options = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
     if args.do_sample:
         options.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
@@ -142,10 +142,31 @@ def serve(args, model, tokenizer, prompts: list[list[int]]) -> int:
         torch.manual_seed(args.seed)
     eos = eos_ids(model.generation_config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
+    start = time.perf_counter()
+    partial = f"{args.out}.partial"
+    try:
+        new_tokens, largest = _answer(args, model, tokenizer, prompts, options, pad, eos, partial)
+        os.replace(partial, args.out)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
+    print(_summary(len(args.records), new_tokens, time.perf_counter() - start, largest))
+    return 0
+
+
+def _answer(args, model, tokenizer, prompts, options, pad, eos, path) -> tuple[int, dict]:
+    """Writes ``path``: an answer line per record, generated in batches. Returns the new
+    tokens and the largest pool's figures."""
+    import torch
+    from tqdm.auto import tqdm
+
+    import nanoserve
+    from nanoserve.adapters.generate_batch import left_padded
+
+    records = args.records
     largest: dict = {}
     new_tokens = 0
-    start = time.perf_counter()
-    with open(args.out, "w") as out, tqdm(total=len(records), unit="prompt") as bar:
+    with open(path, "w") as out, tqdm(total=len(records), unit="prompt") as bar:
         for first in range(0, len(records), args.batch_size):
             rows = prompts[first : first + args.batch_size]
             ids, mask = left_padded(rows, pad, model)
@@ -169,5 +190,4 @@ def serve(args, model, tokenizer, prompts: list[list[int]]) -> int:
                 }
                 out.write(json.dumps(line) + "\n")
             bar.update(len(rows))
-    print(_summary(len(records), new_tokens, time.perf_counter() - start, largest))
-    return 0
+    return new_tokens, largest

@@ -269,6 +269,27 @@ def test_file_mode_samples_with_a_seed(tiny_model_and_prompts, tmp_path):
     assert [a["tokens"] for a in answers] == expected
 
 
+def test_file_mode_sampling_that_fails_leaves_out_as_it_was(
+    tiny_model_and_prompts, tmp_path, capsys
+):
+    """A temperature so small that the probabilities overflow fails in stock's sampling too:
+    one line, exit 2, and ``--out`` keeps what it held (it was a traceback, exit 1, and an
+    emptied ``--out``, found by a sweep). Planted: the answers written straight to --out:
+    the old line was gone."""
+    folder, rows, _ = tiny_model_and_prompts
+    write_prompts(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"kept": 1}\n')
+    argv = ["generate", "--model", str(folder), "--prompts", str(tmp_path / "in.jsonl")]
+    argv += ["--out", str(out), "--max-new-tokens", "4", "--do-sample", "--temperature", "1e-300"]
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err  # (tqdm's bar is on stderr too)
+    assert err.splitlines()[-1].startswith("generate: error: ") and "Traceback" not in err
+    assert out.read_text() == '{"kept": 1}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -299,6 +320,13 @@ def test_file_mode_samples_with_a_seed(tiny_model_and_prompts, tmp_path):
         (["--seed", "3"], ["--seed", "--prompts"]),
         (["--batch-size", "4"], ["--batch-size", "--prompts"]),
         (["--no-chat-template"], ["--no-chat-template", "--prompts"]),
+        # found by a sweep: accepted, then a traceback or an error after the model loaded;
+        # planted, reverted: the finite check and the seed's range dropped: failed
+        (
+            ["--prompts", "{in}", "--out", "o.jsonl", "--do-sample", "--temperature", "inf"],
+            ["--temperature", "finite"],
+        ),
+        (["--prompts", "{in}", "--out", "o.jsonl", "--seed", str(2**64)], ["--seed", "2**64"]),
     ],
 )
 def test_file_mode_arguments_fail_in_one_line(no_load, capsys, tmp_path, argv, words):
