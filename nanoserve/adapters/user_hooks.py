@@ -146,10 +146,13 @@ def model_forward_code(model) -> tuple[str | None, str | None]:
 
 def _neutral_forward(forward, module) -> bool:
     """A forward held by ``module`` that computes what the class's own does, row by row: the
-    class's own, accelerate's device and cast hooks around it, an output cast or autocast
-    around it (``_NEUTRAL_FORWARD_WRAPPERS``)."""
-    if own_forward(forward, module) or _neutral(forward, module):
+    class's own, a replay-safe wrapper (``REPLAY_SAFE_HOOKS``), accelerate's device and cast
+    hooks around such a forward, an output cast or autocast (``_NEUTRAL_FORWARD_WRAPPERS``)."""
+    if own_forward(forward, module) or _replay_safe(forward):
         return True
+    if is_accelerate_wrapper(forward, module):  # what it wraps counts too
+        inner = module.__dict__.get("_old_forward")
+        return _value_neutral_hooks(module) and _neutral_forward(inner, module)
     function = _unwrapped(getattr(forward, "__func__", forward))
     where = getattr(function, "__module__", None) or type(function).__module__
     return where.startswith(_NEUTRAL_FORWARD_WRAPPERS)

@@ -162,6 +162,25 @@ def test_library_forwards_keep_every_shortcut():
     assert scan_hooks(model) == (phrase, phrase, phrase)
 
 
+def test_accelerates_hook_around_a_wrapper_of_the_callers_counts_the_wrapper():
+    """accelerate's device hook set on the model before patching, around the model's own
+    forward, rules nothing out; around a wrapper of the caller's it rules out all three, as
+    the wrapper alone does. Planted: accelerate's wrapper taken as neutral whatever it
+    wraps: ``(None, None, None)``."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    model = tiny_model("llama")
+    add_hook_to_module(model, AlignDevicesHook(execution_device="cpu"))
+    nanoserve.patch_model(model)
+    assert scan_hooks(model) == (None, None, None)
+    model = tiny_model("llama")
+    _steering_wrapper(model, torch.zeros(ROWS, 97), [])
+    add_hook_to_module(model, AlignDevicesHook(execution_device="cpu"))
+    nanoserve.patch_model(model)
+    phrase = "a wrapper set on model.forward before patch_model"
+    assert scan_hooks(model) == (phrase, phrase, phrase)
+
+
 def test_a_prompt_holding_the_pad_id_without_a_mask_runs_as_stock():
     """No attention_mask, and ids holding ``pad_token_id`` after a row's first real token:
     generate infers a mask with a hole there (or right padding), and stock attends around
