@@ -71,8 +71,11 @@ def paged_attention(
         raise RuntimeError(
             f"{type(module).__name__} (layer {layer}) attends over tensors other than its "
             "layer's paged pool while a paged forward runs: a forward of another model that "
-            "shares this model's config, inside the patched one (from a hook, say); patch that "
-            "model too (nanoserve.patch_model), or give it a config of its own"
+            "shares this model's config, inside the patched one (from a hook, say): patch that "
+            "model too (nanoserve.patch_model), or give it a config of its own; or layers "
+            "called without the cache (transformers' gradient checkpointing drops it in "
+            "training mode: call model.eval() or model.gradient_checkpointing_disable() "
+            "before a forward over a PagedCache)"
         )
     meta = current.meta
     if meta.group_metas:
