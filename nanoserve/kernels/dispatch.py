@@ -185,6 +185,11 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def floor_pow2(n: int) -> int:
+    """Largest power of two <= n, and 1 for n < 1 (a split count rounded down)."""
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
 def head_dim_pad(head_dim: int) -> int:
     """Width of the attention kernels' head-dim tiles: the power of two >= head_dim, and at
     least 16, the smallest reduction ``tl.dot`` compiles on NVIDIA GPUs (head_dim 8 failed to

@@ -29,7 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.dispatch import head_dim_pad, next_pow2, pdl_launch, sm_count, unit_stride
+from nanoserve.kernels.dispatch import (
+    floor_pow2,
+    head_dim_pad,
+    next_pow2,
+    pdl_launch,
+    sm_count,
+    unit_stride,
+)
 from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_groups
 from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
 
@@ -338,8 +345,7 @@ def choose_num_splits(
     tiles = triton.cdiv(capacity, block_n)
     splits = triton.cdiv((2 if programs >= sms else 4) * sms, programs)
     most = max(MAX_SPLITS, min(MAX_SPLITS_LONG, capacity // LONG_SPLIT_TOKENS))
-    splits = min(splits, most, tiles)
-    return 1 << (max(splits, 1).bit_length() - 1)
+    return floor_pow2(min(splits, most, tiles))
 
 
 def balances(num_seqs: int, num_kv_heads: int, capacity: int, device: torch.device) -> bool:
@@ -388,7 +394,7 @@ def reduce_lanes(num_splits: int, d_pad: int) -> int:
     across programs, so that a row's few heads do not merge on a few SMs each reading its
     splits alone (see benchmarks/RESULTS.md)."""
     fit = max(REDUCE_TILE_ELEMENTS // next_pow2(num_splits), REDUCE_MIN_LANES)
-    return min(d_pad, 1 << (fit.bit_length() - 1))
+    return min(d_pad, floor_pow2(fit))
 
 
 class DecodePlan(NamedTuple):

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from nanoserve.kernels.dispatch import head_dim_pad, next_pow2, sm_count, unit_stride
+from nanoserve.kernels.dispatch import floor_pow2, head_dim_pad, next_pow2, sm_count, unit_stride
 from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_groups
 from nanoserve.kernels.triton_common import (
     dequantize_int8_tile,
@@ -439,12 +439,13 @@ def extend_splits(
     history = block_tables.shape[1] * block_size
     if sliding_window is not None:
         history = min(history, sliding_window + (max_query_len or total_q))
-    splits = min(
-        sm_count(query.device) // max(tiles * num_q_heads, 1),
-        history // EXTEND_SPLIT_KEYS,
-        EXTEND_MAX_SPLITS,
+    return floor_pow2(
+        min(
+            sm_count(query.device) // max(tiles * num_q_heads, 1),
+            history // EXTEND_SPLIT_KEYS,
+            EXTEND_MAX_SPLITS,
+        )
     )
-    return 1 << (max(splits, 1).bit_length() - 1)
 
 
 def register_cap(config: tuple[int, ...], query: torch.Tensor) -> dict[str, int]:

@@ -20,7 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.dispatch import head_dim_pad, next_pow2, sm_count, supports_pdl, unit_stride
+from nanoserve.kernels.dispatch import (
+    floor_pow2,
+    head_dim_pad,
+    next_pow2,
+    sm_count,
+    supports_pdl,
+    unit_stride,
+)
 from nanoserve.kernels.triton_extend import _attend_tiles, fast_tanh
 
 MAX_SPLITS = 32
@@ -224,18 +231,7 @@ def turn_plan(
         config = TURN_NARROW_TILE if on_gpu else (narrow_rows, *config[1:])
     resident = 2 if config[0] <= narrow_rows or next_pow2(head_dim) <= 64 else 1
     splits = min(key_splits, resident * sms // programs(config[0]))
-    return config, 1 << (max(splits, 1).bit_length() - 1)
-
-
-def turn_splits(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    max_query_len: int,
-    sliding_window: int | None,
-) -> int:
-    """``turn_plan``'s split count (1: the turn keeps the extend tiles)."""
-    return turn_plan(query, key_cache, block_tables, max_query_len, sliding_window)[1]
+    return config, floor_pow2(splits)
 
 
 def paged_extend_attention_packed(

@@ -155,7 +155,7 @@ def test_routes_table_picks_kernel_and_config(monkeypatch, poison_outputs):
 
 def test_turns_over_history_route_to_the_packed_kernel_split(monkeypatch, poison_outputs):
     """17..TURN_MAX_QUERY_LEN new tokens over a history long enough to split (here 16 keys a
-    split) take the packed kernel with turn_splits' count, in 16-bit dtypes; no bound, a
+    split) take the packed kernel with turn_plan's count, in 16-bit dtypes; no bound, a
     longer one, float32, or a history too short to split keep the extend tiles."""
     from nanoserve.kernels import triton_extend
 
@@ -169,7 +169,7 @@ def test_turns_over_history_route_to_the_packed_kernel_split(monkeypatch, poison
             calls.clear()
             out = paged_extend_attention(*args, backend="triton", max_query_len=max_query_len)
             turn = dtype == torch.float16 and max_query_len in (20, 17, 40)
-            splits = verify.turn_splits(args[0], args[1], args[3], 20, None)
+            splits = verify.turn_plan(args[0], args[1], args[3], 20, None)[1]
             assert splits > 1
             assert calls == ([splits] if turn else []), (dtype, max_query_len)
             _assert_rows_close(out, ref, dtype)
@@ -203,7 +203,7 @@ def test_routed_turns_match_reference(case, monkeypatch, poison_outputs):
     out = paged_extend_attention(
         *args, sliding_window=window, softcap=softcap, backend="triton", max_query_len=max(new)
     )
-    assert calls == [verify.turn_splits(args[0], args[1], args[3], max(new), window)]
+    assert calls == [verify.turn_plan(args[0], args[1], args[3], max(new), window)[1]]
     assert calls[0] > 1
     _assert_rows_close(out, ref, torch.float16)
 
@@ -235,7 +235,7 @@ def test_a_packed_tile_the_device_cannot_launch_falls_back_to_the_tiles(
     assert len(launches) == 1 and unfit == {(args[0].device, ("packed", *launches[0]))}
 
 
-def test_turn_splits_follow_the_history_and_the_programs(monkeypatch):
+def test_turn_plan_splits_follow_the_history_and_the_programs(monkeypatch):
     """More keys in the tables mean more splits, more programs (rows, KV heads) fewer; a
     window caps the history; a power of two, within [1, MAX_SPLITS]."""
     monkeypatch.setattr(verify, "TURN_SPLIT_KEYS", 16)
@@ -244,7 +244,7 @@ def test_turn_splits_follow_the_history_and_the_programs(monkeypatch):
         query = torch.zeros(rows * new, hkv * 4, dim, dtype=torch.float16)
         pools = torch.zeros(1, 16, hkv, dim, dtype=torch.float16)
         tables = torch.zeros(rows, width, dtype=torch.int32)
-        return verify.turn_splits(query, pools, tables, new, window)
+        return verify.turn_plan(query, pools, tables, new, window)[1]
 
     by_width = [splits(1, w) for w in (1, 2, 4, 8, 64)]
     assert by_width == sorted(by_width) and by_width[0] == 1 and by_width[-1] > 2
@@ -281,7 +281,6 @@ def test_turn_plan_narrows_the_tile_where_the_default_leaves_sms_idle(shape, mon
     tables = torch.zeros(rows, -(-(history + new) // 16), dtype=torch.int32)
     config, splits = verify.turn_plan(query, pools, tables, new, None)
     assert (config[0], splits) == TURN_PLANS[shape]
-    assert verify.turn_splits(query, pools, tables, new, None) == splits
 
 
 def test_turn_plan_keeps_the_default_tile_for_groups_past_its_rows(monkeypatch):
