@@ -60,6 +60,7 @@ from nanoserve.adapters.step import (
     new_token_mask,
     no_cache,
     no_paged_step,
+    padding_after_a_token,
     padding_inside,
     paged_step,
     remember_original_attn,
@@ -952,7 +953,7 @@ def _paged_generate(self, *args, **kwargs):
             _log.info("fallback: stock generate (attention_mask: padding between real tokens)")
             return stock(*args, **kwargs)  # stock's cache: the paged one holds no such holes
     inferred = inferred_mask(self, args, kwargs) if mask is None else None
-    if inferred is not None and bool((inferred[:, 1:] < inferred[:, :-1]).any()):
+    if inferred is not None and padding_after_a_token(inferred):
         # a token equal to pad_token_id after a prompt's first real one: generate attends
         # around the hole (or the right padding) the mask it infers has
         _log.info("fallback: stock generate (the mask generate infers from pad_token_id)")

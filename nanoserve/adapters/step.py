@@ -394,6 +394,12 @@ def padding_inside(mask: torch.Tensor) -> bool:
     mask = mask.to("cpu", torch.bool)
     if mask.shape[1] < 2 or not bool(mask[:, -1].all()):
         return False
+    return padding_after_a_token(mask)
+
+
+def padding_after_a_token(mask: torch.Tensor) -> bool:
+    """True when a row of ``mask`` [B, n] (bool) has a padding column after a real token: a
+    hole, or right padding."""
     return bool((mask[:, 1:] < mask[:, :-1]).any())
 
 

@@ -119,9 +119,9 @@ def model_forward_code(model) -> tuple[str | None, str | None]:
     outside transformers (a subclass overriding ``forward``) or a wrapper set on the model
     before ``patch_model``. ``around``: a wrapper set on ``model.forward`` after patching,
     which runs around every step and sees the batch nanoserve's decode loop shrinks."""
-    from nanoserve.adapters.step import STATE_ATTR  # (step imports the graph modules)
+    from nanoserve.adapters.step import state_of  # (step imports the graph modules)
 
-    state = model.__dict__.get(STATE_ATTR)
+    state = state_of(model)
     inside = around = None
     class_forward = getattr(type(model), "forward", None)
     where = getattr(class_forward, "__module__", None) or ""

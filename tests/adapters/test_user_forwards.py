@@ -68,7 +68,7 @@ def _stock_and_patched(make, when="before"):
     """Greedy tokens and the batch sizes the steering saw, stock then patched (``when``: the
     steering set before or after ``patch_model``), and the patched call's loop."""
     results = []
-    inputs = {k: v for k, v in padded_batch([9, 6, 9, 3], 9).items()}
+    inputs = padded_batch([9, 6, 9, 3], 9)
     for patch in (False, True):
         model = tiny_model("llama", seed=4)
         bias, seen = _bias_by_row(model.config.vocab_size), []
