@@ -5,8 +5,8 @@ and config per route key; each class's key is printed in its pure_read row),
 ``CUDA_CONFIGS`` (what autotune tries), ``PACKED_MAX_QUERY_LEN``, ``FAST_TANH``,
 ``TILE_MAJOR_FAMILIES`` ("other-order" rows), ``TABLE_AHEAD`` ("table-ahead" rows) and
 ``WARP_SPECIALIZE`` in
-triton_extend.py; ``packed_config``, ``PROGRAMS_PER_SM`` and ``PARTIALS_16BIT`` in
-triton_verify.py. "auto" is
+triton_extend.py; ``packed_config`` and ``PROGRAMS_PER_SM`` in triton_verify.py,
+``PARTIALS_16BIT`` in triton_split_merge.py. "auto" is
 what the launcher does today (given max_query_len, as an adapter that knows it would pass).
 
 bf16, block size 16, blocks scattered at random, NaN in every unused block (a read past a
@@ -50,7 +50,7 @@ from nanoserve.kernels import (  # noqa: E402
     paged_extend_attention,
     paged_extend_attention_ref,
     triton_extend,
-    triton_verify,
+    triton_split_merge,
 )
 from nanoserve.kernels.triton_verify import paged_extend_attention_packed  # noqa: E402
 
@@ -358,7 +358,7 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
                 triton_extend.TILE_MAJOR_FAMILIES = TILE_MAJOR ^ {family}
                 candidate = ("tiles", candidate[1])
             if candidate[0] == "packed-f32-partials":  # float32 split partials
-                triton_verify.PARTIALS_16BIT = False
+                triton_split_merge.PARTIALS_16BIT = False
                 candidate = ("packed", *candidate[1:])
             fns = [nanoserve_fn(cls, s, candidate) for s in sets]
             row["err"] = f"{rel_err(fns[0]().cpu(), ref):.1e}"
@@ -370,7 +370,7 @@ def run_class(name: str, cls: ExtendClass, flashinfer, fi_reason, quick: bool, r
             triton_extend.WARP_SPECIALIZE = False
             triton_extend.TABLE_AHEAD = False
             triton_extend.TILE_MAJOR_FAMILIES = TILE_MAJOR
-            triton_verify.PARTIALS_16BIT = True
+            triton_split_merge.PARTIALS_16BIT = True
         picks = [f"{c}" for k, c in triton_extend.autotune_picks().items()
                  if k not in picked_before]  # fmt: skip
         if picks:  # what "auto" autotuned to, on its first call for this bucket

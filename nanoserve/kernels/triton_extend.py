@@ -13,8 +13,8 @@ Each program walks its keys in up to three runs: key tiles wholly below the diag
 with a sliding window, wholly inside every row's window) take no mask at all; the diagonal
 tiles (and the window's lower edge) take the causal / window / length mask. With
 ``NUM_SPLITS`` > 1 (a routed call on a grid that leaves most SMs idle, ``extend_splits``) a
-third grid axis cuts those keys into runs of whole key tiles, and triton_verify.py's merge
-kernel combines the runs' partial results.
+third grid axis cuts those keys into runs of whole key tiles, and the merge kernel of
+triton_split_merge.py combines the runs' partial results.
 
 The tile shape, warps, pipeline depth (a register cap, and whether each tile's block ids
 load a step ahead) come from ``ROUTES`` (fixed picks per ``route_key``: head-dim family,
@@ -44,6 +44,7 @@ from nanoserve.kernels.triton_common import (
     mma_acc,
     scores_to_log2,
 )
+from nanoserve.kernels.triton_split_merge import merge_splits, split_partials, store_partials
 
 
 @triton.jit
@@ -162,7 +163,7 @@ def _extend_kernel(
 ):  # fmt: skip
     # NUM_SPLITS > 1: the last grid axis cuts each tile's keys into runs of whole key tiles;
     # each program leaves its run's normalised output and log-sum-exp (base 2) in mid_o /
-    # mid_lse [T, Hq, NUM_SPLITS(, D_PAD)] for triton_verify's merge kernel.
+    # mid_lse [T, Hq, NUM_SPLITS(, D_PAD)] for triton_split_merge's merge kernel.
     split = tl.program_id(1 if HEADS_INNER else 2)
     if HEADS_INNER:  # one 1-D grid, every head of a tile before the next tile
         tiles = tl.num_programs(0) // NUM_Q_HEADS
@@ -254,12 +255,9 @@ def _extend_kernel(
         dst = out + tokens[:, None] * stride_ot + head * stride_oh + d[None, :]
         tl.store(dst, o.to(out.dtype.element_ty), mask=q_mask)
     else:
-        # an empty run stores lse -inf (weight 0 in the merge); each row's own key is in one
+        # partials [T, Hq, NUM_SPLITS, D_PAD] (triton_split_merge.py)
         row = (tokens * NUM_Q_HEADS + head) * NUM_SPLITS + split
-        tl.store(mid_o + row[:, None] * D_PAD + d[None, :], o.to(mid_o.dtype.element_ty),
-                 mask=q_mask)  # fmt: skip
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-        tl.store(mid_lse + row, lse, mask=rows < q_len)
+        store_partials(mid_o, mid_lse, row, o, l_i, m_i, d, D_PAD, q_mask, rows < q_len)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages[, max registers per thread]) per family on CUDA;
@@ -600,17 +598,8 @@ def paged_extend_attention_triton(
         G_PAD=head_dim_pad(head_dim) // INT8_K_GROUP,
     )  # fmt: skip
     if num_splits is not None and num_splits > 1 and config is not None:
-        from nanoserve.kernels.triton_verify import PARTIALS_16BIT
-
-        partial_dtype = query.dtype if PARTIALS_16BIT else torch.float32
-        d_pad = meta["D_PAD"]
-        meta.update(
-            NUM_SPLITS=num_splits,
-            mid_o=torch.empty(total_q, num_q_heads, num_splits, d_pad, dtype=partial_dtype,
-                              device=query.device),
-            mid_lse=torch.empty(total_q, num_q_heads, num_splits, dtype=torch.float32,
-                                device=query.device),
-        )  # fmt: skip
+        mid_o, mid_lse = split_partials(query, num_splits, meta["D_PAD"])
+        meta.update(NUM_SPLITS=num_splits, mid_o=mid_o, mid_lse=mid_lse)
 
     def grid(m: dict) -> tuple[int, ...]:
         tiles = total_q // m["BLOCK_M"] + num_seqs
@@ -625,13 +614,7 @@ def paged_extend_attention_triton(
             num_warps=num_warps, num_stages=num_stages, **register_cap(config, query),
         )  # fmt: skip
         if splits > 1:
-            from nanoserve.kernels.triton_verify import _merge_kernel
-
-            _merge_kernel[(total_q, num_q_heads)](
-                meta["mid_o"], meta["mid_lse"], out, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, D_PAD=meta["D_PAD"], NUM_SPLITS=splits,
-                SPLITS_PAD=next_pow2(splits), PDL=False,
-            )  # fmt: skip
+            merge_splits(meta["mid_o"], meta["mid_lse"], out, head_dim, pdl=False)
 
     if routed:
         try:

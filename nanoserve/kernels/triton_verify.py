@@ -8,8 +8,9 @@ head r % GROUP), so each K/V row is read once per KV head, not once per query he
 (query tiles, KV heads, splits), sized from shapes alone: tiles map to sequences by the same
 binary search over ``cu_seqlens_q`` as the extend kernel. Split k of a tile takes the k-th run
 of whole key tiles of [first key in the window, last visible key]; with more than one split the
-partial results (normalised outputs, log-sum-exp base 2) go to a scratch and a second kernel
-merges them (launched with programmatic dependent launch on Hopper, as in the decode kernel).
+partial results (normalised outputs, log-sum-exp base 2) go to a scratch and the merge kernel
+of triton_split_merge.py combines them (launched with programmatic dependent launch on
+Hopper, as in the decode kernel).
 The causal / window masks, and the unmasked run of key tiles below the diagonal, are those of
 the extend kernel (``_attend_tiles``).
 """
@@ -29,6 +30,7 @@ from nanoserve.kernels.dispatch import (
     unit_stride,
 )
 from nanoserve.kernels.triton_extend import _attend_tiles, fast_tanh
+from nanoserve.kernels.triton_split_merge import merge_splits, split_partials, store_partials
 
 MAX_SPLITS = 32
 # Split until the grid holds about this many programs per SM (the few-token case has too few
@@ -38,9 +40,6 @@ PROGRAMS_PER_SM = 4
 # keys of the history the block tables can hold: fewer keys a split cost more in partials and
 # merge than they win in parallel reads (the turn classes of benchmarks/RESULTS.md).
 TURN_SPLIT_KEYS = 512
-# Split partials (normalised outputs) of 16-bit queries in the query's dtype: half the scratch
-# traffic of float32 at one more rounding (float32 queries keep float32 partials).
-PARTIALS_16BIT = True
 # A turn's tile where the default 128-row tile would leave SMs idle or hold one program an SM
 # (head dims past 64): more programs, each over fewer query rows (``turn_plan``).
 TURN_NARROW_TILE = (64, 64, 4, 3)
@@ -138,37 +137,9 @@ def _packed_kernel(
         dst = out + tokens[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out.dtype.element_ty), mask=io_mask)
     else:
-        # partials [T, Hq, NUM_SPLITS, D_PAD], normalised, with their log-sum-exp (base 2);
-        # an empty split stores lse -inf (weight 0 in the merge)
+        # partials [T, Hq, NUM_SPLITS, D_PAD] (triton_split_merge.py)
         row = (tokens * num_q_heads + head) * NUM_SPLITS + split
-        tl.store(mid_o + row[:, None] * D_PAD + d[None, :], o.to(mid_o.dtype.element_ty),
-                 mask=io_mask)  # fmt: skip
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-        tl.store(mid_lse + row, lse, mask=row_ok)
-
-
-@triton.jit
-def _merge_kernel(
-    mid_o, mid_lse, out, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """out[t, h] = sum_k 2^lse_k o_k / sum_k 2^lse_k over the splits k (every token row
-    has a split that saw a key: its own position)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the split kernel has finished and its stores are visible
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    sp = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, D_PAD)
-    row = (token * tl.num_programs(1) + head) * NUM_SPLITS
-    lse = tl.load(mid_lse + row + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
-    mask = (sp < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :]
-    o = tl.load(mid_o + (row + sp)[:, None] * D_PAD + d[None, :], mask=mask, other=0.0)
-    res = tl.sum(o.to(tl.float32) * w[:, None], 0) / tl.sum(w, 0)
-    dst = out + token * stride_ot + head * stride_oh + d
-    tl.store(dst, res.to(out.dtype.element_ty), mask=d < HEAD_DIM)
+        store_partials(mid_o, mid_lse, row, o, l_i, m_i, d, D_PAD, io_mask, row_ok)
 
 
 def packed_config(
@@ -282,13 +253,7 @@ def paged_extend_attention_packed(
         num_splits = packed_splits(busy * num_kv_heads, query.device)
     d_pad = head_dim_pad(head_dim)
     if num_splits > 1:
-        partial_dtype = query.dtype if PARTIALS_16BIT else torch.float32
-        mid_o = torch.empty(
-            total_q, num_q_heads, num_splits, d_pad, dtype=partial_dtype, device=query.device
-        )
-        mid_lse = torch.empty(
-            total_q, num_q_heads, num_splits, dtype=torch.float32, device=query.device
-        )
+        mid_o, mid_lse = split_partials(query, num_splits, d_pad)
     else:
         mid_o = mid_lse = out  # not touched
     pdl = num_splits > 1 and supports_pdl(query.device)
@@ -305,10 +270,5 @@ def paged_extend_attention_packed(
         FAST_TANH=fast_tanh(query), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        _merge_kernel[(total_q, num_q_heads)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=next_pow2(num_splits), PDL=pdl,
-            **({"launch_pdl": True} if pdl else {}),
-        )  # fmt: skip
+        merge_splits(mid_o, mid_lse, out, head_dim, pdl)
     return out

@@ -91,6 +91,27 @@ def test_packed_many_tiles_per_sequence(splits, window, poison_outputs):
     _assert_rows_close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("splits", [2, 4])
+def test_a_row_that_sees_no_key_gives_zeros_at_any_split_count(splits, poison_outputs):
+    """Input the argument check refuses (seq_len 0 under a new token), reachable with
+    ``check=False``: the row sees no key, and merged splits give the zeros one split gives,
+    not NaN; the other rows keep the reference's values."""
+    history, new = [20, 0, 9], [3, 1, 2]
+    query, key_cache, value_cache, tables, seq_lens, cu = _inputs(
+        1, 4, 64, 8, history, new, torch.float32
+    )
+    ref = _reference(query, key_cache, value_cache, tables, seq_lens, cu, None, None)
+    seq_lens[1] = 0
+    opts = dict(scale=64**-0.5, sliding_window=None, softcap=None, config=(16, 16, 4, 1))
+    args = (query, key_cache, value_cache, tables, seq_lens, cu)
+    one = paged_extend_attention_packed(*args, **opts, num_splits=1)
+    split = paged_extend_attention_packed(*args, **opts, num_splits=splits)
+    assert torch.equal(one[3], torch.zeros_like(one[3]))
+    assert torch.equal(split[3], one[3])
+    kept = torch.tensor([0, 1, 2, 4, 5])
+    _assert_rows_close(split[kept], ref[kept], torch.float32)
+
+
 def test_packed_ignores_nan_outside_the_window(poison_outputs):
     """K/V that no new token's window reaches are never read: NaN there changes nothing."""
     history, new, window = [60, 33, 5], [6, 1, 9], 17
