@@ -5,7 +5,7 @@ and config per route key; each class's key is printed in its pure_read row),
 ``CUDA_CONFIGS`` (what autotune tries), ``PACKED_MAX_QUERY_LEN``, ``FAST_TANH``,
 ``TILE_MAJOR_FAMILIES`` ("other-order" rows), ``TABLE_AHEAD`` ("table-ahead" rows) and
 ``WARP_SPECIALIZE`` in
-triton_extend.py; ``packed_config`` and ``PROGRAMS_PER_SM`` in triton_verify.py,
+triton_extend.py; ``packed_config`` and ``packed_splits`` in triton_verify.py,
 ``PARTIALS_16BIT`` in triton_split_merge.py. "auto" is
 what the launcher does today (given max_query_len, as an adapter that knows it would pass).
 

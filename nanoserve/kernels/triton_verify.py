@@ -33,9 +33,9 @@ from nanoserve.kernels.triton_extend import _attend_tiles, fast_tanh
 from nanoserve.kernels.triton_split_merge import merge_splits, split_partials, store_partials
 
 MAX_SPLITS = 32
-# Split until the grid holds about this many programs per SM (the few-token case has too few
-# programs to fill the GPU otherwise).
-PROGRAMS_PER_SM = 4
+# A program's cost beyond its key tiles (the query tile, the sequence search, the pipeline's
+# fill, the partials' store), in key tiles: the split count's model (``packed_splits``).
+SPLIT_OVERHEAD_TILES = 2
 # Turns (``triton_extend.TURN_MAX_QUERY_LEN``) split while each split keeps at least this many
 # keys of the history the block tables can hold: fewer keys a split cost more in partials and
 # merge than they win in parallel reads (the turn classes of benchmarks/RESULTS.md).
@@ -159,10 +159,31 @@ def packed_config(
     return (block_m, 64, warps, 3)
 
 
-def packed_splits(programs: int, device: torch.device) -> int:
-    """Splits over the history so that ``programs`` (tiles x KV heads) fill the GPU."""
-    target = PROGRAMS_PER_SM * sm_count(device)
-    return max(1, min(MAX_SPLITS, -(-target // max(programs, 1))))
+def resident_programs(block_m: int, head_dim: int) -> int:
+    """Packed-kernel programs of a ``block_m``-row tile an SM runs at once on Hopper (their
+    registers and shared memory, read off the compiled default tiles): three for tiles of at
+    most 2,048 query-row x head-dim elements, one for 128-row tiles past head dim 64, else two."""
+    d_pad = next_pow2(head_dim)
+    if block_m * d_pad <= 2048:
+        return 3
+    return 1 if block_m >= 128 and d_pad > 64 else 2
+
+
+def packed_splits(programs: int, key_tiles: int, resident: int, device: torch.device) -> int:
+    """Splits over the history for ``programs`` (busy tiles x KV heads) whose tables hold
+    ``key_tiles`` key tiles, ``resident`` programs an SM: the count up to ``MAX_SPLITS`` with
+    the least time in waves, ceil(programs x splits / slots) x (key tiles a split +
+    ``SPLIT_OVERHEAD_TILES``), and of equal ones the fewest (each split adds partials and a
+    program's fixed cost). A split count that leaves a last wave part-filled loses: programs
+    of equal work finish together, so a wave costs the same however few programs it holds."""
+    slots = resident * sm_count(device)
+    programs = max(programs, 1)
+
+    def cost(splits: int) -> tuple[int, int]:
+        waves = -(-programs * splits // slots)
+        return waves * (-(-key_tiles // splits) + SPLIT_OVERHEAD_TILES), splits
+
+    return min(range(1, MAX_SPLITS + 1), key=cost)
 
 
 def turn_plan(
@@ -177,7 +198,7 @@ def turn_plan(
 
     Splits: as many as keep ``TURN_SPLIT_KEYS`` keys each of what the tables can hold (the
     window and the turn, with one), and no more than the tile's programs resident at once fill
-    the device (two per SM, one for a 128-row tile past head dim 64: their shared memory); a
+    the device (``resident_programs``); a
     power of two, 1 meaning a turn too short or too wide to split. Tile: ``packed_config``'s,
     or ``TURN_NARROW_TILE`` past head dim 64 and where the default tile's programs, split by
     the keys, would not give every SM one."""
@@ -200,7 +221,7 @@ def turn_plan(
         next_pow2(head_dim) > 64 or programs(config[0]) * key_splits < sms
     ):
         config = TURN_NARROW_TILE if on_gpu else (narrow_rows, *config[1:])
-    resident = 2 if config[0] <= narrow_rows or next_pow2(head_dim) <= 64 else 1
+    resident = resident_programs(config[0], head_dim)
     splits = min(key_splits, resident * sms // programs(config[0]))
     return config, floor_pow2(splits)
 
@@ -250,7 +271,13 @@ def paged_extend_attention_packed(
         busy = tiles  # tiles that hold tokens (the grid's others exit at once)
         if max_query_len is not None:
             busy = min(tiles, num_seqs * -(-max_query_len // tokens_per_tile))
-        num_splits = packed_splits(busy * num_kv_heads, query.device)
+        history = block_tables.shape[1] * block_size
+        if sliding_window is not None:
+            history = min(history, sliding_window + (max_query_len or total_q))
+        resident = resident_programs(block_m, head_dim)
+        num_splits = packed_splits(
+            busy * num_kv_heads, -(-history // block_n), resident, query.device
+        )
     d_pad = head_dim_pad(head_dim)
     if num_splits > 1:
         mid_o, mid_lse = split_partials(query, num_splits, d_pad)

@@ -332,9 +332,29 @@ def test_packed_config_too_small_for_the_group():
             )
 
 
-def test_packed_default_splits_fill_the_device():
-    """More busy programs mean fewer splits, never fewer than one nor more than MAX_SPLITS."""
-    device = torch.device("cpu")
-    counts = [verify.packed_splits(p, device) for p in (1, 2, 3, 8, 1000)]
-    assert counts == sorted(counts, reverse=True)
-    assert counts[0] <= verify.MAX_SPLITS and counts[-1] == 1
+def test_packed_splits_fill_whole_waves(monkeypatch):
+    """The split counts that ran fastest on the H100 (132 SMs) in a sweep of 1-16 splits over
+    five verify shapes (benchmarks/RESULTS.md, forty-sixth session): a count whose programs
+    leave a last wave part-filled loses to fewer splits. Planted: the old rule (four programs
+    an SM) gave 5, 3, 3, 17 and 9."""
+    monkeypatch.setattr(verify, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    # (busy programs, key tiles of 64, resident programs an SM) -> splits
+    assert verify.packed_splits(128, 63, 2, cpu) == 2  # 32 x 5 over 4,000, 28 / 4, d128
+    assert verify.packed_splits(256, 32, 2, cpu) == 1  # 64 x 3 over 2,000
+    assert verify.packed_splits(256, 63, 3, cpu) == 3  # 32 x 5 over 4,000, 32 / 8, d64
+    assert verify.packed_splits(32, 47, 2, cpu) == 8  # 16 x 8 over 3,000, 12 / 2
+    assert verify.packed_splits(64, 126, 3, cpu) == 6  # 8 x 4 over 8,000, 32 / 8
+    assert verify.packed_splits(1, 500, 2, cpu) == verify.MAX_SPLITS
+    assert verify.packed_splits(5000, 500, 2, cpu) == 1
+    for programs in (1, 3, 100, 264, 265, 1000):
+        for tiles in (1, 2, 63, 1000):
+            assert 1 <= verify.packed_splits(programs, tiles, 2, cpu) <= verify.MAX_SPLITS
+
+
+def test_resident_programs_of_the_compiled_tiles():
+    """What the sm_90 compiles of the default tiles hold an SM (registers, shared memory)."""
+    assert verify.resident_programs(16, 128) == 3 and verify.resident_programs(32, 64) == 3
+    assert verify.resident_programs(32, 128) == 2 and verify.resident_programs(64, 128) == 2
+    assert verify.resident_programs(64, 80) == 2 and verify.resident_programs(128, 64) == 2
+    assert verify.resident_programs(128, 128) == 1
