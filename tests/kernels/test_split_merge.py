@@ -7,6 +7,7 @@ import pytest
 import torch
 from kernel_inputs import TOLERANCE, needs_interpreter, row_errors
 
+from nanoserve.kernels.dispatch import head_dim_pad
 from nanoserve.kernels.triton_split_merge import merge_splits
 
 pytestmark = needs_interpreter
@@ -17,8 +18,7 @@ def _merged_ref(mid_o: torch.Tensor, mid_lse: torch.Tensor) -> torch.Tensor:
     top = lse.amax(-1, keepdim=True)
     w = torch.where(lse == float("-inf"), 0.0, torch.exp2(lse - top))
     total = w.sum(-1, keepdim=True)
-    out = (mid_o.double() * w[..., None]).sum(-2) / torch.where(total == 0, 1.0, total)
-    return out
+    return (mid_o.double() * w[..., None]).sum(-2) / torch.where(total == 0, 1.0, total)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -28,7 +28,7 @@ def test_merge_weights_splits_and_skips_empty_ones(dtype, splits, head_dim, pois
     """Random partials and log-sum-exps (some splits empty: lse -inf over zero outputs) merge
     to their 2^lse-weighted mean; a row whose every split is empty merges to zeros (as one
     split leaves it). Planted: the empty-split guard removed: the all-empty rows came back NaN."""
-    tokens, heads, d_pad = 5, 3, 128 if head_dim == 80 else head_dim
+    tokens, heads, d_pad = 5, 3, head_dim_pad(head_dim)
     mid_o = torch.randn(tokens, heads, splits, d_pad).to(dtype)
     mid_lse = torch.randn(tokens, heads, splits) * 4
     empty = torch.rand(tokens, heads, splits) < 0.3

@@ -294,7 +294,7 @@ TURN_PLANS = {
 @pytest.mark.parametrize("shape", list(TURN_PLANS), ids=[str(k) for k in TURN_PLANS])
 def test_turn_plan_narrows_the_tile_where_the_default_leaves_sms_idle(shape, monkeypatch):
     """The 64-row tile past head dim 64 and where 128-row tiles split by the keys give
-    fewer programs than SMs; its splits fill two programs an SM."""
+    fewer programs than SMs; its splits fill the programs an SM holds (``resident_programs``)."""
     monkeypatch.setattr(verify, "sm_count", lambda device: 132)
     rows, new, history, dim = shape
     query = torch.zeros(rows * new, 32, dim, dtype=torch.float16)
@@ -333,10 +333,11 @@ def test_packed_config_too_small_for_the_group():
 
 
 def test_packed_splits_fill_whole_waves(monkeypatch):
-    """The split counts that ran fastest on the H100 (132 SMs) in a sweep of 1-16 splits over
-    five verify shapes (benchmarks/RESULTS.md, forty-sixth session): a count whose programs
-    leave a last wave part-filled loses to fewer splits. Planted: the old rule (four programs
-    an SM) gave 5, 3, 3, 17 and 9."""
+    """The rule's picks on five verify shapes of the H100 sweep (132 SMs, 1-16 splits;
+    benchmarks/RESULTS.md, forty-sixth session), each within 1% of the sweep's fastest: a
+    count whose programs leave a last wave part-filled loses to fewer splits, and of equal
+    costs the fewest splits win. Planted: the old rule (four programs an SM) gave 5, 3, 3, 17
+    and 9; ties to the most splits failed the tie's assertion."""
     monkeypatch.setattr(verify, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
     # (busy programs, key tiles of 64, resident programs an SM) -> splits
@@ -346,14 +347,46 @@ def test_packed_splits_fill_whole_waves(monkeypatch):
     assert verify.packed_splits(32, 47, 2, cpu) == 8  # 16 x 8 over 3,000, 12 / 2
     assert verify.packed_splits(64, 126, 3, cpu) == 6  # 8 x 4 over 8,000, 32 / 8
     assert verify.packed_splits(1, 500, 2, cpu) == verify.MAX_SPLITS
+    assert verify.packed_splits(1, 3, 2, cpu) == 3  # 3 to 32 splits all cost 1 + 2 tiles
     assert verify.packed_splits(5000, 500, 2, cpu) == 1
     for programs in (1, 3, 100, 264, 265, 1000):
         for tiles in (1, 2, 63, 1000):
             assert 1 <= verify.packed_splits(programs, tiles, 2, cpu) <= verify.MAX_SPLITS
 
 
+@pytest.mark.parametrize("window", [None, 12])
+def test_the_launcher_hands_the_split_rule_its_shapes(window, monkeypatch, poison_outputs):
+    """A launch with no split count asks ``packed_splits`` with the busy programs (tiles that
+    hold tokens x KV heads), the key tiles the block tables hold (of BLOCK_N keys, not of the
+    pool's blocks; a window caps them at the window plus the turn) and the tile's residency,
+    and runs what it answers. Planted: key tiles counted in pool blocks, and the window's cap
+    dropped: each failed its case."""
+    asked = []
+    real = verify.packed_splits
+
+    def spy(programs, key_tiles, resident, device):
+        asked.append((programs, key_tiles, resident))
+        return real(programs, key_tiles, resident, device)
+
+    monkeypatch.setattr(verify, "packed_splits", spy)
+    history, new = [40, 7, 100], [3, 5, 2]
+    args = _inputs(2, 4, 64, 8, history, new, torch.float32)
+    width = args[3].shape[1]
+    out = paged_extend_attention_packed(
+        *args, scale=0.125, sliding_window=window, softcap=None, max_query_len=5,
+        config=(16, 32, 4, 1),
+    )  # fmt: skip
+    # 16-row tiles hold 4 tokens of a 4-head group: the grid's 10 // 4 + 3 = 5 tiles are
+    # fewer than the bound's 3 x 2, so 5 count as busy
+    history_keys = width * 8 if window is None else 12 + 5
+    assert asked == [(5 * 2, -(-history_keys // 32), 3)]
+    _assert_rows_close(out, _reference(*args, window, None), torch.float32)
+
+
 def test_resident_programs_of_the_compiled_tiles():
-    """What the sm_90 compiles of the default tiles hold an SM (registers, shared memory)."""
+    """Programs an SM holds: the 16-, 32- and 64-row tiles' counts were read off their sm_90
+    compiles (registers, shared memory); the 128-row ones are the turn rule's measured
+    figures, head dim 80 pads to 128."""
     assert verify.resident_programs(16, 128) == 3 and verify.resident_programs(32, 64) == 3
     assert verify.resident_programs(32, 128) == 2 and verify.resident_programs(64, 128) == 2
     assert verify.resident_programs(64, 80) == 2 and verify.resident_programs(128, 64) == 2
