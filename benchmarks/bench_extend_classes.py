@@ -129,6 +129,11 @@ CLASSES = {
     "turns-2x100-d128-g7": ExtendClass(28, 4, 128, (4096, 1000), (100, 40)),
     # a first prefill in generate: tables sized for the prompt and 1,984 new tokens
     "short-4x64-d64-wide": ExtendClass(32, 8, 64, (0,) * 4, (64,) * 4, table_tokens=2048),
+    # verify steps beside the packed kernel's split rule (the forty-sixth session's sweep): a
+    # ragged batch, Llama-3-8B heads, and many short MHA programs (the rule's one miss)
+    "verify-ragged": ExtendClass(28, 4, 128, tuple(range(500, 8500, 250)), (5,) * 32),
+    "verify-16x6-d128": ExtendClass(32, 8, 128, (6000,) * 16, (6,) * 16),
+    "verify-mha-d64": ExtendClass(16, 16, 64, (3000,) * 24, (4,) * 24),
 }
 
 # nanoserve candidates per head-dim family: ("tiles", (BLOCK_M, BLOCK_N, warps, stages)) is
