@@ -190,6 +190,18 @@ def floor_pow2(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
+def keys_in_reach(
+    block_tables: torch.Tensor, block_size: int, sliding_window: int | None, new_tokens: int
+) -> int:
+    """Keys a row of a call can attend to, from shapes only: what the block tables [S, width]
+    hold (width x ``block_size``), and under a sliding window at most the window plus the
+    call's ``new_tokens`` a row (a host bound: the step's longest row, or all its tokens)."""
+    history = block_tables.shape[1] * block_size
+    if sliding_window is not None:
+        history = min(history, sliding_window + new_tokens)
+    return history
+
+
 def head_dim_pad(head_dim: int) -> int:
     """Width of the attention kernels' head-dim tiles: the power of two >= head_dim, and at
     least 16, the smallest reduction ``tl.dot`` compiles on NVIDIA GPUs (head_dim 8 failed to

@@ -35,7 +35,14 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from nanoserve.kernels.dispatch import floor_pow2, head_dim_pad, next_pow2, sm_count, unit_stride
+from nanoserve.kernels.dispatch import (
+    floor_pow2,
+    head_dim_pad,
+    keys_in_reach,
+    next_pow2,
+    sm_count,
+    unit_stride,
+)
 from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_groups
 from nanoserve.kernels.triton_common import (
     dequantize_int8_tile,
@@ -434,9 +441,7 @@ def extend_splits(
     tiles = total_q // block_m + num_seqs
     if max_query_len is not None:
         tiles = min(tiles, num_seqs * -(-max_query_len // block_m))
-    history = block_tables.shape[1] * block_size
-    if sliding_window is not None:
-        history = min(history, sliding_window + (max_query_len or total_q))
+    history = keys_in_reach(block_tables, block_size, sliding_window, max_query_len or total_q)
     return floor_pow2(
         min(
             sm_count(query.device) // max(tiles * num_q_heads, 1),

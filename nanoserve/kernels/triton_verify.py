@@ -17,6 +17,8 @@ the extend kernel (``_attend_tiles``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,7 @@ import triton.language as tl
 from nanoserve.kernels.dispatch import (
     floor_pow2,
     head_dim_pad,
+    keys_in_reach,
     next_pow2,
     sm_count,
     supports_pdl,
@@ -163,7 +166,7 @@ def resident_programs(block_m: int, head_dim: int) -> int:
     """Packed-kernel programs of a ``block_m``-row tile an SM runs at once on Hopper (their
     registers and shared memory, read off the compiled default tiles): three for tiles of at
     most 2,048 query-row x head-dim elements, one for 128-row tiles past head dim 64, else two."""
-    d_pad = next_pow2(head_dim)
+    d_pad = head_dim_pad(head_dim)
     if block_m * d_pad <= 2048:
         return 3
     return 1 if block_m >= 128 and d_pad > 64 else 2
@@ -176,8 +179,13 @@ def packed_splits(programs: int, key_tiles: int, resident: int, device: torch.de
     ``SPLIT_OVERHEAD_TILES``), and of equal ones the fewest (each split adds partials and a
     program's fixed cost). A split count that leaves a last wave part-filled loses: programs
     of equal work finish together, so a wave costs the same however few programs it holds."""
-    slots = resident * sm_count(device)
-    programs = max(programs, 1)
+    return _least_wave_splits(max(programs, 1), key_tiles, resident * sm_count(device))
+
+
+@functools.cache
+def _least_wave_splits(programs: int, key_tiles: int, slots: int) -> int:
+    """``packed_splits``'s count (ints only: cached, an eager step of a few tokens pays the
+    search once a shape)."""
 
     def cost(splits: int) -> tuple[int, int]:
         waves = -(-programs * splits // slots)
@@ -206,9 +214,7 @@ def turn_plan(
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
     on_gpu = query.device.type == "cuda"
-    history = block_tables.shape[1] * block_size
-    if sliding_window is not None:
-        history = min(history, sliding_window + max_query_len)
+    history = keys_in_reach(block_tables, block_size, sliding_window, max_query_len)
     key_splits = min(-(-history // TURN_SPLIT_KEYS), MAX_SPLITS)
     sms = sm_count(query.device)
 
@@ -271,9 +277,7 @@ def paged_extend_attention_packed(
         busy = tiles  # tiles that hold tokens (the grid's others exit at once)
         if max_query_len is not None:
             busy = min(tiles, num_seqs * -(-max_query_len // tokens_per_tile))
-        history = block_tables.shape[1] * block_size
-        if sliding_window is not None:
-            history = min(history, sliding_window + (max_query_len or total_q))
+        history = keys_in_reach(block_tables, block_size, sliding_window, max_query_len or total_q)
         resident = resident_programs(block_m, head_dim)
         num_splits = packed_splits(
             busy * num_kv_heads, -(-history // block_n), resident, query.device
