@@ -17,9 +17,10 @@ not returned replay a graph of their own, sampled ones too), and writes it into 
 (``read_back.py``): the host learns it a few steps late, so the steps issued past the stop
 are cut from the returned sequences, scores and logits and cropped from the cache, and the
 random numbers they drew are given back: the result, and the RNG state after it, are stock's.
-Sampling draws with ``sample_once`` (``torch.multinomial``'s own draw without its checks'
-reads back to the host); whether a step's distribution held NaN is read back with the rest
-and raises stock's error, the random state put back where stock's raise leaves it.
+Sampling draws ``torch.multinomial``'s own random numbers (``multinomial_noise``) and picks
+as it does (``pick_tokens``), without its checks' reads back to the host; whether a step's
+distribution held NaN is read back with the rest and raises stock's error, the random state
+put back where stock's raise leaves it.
 
 Finished rows leave the batch (``ActiveRows``) when the rest fits a smaller graph bucket and
 nothing of theirs past EOS is returned (no scores, logits or returned cache, and not a cache
@@ -40,8 +41,8 @@ from nanoserve.adapters.decode_graphs import bucket_for
 from nanoserve.adapters.device_sampling import (
     INVALID_PROBABILITIES,
     StopRule,
+    multinomial_noise,
     processor_steps,
-    sample_once,
     unsupported,
 )
 from nanoserve.adapters.graph_forward import loop_decode_step
@@ -205,8 +206,8 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     # steps whose scores and logits are not returned choose on fixed buffers, replayed as a
     # graph on CUDA; the others run the same ops eagerly
     captures = _captures(model, device) and scores is None and raw_logits is None
-    draw = batch.draw if config.do_sample else None
-    choice = TokenChoice(steps, rule, pad, capture=captures, draw=draw)
+    noise = batch.noise if config.do_sample else None
+    choice = TokenChoice(steps, rule, pad, capture=captures, noise=noise)
     lent = False  # whether ``logits`` is a graph's output buffer
     state = state_of(model)
     state.loop_steps = {"direct": 0, "choice_replays": 0, "choice_captures": 0,
@@ -352,14 +353,15 @@ class ActiveRows:
         self.index: torch.Tensor | None = None  # device int64 [len(rows)]; None: all rows
         self.pad_value = int(pad) if pad is not None else 0  # one read, before the loop
 
-    def draw(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``torch.multinomial(probs, 1)`` for the batch rows (``sample_once``: the tokens,
-        and whether stock's call would raise), drawn as stock draws them over every row of
-        the call (the random numbers of the rows that left are drawn and not used), so each
-        batch row meets the same random numbers as in stock's full batch."""
+    def noise(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The random numbers of ``torch.multinomial(probs, 1)`` for the batch rows: (noise
+        [T, V], each batch row's noise row int64 [B], or None for all rows). They are drawn
+        as stock draws them over every row of the call (those of the rows that left are
+        drawn and not used), so each batch row meets the same random numbers as in stock's
+        full batch."""
         if self.index is None:
-            return sample_once(probs)
-        return sample_once(probs, rows=self.index, total=self.total)
+            return multinomial_noise(probs), None
+        return multinomial_noise(probs, self.total), self.index
 
     def write(self, sequences: torch.Tensor, column: int, tokens: torch.Tensor) -> None:
         if self.index is None:

@@ -230,6 +230,14 @@ def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
 INVALID_PROBABILITIES = "probability tensor contains either `inf`, `nan` or element < 0"
 
 
+def multinomial_noise(probs: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """The random numbers ``torch.multinomial(probs, 1)`` draws for ``probs`` [B, V], or for
+    a [total, V] tensor (a batch some rows have left): q ~ Exp(1), float32 [B or total, V].
+    ATen's one-sample draw takes argmax(probs / q) a row; ``pick_tokens`` does the same."""
+    rows = probs.shape[0] if total is None else total
+    return probs.new_empty(rows, probs.shape[1]).exponential_(1)
+
+
 def sample_once(
     probs: torch.Tensor, rows: torch.Tensor | None = None, total: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,12 +255,10 @@ def sample_once(
 
     For one sample ATen draws q ~ Exp(1) over the tensor and takes argmax(probs / q) a row
     (here ``greedy_tokens``: the same entry, faster on CUDA). A NaN makes its row's ratio
-    NaN, which argmax picks: the flag is the chosen ratio's."""
-    if rows is None:
-        ratio = torch.empty_like(probs).exponential_(1)
-    else:
-        noise = probs.new_empty(total, probs.shape[1]).exponential_(1)
-        ratio = noise.index_select(0, rows)
+    NaN, which argmax picks: the flag is the chosen ratio's. (The decode loop draws with
+    ``multinomial_noise`` and ``pick_tokens``: the same numbers and tokens.)"""
+    noise = multinomial_noise(probs, None if rows is None else total)
+    ratio = noise if rows is None else noise.index_select(0, rows)
     torch.div(probs, ratio, out=ratio)
     tokens = greedy_tokens(ratio)
     return tokens, ratio.gather(1, tokens[:, None]).isnan().any()
@@ -275,7 +281,7 @@ class StopRule:
         )
         eos = [c.eos_token_id for c in stopping_criteria if type(c) is sc.EosTokenCriteria]
         ids = [_id_list(e) for e in eos]
-        self.eos = torch.cat(ids).to(device) if ids else None
+        self.eos = torch.cat(ids).to(device, torch.int64) if ids else None
 
     def not_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         """bool [B]: rows whose new token ``tokens`` [B] is no EOS (EOS ids needed). A

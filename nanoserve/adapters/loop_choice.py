@@ -1,9 +1,10 @@
 """The token choice of nanoserve's decode loop, replayed as a CUDA graph.
 
-After each decode step the loop turns the logits into the next tokens with about a dozen
-small device ops: the float32 copy, the processors, the argmax in two steps (or, sampling,
-the softmax and ``torch.multinomial``'s draw), the pad after EOS, the EOS test and the next
-positions. Each costs the host 10-30 µs to launch, so at small batches they cost about as
+After each decode step the loop turns the logits into the next tokens with a few device
+ops: the float32 copy, the processors (sampling: the softmax and ``torch.multinomial``'s
+random numbers), then ``pick_tokens``: the argmax (of the ratio to the random numbers when
+sampling), the pad after EOS, the EOS test and the next positions in two launches. Each op
+costs the host 10-30 µs to launch, so at small batches they cost about as
 much host time as the GPU spends on the step. When the logits are a replayed decode graph's
 output buffer (the same memory every step of its bucket) and the call returns no scores or
 logits, ``TokenChoice`` captures those ops once per (buffer, rows, the processors' length
@@ -24,7 +25,8 @@ from typing import NamedTuple
 import torch
 
 from nanoserve.adapters.decode_graphs import end_generator_capture
-from nanoserve.adapters.device_sampling import StopRule, apply_steps, greedy_tokens
+from nanoserve.adapters.device_sampling import StopRule, apply_steps
+from nanoserve.kernels.token_pick import pick_tokens
 from nanoserve.log import get_logger
 
 _log = get_logger(__name__)
@@ -44,16 +46,17 @@ class Choice(NamedTuple):
 class TokenChoice:
     """Token choice for one loop (one generate call). ``steps``: ``processor_steps``;
     ``pad`` the pad token (device tensor) when EOS is checked, else None; ``capture``:
-    replay graphs (on CUDA) where the logits allow (a lent output buffer); ``draw``: None
-    for greedy, else the sampler (``ActiveRows.draw``: softmax probabilities [B, V] ->
-    (tokens [B], NaN flag)), which must keep drawing from the same buffers until ``reset``."""
+    replay graphs (on CUDA) where the logits allow (a lent output buffer); ``noise``: None
+    for greedy, else the sampler's random numbers (``ActiveRows.noise``: softmax
+    probabilities [B, V] -> (noise float32 [T, V], each row's noise row int64 [B] or None)),
+    which must keep reading the same buffers until ``reset``."""
 
     def __init__(
         self, steps: list, rule: StopRule, pad, capture: bool,
-        draw: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        noise: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ):  # fmt: skip
         self.steps, self.rule, self.pad, self.capture = steps, rule, pad, capture
-        self.draw = draw
+        self.noise = noise
         self.graphs: dict[tuple, tuple] = {}  # key -> (graph, outputs)
         self.seen: set[tuple] = set()
         self.capturing: dict = {}  # the captures' memory pool and side stream
@@ -99,19 +102,17 @@ class TokenChoice:
     def _choose(self, logits, unfinished, positions, length) -> Choice:
         logits = logits.to(copy=True, dtype=torch.float32)
         processed = apply_steps(self.steps, logits, length)
-        invalid = None
-        if self.draw is None:
-            tokens = greedy_tokens(processed)
-        else:
-            tokens, invalid = self.draw(torch.nn.functional.softmax(processed, dim=-1))
-        if self.pad is not None:  # finished rows get the pad token, as in stock
-            tokens = torch.where(unfinished, tokens, self.pad)
+        scores, noise, rows = processed, None, None
+        if self.noise is not None:
+            scores = torch.nn.functional.softmax(processed, dim=-1)
+            noise, rows = self.noise(scores)
+        # finished rows get the pad token (as in stock), the EOS test sees it
+        tokens, invalid = pick_tokens(
+            scores, noise, rows, unfinished, self.pad, self.rule.eos, positions
+        )
         for step in self.steps:
             step.observe(tokens, length)
-        if self.rule.eos is not None:
-            unfinished &= self.rule.not_eos(tokens)
-        positions += 1
-        return Choice(logits, processed, tokens, invalid)
+        return Choice(logits, processed, tokens, invalid if noise is not None else None)
 
     def _capture(self, key, logits, unfinished, positions, length):
         try:
