@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.kernels.dispatch import check_backend, pdl_launch
+from nanoserve.kernels.dispatch import check_backend, pdl_launch, use_triton
 
 # entries of a row a first-pass program reads
 CHUNK = 4096
@@ -103,15 +103,16 @@ def pick_tokens(
     *,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pick_tokens_ref``'s result (and in-place updates) in two Triton launches on CUDA;
-    the reference elsewhere unless ``backend="triton"`` (CPU: TRITON_INTERPRET=1). No host
-    sync: ``invalid`` stays on the device."""
+    """``pick_tokens_ref``'s result (and in-place updates) in two Triton launches on CUDA
+    (``backend="auto"`` with Triton installed); the reference elsewhere, or with
+    ``backend="torch"``; ``backend="triton"`` on CPU needs TRITON_INTERPRET=1. No host sync:
+    ``invalid`` stays on the device."""
     check_backend(backend)
     problem = input_problem(scores, noise, noise_rows, unfinished, pad, eos, positions)
     if problem is not None:
         raise ValueError(problem)
     args = (scores, noise, noise_rows, unfinished, pad, eos, positions)
-    if backend == "torch" or (backend == "auto" and not scores.is_cuda):
+    if not use_triton(backend, scores):
         return pick_tokens_ref(*args)
     from nanoserve.kernels.triton_token_pick import _chunk_best_kernel, _pick_kernel
 
