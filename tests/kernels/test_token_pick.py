@@ -78,7 +78,7 @@ VOCABS = [1, 3, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
 def test_greedy_pick_is_the_first_argmax(rows, vocab):
     """The argmax (greedy) with pad / EOS / positions, and without them. Planted: the last
     largest entry instead of the first (the tie row), a NaN not counted as the largest, and
-    the pad applied after the EOS test: each failed."""
+    the EOS test's result not stored: each failed."""
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     scores = scores_with_edges(rows, vocab, gen)
     assert_same(*run_both(scores))
@@ -92,8 +92,9 @@ def test_greedy_pick_is_the_first_argmax(rows, vocab):
 def test_sampled_pick_draws_as_multinomial(vocab, compacted):
     """probs / noise with each row's noise row (a compacted batch reads rows of a larger draw)
     equals ``sample_once`` and the reference; a NaN distribution sets ``invalid``. Planted:
-    the noise read from the batch row instead of ``noise_rows``, and Triton's default
-    division: each failed."""
+    the noise read from the batch row instead of ``noise_rows``: failed. (The interpreter
+    divides exactly whatever division the kernel asks for, so a plant of Triton's
+    approximate one cannot fail here.)"""
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     rows, total = 6, 9
