@@ -181,8 +181,9 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
     cache_name = next(k for k in CACHE_KWARGS if model_kwargs.get(k) is not None)
     cache = model_kwargs[cache_name]
-    # the positions of the tokens whose logits are chosen from: the prompt's last
-    positions = model_kwargs["position_ids"][:, -1:].expand(rows, 1) - 1
+    # the positions of the tokens whose logits are chosen from: the prompt's last (int64 as
+    # ``pick_tokens`` takes them, whatever a caller's position_ids were)
+    positions = (model_kwargs["position_ids"][:, -1:].expand(rows, 1) - 1).to(torch.int64)
     fixed = {cache_name: cache, "use_cache": True, "return_dict": True}
     if "logits_to_keep" in model_kwargs:
         fixed["logits_to_keep"] = 1

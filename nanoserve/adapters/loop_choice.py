@@ -55,7 +55,9 @@ class TokenChoice:
         self, steps: list, rule: StopRule, pad, capture: bool,
         noise: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ):  # fmt: skip
-        self.steps, self.rule, self.pad, self.capture = steps, rule, pad, capture
+        self.steps, self.rule, self.capture = steps, rule, capture
+        # int64 as ``pick_tokens`` takes it (a caller's pad_token_id tensor keeps its dtype)
+        self.pad = pad.to(torch.int64) if pad is not None else None
         self.noise = noise
         self.graphs: dict[tuple, tuple] = {}  # key -> (graph, outputs)
         self.seen: set[tuple] = set()

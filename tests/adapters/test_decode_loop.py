@@ -782,3 +782,27 @@ def test_a_streamer_that_raises_leaves_stocks_random_state(raise_at):
             results.append((state, after))
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("which", ["pad", "eos", "positions"])
+def test_int32_pad_eos_and_positions_run_the_loop_with_stocks_tokens(which):
+    """A pad_token_id or eos_token_id given as an int32 tensor, or int32 position_ids: the
+    loop runs (not HF's) and gives stock's tokens. Planted, then fixed: ``pick_tokens`` took
+    only int64 and the loop passed the caller's dtypes on, so the int32 pad and positions
+    raised a ValueError where stock generated."""
+    model = tiny_model("llama", seed=10)
+    inputs = padded_batch([7, 4], 7)
+    opts = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=3)
+    if which == "pad":
+        opts["pad_token_id"] = torch.tensor(0, dtype=torch.int32)
+    elif which == "eos":
+        opts["eos_token_id"] = torch.tensor([3], dtype=torch.int32)
+    else:
+        mask = inputs["attention_mask"]
+        opts["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0).to(torch.int32)
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+        with patched(model):
+            ours = model.generate(**inputs, **opts)
+            assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
+    assert torch.equal(stock, ours)
