@@ -154,9 +154,13 @@ def stock_reason(
     reason = unsupported(logits_processor, stopping_criteria)
     if reason is not None:
         return reason
-    has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-    if has_eos and generation_config._pad_token_tensor is None:
+    eos_ids = [c.eos_token_id for c in stopping_criteria if hasattr(c, "eos_token_id")]
+    pad = generation_config._pad_token_tensor
+    if eos_ids and pad is None:
         return "EOS without a pad_token_id"
+    # (the loop takes token ids as int64: a float id would be truncated into a real token)
+    if any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (*eos_ids, pad)):
+        return "a floating-point eos_token_id or pad_token_id"
     return None
 
 
@@ -173,7 +177,8 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, config, streame
     keep = config.return_dict_in_generate
     scores = [] if keep and config.output_scores else None
     raw_logits = [] if keep and config.output_logits else None
-    pad = config._pad_token_tensor.to(device) if rule.eos is not None else None
+    # (int64 whatever the caller's pad tensor was: it fills int64 sequences and tokens)
+    pad = config._pad_token_tensor.to(device, torch.int64) if rule.eos is not None else None
     # a cache passed in to be continued stays the caller's, whole: its rows never leave
     fresh_cache = find_cache(model_kwargs).paged.num_seqs == 0
 

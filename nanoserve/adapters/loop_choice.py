@@ -45,7 +45,7 @@ class Choice(NamedTuple):
 
 class TokenChoice:
     """Token choice for one loop (one generate call). ``steps``: ``processor_steps``;
-    ``pad`` the pad token (device tensor) when EOS is checked, else None; ``capture``:
+    ``pad`` the pad token (an int64 device tensor) when EOS is checked, else None; ``capture``:
     replay graphs (on CUDA) where the logits allow (a lent output buffer); ``noise``: None
     for greedy, else the sampler's random numbers (``ActiveRows.noise``: softmax
     probabilities [B, V] -> (noise float32 [T, V], each row's noise row int64 [B] or None)),
@@ -55,9 +55,7 @@ class TokenChoice:
         self, steps: list, rule: StopRule, pad, capture: bool,
         noise: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ):  # fmt: skip
-        self.steps, self.rule, self.capture = steps, rule, capture
-        # int64 as ``pick_tokens`` takes it (a caller's pad_token_id tensor keeps its dtype)
-        self.pad = pad.to(torch.int64) if pad is not None else None
+        self.steps, self.rule, self.pad, self.capture = steps, rule, pad, capture
         self.noise = noise
         self.graphs: dict[tuple, tuple] = {}  # key -> (graph, outputs)
         self.seen: set[tuple] = set()

@@ -38,7 +38,7 @@ def _chunk_best_kernel(
     top = tl.max(tl.where(nan, float("-inf"), x), 0)
     hit = tl.where(has_nan, nan, (x == top) & inside)
     first = tl.min(tl.where(hit, cols, 2147483647), 0)
-    # a chunk whose entries are all -inf (masked columns included) still names its first column
+    # (a guard: every chunk holds a column, and an all -inf one matches its first already)
     first = tl.where(first == 2147483647, chunk * CHUNK, first)
     value = tl.where(has_nan, float("nan"), top)
     slot = row * num_chunks + chunk

@@ -784,25 +784,67 @@ def test_a_streamer_that_raises_leaves_stocks_random_state(raise_at):
     assert torch.equal(results[0][1], results[1][1])
 
 
-@pytest.mark.parametrize("which", ["pad", "eos", "positions"])
-def test_int32_pad_eos_and_positions_run_the_loop_with_stocks_tokens(which):
-    """A pad_token_id or eos_token_id given as an int32 tensor, or int32 position_ids: the
-    loop runs (not HF's) and gives stock's tokens. Planted, then fixed: ``pick_tokens`` took
-    only int64 and the loop passed the caller's dtypes on, so the int32 pad and positions
-    raised a ValueError where stock generated."""
-    model = tiny_model("llama", seed=10)
-    inputs = padded_batch([7, 4], 7)
-    opts = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=3)
-    if which == "pad":
-        opts["pad_token_id"] = torch.tensor(0, dtype=torch.int32)
-    elif which == "eos":
-        opts["eos_token_id"] = torch.tensor([3], dtype=torch.int32)
+@pytest.mark.parametrize(
+    "which", ["pad int32", "pad int16", "pad uint8", "eos int32", "positions int32"]
+)
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_special_ids_and_positions_of_other_integer_dtypes_give_stocks_tokens(which, sample):
+    """A pad_token_id or eos_token_id given as a tensor of another integer dtype, or int32
+    position_ids, with rows ending apart (they leave the batch): the loop runs (not HF's)
+    and gives stock's tokens and random state. Planted, then fixed: ``pick_tokens`` took
+    only int64 and the loop passed the caller's dtypes on (the int32 pad and positions
+    raised a ValueError where stock generated), and a pad of another dtype failed the
+    compaction's write into the int64 sequences (also before this session): the three
+    greedy pad cases failed."""
+    model = eos_early(tiny_model("llama", seed=10), 3.0)
+    inputs = padded_batch([13, 6, 2], 13)
+    opts = dict(max_new_tokens=30, do_sample=sample, pad_token_id=0, eos_token_id=EOS)
+    name, dtype = which.split()
+    if name == "pad":
+        opts["pad_token_id"] = torch.tensor(0, dtype=getattr(torch, dtype))
+    elif name == "eos":
+        opts["eos_token_id"] = torch.tensor([EOS], dtype=torch.int32)
     else:
         mask = inputs["attention_mask"]
         opts["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0).to(torch.int32)
-    with torch.no_grad():
-        stock = model.generate(**inputs, **opts)
-        with patched(model):
-            ours = model.generate(**inputs, **opts)
-            assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
-    assert torch.equal(stock, ours)
+    runs = []
+    for patch in (False, True):
+        with torch.no_grad(), patched(model) if patch else nullcontext():
+            torch.manual_seed(7)
+            runs.append((model.generate(**inputs, **opts), torch.rand(3)))
+            if patch:
+                assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
+    (stock, stock_after), (ours, our_after) = runs
+    assert torch.equal(stock, ours), which
+    assert torch.equal(stock_after, our_after), which
+    assert (stock == 0).any(), "no row ended early: the compaction was not reached"
+
+
+@pytest.mark.parametrize("which", ["eos", "pad"])
+def test_floating_point_special_ids_run_hfs_loop(which):
+    """An eos_token_id or pad_token_id tensor of floats runs HF's loop, whose answer it is
+    (stock never matches a float EOS such as 2.5 and runs on; it raises feeding a float
+    pad): the loop took ids as int64 and truncated 2.5 into token 2, stopping where stock
+    does not (a review's probe). Planted: the check left out: both cases failed."""
+    model = eos_early(tiny_model("llama", seed=10), 3.0)
+    inputs = padded_batch([13, 6, 2], 13)
+    opts = dict(max_new_tokens=30, pad_token_id=0, eos_token_id=torch.tensor([EOS + 0.5]))
+    if which == "pad":
+        opts = dict(max_new_tokens=30, pad_token_id=torch.tensor(0.0), eos_token_id=EOS,
+                    return_dict_in_generate=True)  # fmt: skip
+    outcomes = []
+    for patch in (False, True):
+        with torch.no_grad(), patched(model) if patch else nullcontext():
+            try:
+                out = model.generate(**inputs, **opts)
+                outcomes.append(out if which == "eos" else out.sequences)
+            except (RuntimeError, IndexError, TypeError) as error:
+                outcomes.append(type(error))
+            if patch:
+                reason = nanoserve.decode_graph_stats(model)["decode_loop"]
+                assert "floating-point" in reason, reason
+    stock, ours = outcomes
+    if isinstance(stock, torch.Tensor):
+        assert isinstance(ours, torch.Tensor) and torch.equal(stock, ours)
+    else:
+        assert ours is stock
