@@ -26,6 +26,7 @@ NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         "bench_decode_splits",
         "bench_gated_act",
         "bench_prefill",
+        "profile_eos_spread",
     ],
 )
 def test_without_cuda_one_clear_line(name):
