@@ -209,23 +209,6 @@ def apply_steps(steps: list[_Step], scores: torch.Tensor, length: int) -> torch.
     return scores
 
 
-def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(scores, dim=-1)`` (int64 [B] from [B, V]): the first maximal entry of
-    each row, NaN counting as the largest. Where V splits into power-of-two chunks of 32 to
-    256 entries, in two steps: each chunk's max, then the first chunk holding the row's max
-    and the first maximal entry inside it, the same entry (every earlier chunk's max is below
-    the row's). On CUDA a single [B, 128k] argmax takes a few blocks a row and several times
-    as long (see benchmarks/RESULTS.md)."""
-    rows, vocab = scores.shape
-    chunk = min(vocab & -vocab, 256)  # the largest power of two dividing V, at most 256
-    if chunk < 32 or vocab < 4096:
-        return torch.argmax(scores, dim=-1)
-    chunks = scores.reshape(rows, vocab // chunk, chunk)
-    best = chunks.amax(dim=-1).argmax(dim=-1)  # [B]: the first chunk holding the row's max
-    held = chunks.gather(1, best.view(rows, 1, 1).expand(rows, 1, chunk))
-    return held.view(rows, chunk).argmax(dim=-1).add_(best, alpha=chunk)
-
-
 # stock's message when a distribution to sample holds NaN (``torch.multinomial``'s check)
 INVALID_PROBABILITIES = "probability tensor contains either `inf`, `nan` or element < 0"
 
@@ -236,32 +219,6 @@ def multinomial_noise(probs: torch.Tensor, total: int | None = None) -> torch.Te
     ATen's one-sample draw takes argmax(probs / q) a row; ``pick_tokens`` does the same."""
     rows = probs.shape[0] if total is None else total
     return probs.new_empty(rows, probs.shape[1]).exponential_(1)
-
-
-def sample_once(
-    probs: torch.Tensor, rows: torch.Tensor | None = None, total: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.multinomial(probs, 1).squeeze(1)`` for ``probs`` [B, V] from a softmax, the
-    same tokens from the same random numbers, without its two reads back to the host (its
-    validity checks), which made every sampled step wait for the device. Returns (tokens
-    int64 [B], bool [] on the device: True where stock's call would raise, i.e. a row holds
-    NaN, the only invalid entry a softmax gives; the caller reads it back later and raises
-    ``INVALID_PROBABILITIES``).
-
-    With ``rows`` (int64 [B] on the device) and ``total``: the tokens ``torch.multinomial``
-    draws for rows ``rows`` of a [total, V] tensor whose other rows are valid distributions
-    (a batch some rows have left): the random numbers are drawn for all ``total`` rows, as
-    that call draws them, and only the given rows' are used.
-
-    For one sample ATen draws q ~ Exp(1) over the tensor and takes argmax(probs / q) a row
-    (here ``greedy_tokens``: the same entry, faster on CUDA). A NaN makes its row's ratio
-    NaN, which argmax picks: the flag is the chosen ratio's. (The decode loop draws with
-    ``multinomial_noise`` and ``pick_tokens``: the same numbers and tokens.)"""
-    noise = multinomial_noise(probs, None if rows is None else total)
-    ratio = noise if rows is None else noise.index_select(0, rows)
-    torch.div(probs, ratio, out=ratio)
-    tokens = greedy_tokens(ratio)
-    return tokens, ratio.gather(1, tokens[:, None]).isnan().any()
 
 
 def _id_list(ids) -> torch.Tensor:
@@ -282,9 +239,3 @@ class StopRule:
         eos = [c.eos_token_id for c in stopping_criteria if type(c) is sc.EosTokenCriteria]
         ids = [_id_list(e) for e in eos]
         self.eos = torch.cat(ids).to(device, torch.int64) if ids else None
-
-    def not_eos(self, tokens: torch.Tensor) -> torch.Tensor:
-        """bool [B]: rows whose new token ``tokens`` [B] is no EOS (EOS ids needed). A
-        comparison with every id, not ``torch.isin``: from 10 ids on, isin sorts and reads
-        back to the host, which a captured graph cannot hold."""
-        return (tokens[:, None] != self.eos[None, :]).all(dim=1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.kernels.dispatch import check_backend, pdl_launch, use_triton
+from nanoserve.kernels.dispatch import next_pow2, pdl_launch, use_triton
 
 # entries of a row a first-pass program reads
 CHUNK = 4096
@@ -44,7 +44,7 @@ def pick_tokens_ref(
     invalid = ratio.gather(1, tokens[:, None]).isnan().any()
     if pad is not None:
         tokens = torch.where(unfinished, tokens, pad.reshape(()))
-    if eos is not None:
+    if eos is not None:  # (not torch.isin: from 10 ids on it reads back to the host)
         unfinished &= (tokens[:, None] != eos[None, :]).all(dim=1)
     if positions is not None:
         positions += 1
@@ -107,7 +107,6 @@ def pick_tokens(
     (``backend="auto"`` with Triton installed); the reference elsewhere, or with
     ``backend="torch"``; ``backend="triton"`` on CPU needs TRITON_INTERPRET=1. No host sync:
     ``invalid`` stays on the device."""
-    check_backend(backend)
     problem = input_problem(scores, noise, noise_rows, unfinished, pad, eos, positions)
     if problem is not None:
         raise ValueError(problem)
@@ -142,7 +141,7 @@ def pick_tokens(
         pad if pad is not None else dummy,
         eos if eos is not None else dummy, eos.shape[0] if eos is not None else 0,
         positions if positions is not None else dummy, rows, chunks,
-        ROWS=ROWS, CHUNKS_PAD=max(2, 1 << (chunks - 1).bit_length()),
+        ROWS=ROWS, CHUNKS_PAD=max(2, next_pow2(chunks)),
         HAS_PAD=pad is not None, HAS_EOS=eos is not None,
         HAS_POSITIONS=positions is not None, PDL=bool(launch), num_warps=4, **launch,
     )  # fmt: skip

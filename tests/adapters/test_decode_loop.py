@@ -30,11 +30,12 @@ from nanoserve.adapters import decode_loop, read_back
 from nanoserve.adapters.device_sampling import (
     INVALID_PROBABILITIES,
     apply_steps,
+    multinomial_noise,
     processor_steps,
-    sample_once,
     unsupported,
 )
 from nanoserve.adapters.step import find_cache
+from nanoserve.kernels.token_pick import pick_tokens
 
 EOS = 2
 RETURN_ALL = dict(return_dict_in_generate=True, output_scores=True, output_logits=True)
@@ -496,14 +497,18 @@ def check_processors(rows: int, vocab: int, rounds: int, device: str) -> None:
             ids = torch.cat([ids, tokens[:, None]], dim=1)
 
 
-def test_sample_once_draws_as_multinomial():
-    """``sample_once`` gives ``torch.multinomial(probs, 1)``'s tokens and leaves the same
-    random state, on softmax outputs with masked entries, one row or many, vocabularies of
-    any size (the chunked argmax of ``greedy_tokens`` at 8,192 and 128,256); its flag is False
-    there and True for a NaN row. Planted: drawing with ``torch.rand`` (q = -log u, the same
-    distribution) gave other tokens."""
+def test_the_loops_draw_is_multinomials():
+    """``multinomial_noise`` and ``pick_tokens`` (the loop's draw) give
+    ``torch.multinomial(probs, 1)``'s tokens and leave the same random state, on softmax
+    outputs with masked entries, one row or many, vocabularies of any size; the NaN flag is
+    False there and True for a NaN row. Planted: drawing with ``torch.rand`` (q = -log u, the
+    same distribution) gave other tokens."""
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
+
+    def draw(probs):
+        return pick_tokens(probs, multinomial_noise(probs))
+
     for rows, vocab in ((1, 97), (6, 1000), (3, 4099), (64, 128), (1, 8192), (2, 128256)):
         logits = torch.randn(rows, vocab, generator=gen) * 3
         logits[torch.rand(rows, vocab, generator=gen) < 0.5] = float("-inf")
@@ -513,14 +518,14 @@ def test_sample_once_draws_as_multinomial():
         expected = torch.multinomial(probs, num_samples=1).squeeze(1)
         after_stock = torch.rand(3)
         torch.manual_seed(seed)
-        tokens, invalid = sample_once(probs)
+        tokens, invalid = draw(probs)
         assert torch.equal(tokens, expected), (seed, rows, vocab)
         assert torch.equal(torch.rand(3), after_stock)
         assert not bool(invalid)
         probs[rows // 2, vocab // 3] = float("nan")
         with pytest.raises(RuntimeError, match="probability tensor"):
             torch.multinomial(probs, num_samples=1)
-        assert bool(sample_once(probs)[1])
+        assert bool(draw(probs)[1])
 
 
 def nan_sampling():

@@ -37,7 +37,6 @@ from nanoserve.adapters.device_sampling import (
     INVALID_PROBABILITIES,
     StopRule,
     apply_steps,
-    greedy_tokens,
     processor_steps,
 )
 from nanoserve.adapters.step import state_of
@@ -362,10 +361,10 @@ def test_a_hook_or_wrapper_on_the_model_runs_at_every_step(install):
 def reference_choice(steps, rule, pad, logits, unfinished, length):
     """The loop's eager ops for one greedy step: (tokens, unfinished after it)."""
     processed = apply_steps(steps, logits.to(dtype=torch.float32), length)
-    tokens = torch.where(unfinished, greedy_tokens(processed), pad)
+    tokens = torch.where(unfinished, torch.argmax(processed, dim=-1), pad)
     for step in steps:
         step.observe(tokens, length)
-    return tokens, unfinished & rule.not_eos(tokens)
+    return tokens, unfinished & (tokens[:, None] != rule.eos[None, :]).all(dim=1)
 
 
 def test_replayed_choice_equals_eager_steps(monkeypatch):

@@ -10,7 +10,6 @@ import pytest
 import torch
 from kernel_inputs import needs_interpreter
 
-from nanoserve.adapters.device_sampling import greedy_tokens, sample_once
 from nanoserve.kernels.token_pick import CHUNK, pick_tokens, pick_tokens_ref
 
 ON_GPU = [
@@ -83,7 +82,35 @@ def test_greedy_pick_is_the_first_argmax(rows, vocab):
     scores = scores_with_edges(rows, vocab, gen)
     assert_same(*run_both(scores))
     assert_same(*run_both(scores, with_flags=False))
-    assert torch.equal(pick_tokens(scores, backend="triton")[0], greedy_tokens(scores))
+    assert torch.equal(pick_tokens(scores, backend="triton")[0], torch.argmax(scores, dim=-1))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("vocab", [128256, 49152, 151936, 32000, 4096 + 32, 50257, 1000])
+def test_greedy_pick_equals_argmax_on_random_rows_ties_and_nan(vocab):
+    """At real vocabularies: ties across and within chunks, all -inf, NaN, all equal, the
+    last entry (the loop's greedy choice was ``greedy_tokens``'s two-step argmax before)."""
+    gen = torch.Generator().manual_seed(vocab)
+    scores = torch.randn(7, vocab, generator=gen)
+    top = scores.max().item() + 1.0
+    # row 1: the max twice, in different chunks; row 2: twice in one chunk
+    a, b = vocab // 3, vocab // 2
+    scores[1, [vocab - 5, a, b]] = top
+    scores[2, [a, a + 1]] = top
+    scores[3] = float("-inf")  # every entry masked: index 0
+    scores[4, [b, vocab - 1]] = float("nan")  # NaN counts as the largest: the first
+    scores[5, :] = 0.0  # all equal: index 0
+    scores[6, -1] = top  # the last entry
+    expected = torch.argmax(scores, dim=-1)
+    assert torch.equal(pick_tokens(scores, backend="triton")[0], expected)
+    assert expected.tolist()[1:7] == [a, a, 0, b, 0, vocab - 1]
+
+
+@needs_interpreter
+def test_strided_rows():
+    """Rows apart in memory (unit stride within a row), as a view of a wider tensor."""
+    scores = torch.randn(3, 2 * 8192)[:, :8192]
+    assert torch.equal(pick_tokens(scores, backend="triton")[0], torch.argmax(scores, dim=-1))
 
 
 @needs_interpreter
@@ -91,10 +118,10 @@ def test_greedy_pick_is_the_first_argmax(rows, vocab):
 @pytest.mark.parametrize("compacted", [False, True])
 def test_sampled_pick_draws_as_multinomial(vocab, compacted):
     """probs / noise with each row's noise row (a compacted batch reads rows of a larger draw)
-    equals ``sample_once`` and the reference; a NaN distribution sets ``invalid``. Planted:
-    the noise read from the batch row instead of ``noise_rows``: failed. (The interpreter
-    divides exactly whatever division the kernel asks for, so a plant of Triton's
-    approximate one cannot fail here.)"""
+    equals ``torch.multinomial``'s draw over the whole batch and the reference; a NaN
+    distribution sets ``invalid``. Planted: the noise read from the batch row instead of
+    ``noise_rows``: failed. (The interpreter divides exactly whatever division the kernel
+    asks for, so a plant of Triton's approximate one cannot fail here.)"""
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     rows, total = 6, 9
@@ -108,8 +135,13 @@ def test_sampled_pick_draws_as_multinomial(vocab, compacted):
     kernel, reference = run_both(probs, noise, index)
     assert_same(kernel, reference)
     assert not bool(kernel[1])
+    full = probs
+    if compacted:  # the rows that left hold other valid distributions
+        full = torch.softmax(torch.randn(total, vocab, generator=gen), dim=-1)
+        full[index] = probs
     torch.manual_seed(seed)
-    expected, _ = sample_once(probs, index, total) if compacted else sample_once(probs)
+    expected = torch.multinomial(full, num_samples=1).squeeze(1)
+    expected = expected[index] if compacted else expected
     assert torch.equal(pick_tokens(probs, noise, index, backend="triton")[0], expected)
     probs[rows // 2, vocab // 2] = float("nan")
     kernel, reference = run_both(probs, noise, index)
