@@ -25,6 +25,7 @@ NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         "bench_content_hash",
         "bench_decode_splits",
         "bench_gated_act",
+        "bench_sampling",
         "bench_prefill",
         "profile_eos_spread",
     ],

@@ -18,6 +18,8 @@ import torch
 from transformers.generation import logits_process as lp
 from transformers.generation import stopping_criteria as sc
 
+from nanoserve.kernels.top_k import top_k_filter
+
 
 class _Step:
     """One processor: ``__call__(scores [B, V] float32, length) -> scores``; ``observe``
@@ -51,9 +53,8 @@ class _TopK(_Step):
         self.top_k, self.filter_value = p.top_k, p.filter_value
 
     def __call__(self, scores, length):
-        top_k = min(self.top_k, scores.size(-1))
-        remove = scores < torch.topk(scores, top_k)[0][..., -1, None]
-        return scores.masked_fill(remove, self.filter_value)
+        # HF's ``scores.masked_fill(scores < torch.topk(...)[0][..., -1, None], filter)``
+        return top_k_filter(scores, min(self.top_k, scores.size(-1)), self.filter_value)
 
 
 class _TopP(_Step):

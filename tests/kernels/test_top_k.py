@@ -1,0 +1,149 @@
+"""top_k_filter: Triton (interpreter; on the GPU with ``-m gpu``) against HF's top-k warper's
+ops: ties across the threshold and over more entries than the candidate list holds, NaN of
+both signs, -inf rows, signed zeros, k at 1 and at the row length, chunk edges; the warper's
+own output; bad input."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from kernel_inputs import needs_interpreter
+from transformers.generation.logits_process import TopKLogitsWarper
+
+from nanoserve.kernels.top_k import (
+    CAPACITY,
+    CHUNK,
+    GROUP,
+    MAX_K,
+    top_k_filter,
+    top_k_filter_ref,
+)
+
+ON_GPU = [
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    )
+]
+
+
+def hard_scores(rows: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """float32 [rows, vocab]: random scores, coarsely rounded in row 0 (many ties, some at
+    the threshold), NaN of both signs, -inf and signed zeros in row 1, all -inf in row 2, a
+    masked half in row 3 (-inf), large magnitudes of both signs in row 4, one value in row 5
+    (a tie over the whole row), positive NaN only in row 6."""
+    scores = torch.randn(rows, vocab, generator=gen) * 3
+    scores[0] = (scores[0] * 2).round() / 2
+    if rows > 1:
+        picks = torch.randint(0, vocab, (4, 3), generator=gen)
+        scores[1, picks[0]] = float("nan")
+        scores[1, picks[0, 0]] = -torch.tensor(float("nan"))  # a NaN with its sign bit set
+        scores[1, picks[1]] = float("-inf")
+        scores[1, picks[2]] = -0.0
+        scores[1, picks[3]] = 0.0
+    if rows > 2:
+        scores[2] = float("-inf")
+    if rows > 3:
+        scores[3][torch.rand(vocab, generator=gen) < 0.5] = float("-inf")
+    if rows > 4:
+        scores[4] *= 1e30
+    if rows > 5:
+        scores[5] = 1.5
+    if rows > 6:
+        scores[6, torch.randint(0, vocab, (2,), generator=gen)] = float("nan")
+    return scores
+
+
+def as_on_cuda(scores: torch.Tensor, k: int, fill: float = -math.inf) -> torch.Tensor:
+    """``top_k_filter_ref`` as CUDA's ``torch.topk`` gives it (the GPU tests check that
+    against CUDA itself): where a row holds a NaN with its sign bit set and fewer than k NaN
+    in all, CUDA's k-th value is NaN and the row is left whole. On the CPU the same row's
+    k-th value is the k-th largest, NaN counted as the largest."""
+    expected = top_k_filter_ref(scores, k, fill)
+    nan = scores.isnan()
+    negative_nan = (nan & torch.signbit(scores)).any(dim=1) & (nan.sum(dim=1) < k)
+    return torch.where(negative_nan[:, None], scores, expected)
+
+
+def assert_same(got: torch.Tensor, expected: torch.Tensor):
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+    assert torch.equal(torch.signbit(got), torch.signbit(expected))
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    ("vocab", "k"),
+    [(1, 1), (7, 3), (7, 7), (GROUP * 3, 5), (CHUNK - 1, 50), (CHUNK, 1), (CHUNK + 1, 50),
+     (2 * CHUNK + 9, 300), (3 * CHUNK, 40), (CAPACITY + 2 * GROUP, MAX_K)],
+)  # fmt: skip
+def test_filter_matches_the_warpers_ops(vocab, k):
+    """Against ``scores.masked_fill(scores < topk(...)[..., -1:], fill)`` bit for bit (as on
+    CUDA, ``as_on_cuda``), and HF's warper itself on rows without a negative NaN. Rows 2 and
+    5 (-inf, one value) overflow the candidate list past ``CAPACITY`` entries. Planted: the
+    bound from the (k-1)-th largest group maximum (a candidate short), every gather writing
+    from slot 0, negative floats' keys not flipped, the negative NaN's rule left out, the
+    fallback's count strict: each failed."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    scores = hard_scores(7, vocab, gen)
+    for fill in (-math.inf, -1e4):
+        assert_same(top_k_filter(scores, k, fill, backend="triton"), as_on_cuda(scores, k, fill))
+    warper = TopKLogitsWarper(top_k=k)
+    expected = warper(torch.zeros(7, 1, dtype=torch.long), scores.clone())
+    got = top_k_filter(scores, k, backend="triton")
+    plain = torch.ones(7, dtype=torch.bool)
+    plain[1] = False  # (its negative NaN: the CPU's topk ranks it, CUDA's does not)
+    assert_same(got[plain], expected[plain])
+
+
+@pytest.mark.parametrize("device", ON_GPU)
+@pytest.mark.parametrize("rows", [1, 8, 64, 65])
+@pytest.mark.parametrize("vocab", [32000, 128256, 151936, 262144])
+@pytest.mark.parametrize("k", [1, 50, MAX_K])
+def test_filter_on_the_gpu(device, rows, vocab, k):
+    """On CUDA against the warper's ops there (CUDA's ``torch.topk``, negative NaN included)
+    at real vocabularies (Gemma 3's 262,144 included), and replayed from a CUDA graph on new
+    scores."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    scores = hard_scores(rows, vocab, gen).to(device)
+    assert_same(top_k_filter(scores, k), top_k_filter_ref(scores, k))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = top_k_filter(scores, k)
+    scores.copy_(hard_scores(rows, vocab, gen))
+    graph.replay()
+    assert_same(out, top_k_filter_ref(scores, k))
+
+
+def test_reference_off_the_gpu_and_past_the_kernels_k():
+    """'auto' on the CPU, and a k past ``MAX_K`` with 'auto', are the reference; forcing the
+    kernel there is refused."""
+    scores = torch.randn(3, MAX_K + 10)
+    assert_same(top_k_filter(scores, 5), top_k_filter_ref(scores, 5))
+    assert_same(top_k_filter(scores, MAX_K + 1), top_k_filter_ref(scores, MAX_K + 1))
+    with pytest.raises(ValueError, match="k: the Triton path takes k up to"):
+        top_k_filter(scores, MAX_K + 1, backend="triton")
+
+
+@pytest.mark.parametrize(
+    ("scores", "k", "fill", "message"),
+    [
+        (torch.zeros(5), 1, -1.0, "scores: expected a \\[B, V\\]"),
+        (torch.zeros(2, 5, dtype=torch.float16), 1, -1.0, "scores: expected float32"),
+        (torch.zeros(5, 2).T, 1, -1.0, "scores: expected float32"),
+        (torch.zeros(2, 5), 0, -1.0, "k: expected an int in 1..5"),
+        (torch.zeros(2, 5), 6, -1.0, "k: expected"),
+        (torch.zeros(2, 5), 2.0, -1.0, "k: expected"),
+        (torch.zeros(2, 5), 2, "x", "fill: expected a float"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_argument(scores, k, fill, message):
+    with pytest.raises(ValueError, match=message):
+        top_k_filter(scores, k, fill)
