@@ -2,8 +2,9 @@
 
 ``top_k_filter(scores, k)`` is ``scores.masked_fill(scores < kth, fill)`` with ``kth`` each
 row's k-th largest entry, as ``torch.topk(scores, k)[0][..., -1:]`` gives it on CUDA (ties
-counted, NaN the largest; a row holding a NaN with its sign bit set, fewer than k NaN in all,
-gets NaN there: CUDA's topk sorts such a NaN last): HF's top-k warper. ``torch.topk`` runs it
+counted, NaN the largest; but for k of at least ``NEGATIVE_NAN_LAST_FROM_K`` CUDA's topk sorts
+its k values with a NaN whose sign bit is set last, so a row holding one, fewer than k NaN in
+all, gets NaN there): HF's top-k warper. ``torch.topk`` runs it
 as about twenty launches of a radix select and a sort; here five small Triton launches find
 the k-th largest among the few entries at or above a bound (the k-th largest of the maxima
 of groups of 32), then filter. Exact: the threshold is an entry of the row, found by
@@ -24,6 +25,9 @@ CAPACITY = 4096  # candidates a row keeps; past them the threshold reads the who
 FILTER_BLOCK = 4096
 MAX_K = 1024  # the kernel path's largest k ("auto"; past it torch.topk)
 MAX_GROUPS = 16384  # group maxima one program searches (vocabularies up to 524,288)
+# from this k torch's CUDA topk sorts its values by a radix sort, which puts a negative NaN
+# last; below it, a comparison sort that takes every NaN as the largest
+NEGATIVE_NAN_LAST_FROM_K = 33
 
 
 def top_k_filter_ref(scores: torch.Tensor, k: int, fill: float = -math.inf) -> torch.Tensor:
@@ -99,7 +103,8 @@ def top_k_filter(
     )  # fmt: skip
     kernels._threshold_kernel[(rows,)](
         scores, candidates, count, threshold, vocab, k, scores.stride(0), candidates.stride(0),
-        CAPACITY=CAPACITY, CHUNK=CHUNK, PDL=pdl, num_warps=8, **launch,
+        CAPACITY=CAPACITY, CHUNK=CHUNK, NEGATIVE_NAN_LAST=k >= NEGATIVE_NAN_LAST_FROM_K,
+        PDL=pdl, num_warps=8, **launch,
     )  # fmt: skip
     kernels._filter_kernel[(rows, -(-vocab // FILTER_BLOCK))](
         scores, threshold, out, vocab, float(fill), scores.stride(0), out.stride(0),

@@ -14,7 +14,8 @@ set), as in ``torch.topk``. Key 0 belongs to no float and pads.
    appended to the row's list (up to ``capacity``; the count goes on past it).
 4. ``_threshold_kernel``: the k-th largest candidate, or, when the list overflowed (ties over
    many entries, a row of -inf), the k-th largest key of the whole row by passes over it;
-   as a float, NaN where ``torch.topk`` on CUDA returns NaN as the k-th value.
+   as a float, NaN where ``torch.topk`` on CUDA returns NaN as the k-th value (k NaN, or a
+   negative NaN when its sort of the k values puts that last).
 5. ``_filter_kernel``: the entries below the threshold replaced by the fill value.
 """
 
@@ -118,7 +119,8 @@ def _gather_kernel(
 @triton.jit
 def _threshold_kernel(
     scores, candidates, count, threshold, vocab, k, stride_s, stride_c,
-    CAPACITY: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
+    CAPACITY: tl.constexpr, CHUNK: tl.constexpr, NEGATIVE_NAN_LAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     row = tl.program_id(0)
@@ -146,8 +148,9 @@ def _threshold_kernel(
                     seen = tl.max((keys == 0xFFFFFFFE).to(tl.int32), 0)
                     negative_nan = tl.maximum(negative_nan, seen)
             kth = tl.where(at_least >= k, trial, kth)
-    # CUDA's topk sorts its k values with a negative NaN last, which then is the k-th value
-    value = tl.where(negative_nan > 0, float("nan"), _float_of_key(kth))
+    value = _float_of_key(kth)
+    if NEGATIVE_NAN_LAST:  # CUDA's topk sorts such k values with a negative NaN last
+        value = tl.where(negative_nan > 0, float("nan"), value)
     tl.store(threshold + row, value)
 
 
