@@ -8,19 +8,9 @@ import os
 
 import pytest
 import torch
-from kernel_inputs import needs_interpreter
+from kernel_inputs import ON_GPU, needs_interpreter
 
 from nanoserve.kernels.token_pick import CHUNK, pick_tokens, pick_tokens_ref
-
-ON_GPU = [
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        ],
-    )
-]
 
 
 def scores_with_edges(rows: int, vocab: int, gen: torch.Generator) -> torch.Tensor:

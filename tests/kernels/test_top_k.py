@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from kernel_inputs import needs_interpreter
+from kernel_inputs import ON_GPU, needs_interpreter
 from transformers.generation.logits_process import TopKLogitsWarper
 
 from nanoserve.kernels.top_k import (
@@ -22,16 +22,6 @@ from nanoserve.kernels.top_k import (
     top_k_filter,
     top_k_filter_ref,
 )
-
-ON_GPU = [
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        ],
-    )
-]
 
 
 def hard_scores(rows: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
