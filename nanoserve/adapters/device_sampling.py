@@ -3,7 +3,8 @@ ops on the device that never read a tensor back on the host.
 
 ``processor_steps`` turns the ``LogitsProcessorList`` that ``generate`` built into one step
 per entry, each computing exactly what the HF processor computes (the same ops in the same
-order, so ``output_scores`` and seeded sampling give stock's values). What differs is the
+order, or for top-k on CUDA ``top_k_filter``, whose threshold is the one ``torch.topk`` gives
+there; so ``output_scores`` and seeded sampling give stock's values). What differs is the
 state they keep: the repetition penalty keeps a ``[rows, vocab + 1]`` mask of the tokens a
 row has seen (updated with each step's tokens) instead of gathering over the growing
 ``input_ids``, and the length processors take the length as a host integer. An entry of any
