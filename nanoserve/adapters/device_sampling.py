@@ -19,6 +19,7 @@ import torch
 from transformers.generation import logits_process as lp
 from transformers.generation import stopping_criteria as sc
 
+from nanoserve.kernels.top_k import input_problem as top_k_problem
 from nanoserve.kernels.top_k import top_k_filter
 
 
@@ -54,8 +55,12 @@ class _TopK(_Step):
         self.top_k, self.filter_value = p.top_k, p.filter_value
 
     def __call__(self, scores, length):
-        # HF's ``scores.masked_fill(scores < torch.topk(...)[0][..., -1, None], filter)``
-        return top_k_filter(scores, min(self.top_k, scores.size(-1)), self.filter_value)
+        top_k = min(self.top_k, scores.size(-1))
+        if top_k_problem(scores, top_k, self.filter_value) is None:
+            return top_k_filter(scores, top_k, self.filter_value)
+        # (a fill the launcher refuses, as a tensor or a numpy scalar: HF's ops, errors too)
+        remove = scores < torch.topk(scores, top_k)[0][..., -1, None]
+        return scores.masked_fill(remove, self.filter_value)
 
 
 class _TopP(_Step):

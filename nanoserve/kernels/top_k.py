@@ -47,6 +47,11 @@ def input_problem(scores, k, fill) -> str | None:
         return f"k: expected an int in 1..{scores.shape[1]} (the row length), got {k!r}"
     if isinstance(fill, bool) or not isinstance(fill, (int, float)):
         return f"fill: expected a float, got {fill!r}"
+    # (torch's masked_fill refuses these; the kernel would write them rounded to +-inf)
+    if isinstance(fill, int) and not -(2**63) <= fill < 2**63:
+        return f"fill: {fill!r} is outside int64's range"
+    if math.isfinite(fill) and abs(fill) > torch.finfo(torch.float32).max:
+        return f"fill: {fill!r} is outside float32's range"
     return None
 
 

@@ -10,9 +10,11 @@ to arrive at different steps per row by scaling its row of the output embedding.
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from contextlib import nullcontext
 
+import numpy as np
 import pytest
 import torch
 from helpers import RecordingStreamer, patched, sharpen
@@ -473,6 +475,28 @@ def test_processed_scores_equal_hf_processors():
     token fewer failed; every chosen token counted, whatever its column (a probe found it):
     failed."""
     check_processors(rows=3, vocab=97, rounds=40, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "fill", [torch.tensor(-1e4), np.float32(-1e4), True, -5, -1e4, -math.inf, 1e39, 2**70]
+)
+def test_top_k_step_takes_every_fill_hf_takes(fill):
+    """A top-k warper built with a fill the kernel's launcher refuses (a tensor, a numpy
+    scalar, a bool, one past float32's or int64's range) runs HF's ops: the same scores, or
+    the same error type, as HF's warper. Planted: every fill through ``top_k_filter``: the
+    tensor, numpy and bool cases raised its ValueError where HF gives scores, and the two
+    out-of-range ones another error type than HF's."""
+    warper = lp.TopKLogitsWarper(5, filter_value=fill)
+    logits = torch.randn(3, 50) * 4
+    prompt = torch.zeros(3, 1, dtype=torch.long)
+    step = processor_steps(LogitsProcessorList([warper]), prompt)[0]
+    try:
+        expected = warper(prompt, logits.clone())
+    except Exception as error:
+        with pytest.raises(type(error)):
+            step(logits.clone(), 1)
+        return
+    assert torch.equal(step(logits.clone(), 1), expected)
 
 
 def check_processors(rows: int, vocab: int, rounds: int, device: str) -> None:

@@ -136,6 +136,9 @@ def test_reference_off_the_gpu_and_past_the_kernels_k():
         (torch.zeros(2, 5), 6, -1.0, "k: expected"),
         (torch.zeros(2, 5), 2.0, -1.0, "k: expected"),
         (torch.zeros(2, 5), 2, "x", "fill: expected a float"),
+        (torch.zeros(2, 5), 2, torch.tensor(-1.0), "fill: expected a float"),
+        (torch.zeros(2, 5), 2, 1e39, "fill: 1e\\+39 is outside float32's range"),
+        (torch.zeros(2, 5), 2, -(2**70), "fill: -1180591620717411303424 is outside int64's"),
     ],
 )
 def test_bad_input_is_refused_naming_the_argument(scores, k, fill, message):
