@@ -20,7 +20,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation import stopping_criteria as sc
 
 from nanoserve.kernels.top_k import input_problem as top_k_problem
-from nanoserve.kernels.top_k import top_k_filter
+from nanoserve.kernels.top_k import top_k_filter, top_k_filter_ref
 
 
 class _Step:
@@ -59,8 +59,7 @@ class _TopK(_Step):
         if top_k_problem(scores, top_k, self.filter_value) is None:
             return top_k_filter(scores, top_k, self.filter_value)
         # (a fill the launcher refuses, as a tensor or a numpy scalar: HF's ops, errors too)
-        remove = scores < torch.topk(scores, top_k)[0][..., -1, None]
-        return scores.masked_fill(remove, self.filter_value)
+        return top_k_filter_ref(scores, top_k, self.filter_value)
 
 
 class _TopP(_Step):
