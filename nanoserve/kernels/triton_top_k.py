@@ -3,8 +3,8 @@ then the filter.
 
 A float's key is its bits with the sign bit flipped (non-negative values) or every bit
 flipped (negative ones), so keys order as the floats do and -0.0 sits just below +0.0; NaN
-takes a key above every number's (``NAN_KEY``, or ``NEG_NAN_KEY`` for one with its sign bit
-set), as in ``torch.topk``. Key 0 belongs to no float and pads.
+takes a key above every number's (0xFFFFFFFF, or 0xFFFFFFFE for one with its sign bit set),
+as in ``torch.topk``. Key 0 belongs to no float and pads.
 
 1. ``_group_max_kernel``: the largest key of each group of ``GROUP`` entries.
 2. ``_lower_bound_kernel``: the k-th largest of a row's group maxima. The k largest maxima are
@@ -25,9 +25,6 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.triton_common import pdl_enter
-
-NAN_KEY = 0xFFFFFFFF
-NEG_NAN_KEY = 0xFFFFFFFE
 
 
 @triton.jit
