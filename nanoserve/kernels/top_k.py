@@ -7,8 +7,9 @@ its k values with a NaN whose sign bit is set last, so a row holding one, fewer 
 all, gets NaN there): HF's top-k warper. ``torch.topk`` runs it
 as about twenty launches of a radix select and a sort; here five small Triton launches find
 the k-th largest among the few entries at or above a bound (the k-th largest of the maxima
-of groups of 32), then filter. Exact: the threshold is an entry of the row, found by
-comparing order-keeping integer keys, never by arithmetic.
+of groups of 32 entries, or of coarser groups: ``bound_group``), then filter. Exact: the
+threshold is an entry of the row, found by comparing order-keeping integer keys, never by
+arithmetic.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ CHUNK = 4096  # entries a program of the group, gather and fallback passes reads
 GROUP = 32  # entries a group maximum covers (one 128-byte line of float32)
 CAPACITY = 4096  # candidates a row keeps; past them the threshold reads the whole row
 FILTER_BLOCK = 4096
+BOUND_GROUPS_PER_K = 2  # coarse maxima a row needs per k to bound by them
+NARROW_PER_K = 4  # candidate slots the narrow threshold search covers per k
 MAX_K = 1024  # the kernel path's largest k ("auto"; past it torch.topk)
 MAX_GROUPS = 16384  # group maxima one program searches (vocabularies up to 524,288)
 # from this k torch's CUDA topk sorts its values by a radix sort, which puts a negative NaN
@@ -61,6 +64,29 @@ def kernel_takes(scores: torch.Tensor, k: int) -> bool:
     return k <= MAX_K and -(-scores.shape[1] // GROUP) <= MAX_GROUPS
 
 
+def bound_group(vocab: int, k: int) -> int:
+    """Entries under each maximum that the lower bound is the k-th largest of: the coarsest
+    power-of-two multiple of ``GROUP`` up to ``CHUNK`` of which a row has at least
+    ``BOUND_GROUPS_PER_K * k`` (``GROUP`` when none has). Coarser maxima make a smaller
+    search; k of them per ``BOUND_GROUPS_PER_K * k`` keep the candidates near k."""
+    size = GROUP
+    while size < CHUNK and -(-vocab // (2 * size)) >= BOUND_GROUPS_PER_K * k:
+        size *= 2
+    return size
+
+
+def narrow_slots(k: int) -> int:
+    """Candidate slots the threshold's first search covers (more candidates take the
+    ``CAPACITY``-wide search): a power of two of at least ``NARROW_PER_K * k``."""
+    return min(CAPACITY, next_pow2(max(128, NARROW_PER_K * k)))
+
+
+def search_warps(width: int) -> int:
+    """Warps of a program searching ``width`` keys: one for up to 128 (no cross-warp
+    reduction), up to 8."""
+    return min(8, max(1, width // 128))
+
+
 def top_k_filter(
     scores: torch.Tensor, k: int, fill: float = -math.inf, *, backend: str = "auto"
 ) -> torch.Tensor:
@@ -86,20 +112,25 @@ def top_k_filter(
         return out
     chunks = -(-vocab // CHUNK)
     groups = chunks * (CHUNK // GROUP)
+    coarse_size = bound_group(vocab, k)
     int32 = dict(dtype=torch.int32, device=scores.device)
     maxima = torch.empty(rows, groups, **int32)
+    coarse = maxima
+    if coarse_size > GROUP:
+        coarse = torch.empty(rows, chunks * (CHUNK // coarse_size), **int32)
     bound, count = torch.empty(rows, **int32), torch.empty(rows, **int32)
     candidates = torch.empty(rows, CAPACITY, **int32)
     threshold = torch.empty(rows, dtype=torch.float32, device=scores.device)
     launch = pdl_launch(scores.device)
     pdl = bool(launch)
     kernels._group_max_kernel[(rows, chunks)](
-        scores, maxima, vocab, scores.stride(0), maxima.stride(0),
-        CHUNK=CHUNK, GROUP=GROUP, PDL=pdl, num_warps=4, **launch,
+        scores, maxima, coarse, vocab, scores.stride(0), maxima.stride(0), coarse.stride(0),
+        CHUNK=CHUNK, GROUP=GROUP, COARSE=coarse_size, PDL=pdl, num_warps=4, **launch,
     )  # fmt: skip
+    searched = next_pow2(coarse.shape[1])
     kernels._lower_bound_kernel[(rows,)](
-        maxima, bound, count, -(-vocab // GROUP), k, maxima.stride(0),
-        GROUPS_PAD=next_pow2(groups), PDL=pdl, num_warps=8, **launch,
+        coarse, bound, count, -(-vocab // coarse_size), k, coarse.stride(0),
+        GROUPS_PAD=searched, PDL=pdl, num_warps=search_warps(searched), **launch,
     )  # fmt: skip
     kernels._gather_kernel[(rows, chunks)](
         scores, maxima, bound, count, candidates, vocab, CAPACITY,
@@ -108,8 +139,8 @@ def top_k_filter(
     )  # fmt: skip
     kernels._threshold_kernel[(rows,)](
         scores, candidates, count, threshold, vocab, k, scores.stride(0), candidates.stride(0),
-        CAPACITY=CAPACITY, CHUNK=CHUNK, NEGATIVE_NAN_LAST=k >= NEGATIVE_NAN_LAST_FROM_K,
-        PDL=pdl, num_warps=8, **launch,
+        NARROW=narrow_slots(k), CAPACITY=CAPACITY, CHUNK=CHUNK,
+        NEGATIVE_NAN_LAST=k >= NEGATIVE_NAN_LAST_FROM_K, PDL=pdl, num_warps=4, **launch,
     )  # fmt: skip
     kernels._filter_kernel[(rows, -(-vocab // FILTER_BLOCK))](
         scores, threshold, out, vocab, float(fill), scores.stride(0), out.stride(0),

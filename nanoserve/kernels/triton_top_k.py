@@ -6,13 +6,16 @@ flipped (negative ones), so keys order as the floats do and -0.0 sits just below
 takes a key above every number's (0xFFFFFFFF, or 0xFFFFFFFE for one with its sign bit set),
 as in ``torch.topk``. Key 0 belongs to no float and pads.
 
-1. ``_group_max_kernel``: the largest key of each group of ``GROUP`` entries.
-2. ``_lower_bound_kernel``: the k-th largest of a row's group maxima. The k largest maxima are
-   k entries of the row, so the row's k-th largest key is at least this bound, and the
-   entries at or above it (the candidates) are few: about k for scores without long ties.
+1. ``_group_max_kernel``: the largest key of each group of ``GROUP`` entries, and of each
+   coarse group of ``COARSE`` entries (when coarser).
+2. ``_lower_bound_kernel``: the k-th largest of a row's coarse group maxima. The k largest
+   maxima are k entries of the row, so the row's k-th largest key is at least this bound, and
+   the entries at or above it (the candidates) are few: about k for scores without long ties
+   when the row has a few coarse groups per k.
 3. ``_gather_kernel``: the candidates, read only from groups whose maximum reaches the bound,
    appended to the row's list (up to ``capacity``; the count goes on past it).
-4. ``_threshold_kernel``: the k-th largest candidate, or, when the list overflowed (ties over
+4. ``_threshold_kernel``: the k-th largest candidate (a search over ``NARROW`` slots when
+   the candidates fit, else over ``CAPACITY``), or, when the list overflowed (ties over
    many entries, a row of -inf), the k-th largest key of the whole row by passes over it;
    as a float, NaN where ``torch.topk`` on CUDA returns NaN as the k-th value (k NaN, or a
    negative NaN when its sort of the k values puts that last).
@@ -58,8 +61,8 @@ def _kth_largest_key(keys, k):
 
 @triton.jit
 def _group_max_kernel(
-    scores, maxima, vocab, stride_s, stride_m,
-    CHUNK: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
+    scores, maxima, coarse, vocab, stride_s, stride_m, stride_c,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, COARSE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     row = tl.program_id(0)
@@ -72,6 +75,10 @@ def _group_max_kernel(
     groups = chunk * (CHUNK // GROUP) + tl.arange(0, CHUNK // GROUP)
     # (int32 storage: the keys' bits)
     tl.store(maxima + row.to(tl.int64) * stride_m + groups, top.to(tl.int32, bitcast=True))
+    if COARSE > GROUP:
+        wide = tl.max(tl.reshape(top, (CHUNK // COARSE, COARSE // GROUP)), axis=1)
+        at = chunk * (CHUNK // COARSE) + tl.arange(0, CHUNK // COARSE)
+        tl.store(coarse + row.to(tl.int64) * stride_c + at, wide.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -116,13 +123,19 @@ def _gather_kernel(
 @triton.jit
 def _threshold_kernel(
     scores, candidates, count, threshold, vocab, k, stride_s, stride_c,
-    CAPACITY: tl.constexpr, CHUNK: tl.constexpr, NEGATIVE_NAN_LAST: tl.constexpr,
-    PDL: tl.constexpr,
+    NARROW: tl.constexpr, CAPACITY: tl.constexpr, CHUNK: tl.constexpr,
+    NEGATIVE_NAN_LAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     row = tl.program_id(0)
     taken = tl.load(count + row)
-    if taken <= CAPACITY:
+    if taken <= NARROW:  # (the usual case: a search over few slots)
+        i = tl.arange(0, NARROW)
+        keys = tl.load(candidates + row.to(tl.int64) * stride_c + i, mask=i < taken, other=0)
+        keys = keys.to(tl.uint32, bitcast=True)
+        kth = _kth_largest_key(keys, k)
+        negative_nan = tl.max((keys == 0xFFFFFFFE).to(tl.int32), 0)
+    elif taken <= CAPACITY:
         i = tl.arange(0, CAPACITY)
         keys = tl.load(candidates + row.to(tl.int64) * stride_c + i, mask=i < taken, other=0)
         keys = keys.to(tl.uint32, bitcast=True)

@@ -19,6 +19,8 @@ from nanoserve.kernels.top_k import (
     GROUP,
     MAX_K,
     NEGATIVE_NAN_LAST_FROM_K,
+    bound_group,
+    narrow_slots,
     top_k_filter,
     top_k_filter_ref,
 )
@@ -95,6 +97,25 @@ def test_filter_matches_the_warpers_ops(vocab, k):
     plain = torch.ones(7, dtype=torch.bool)
     plain[1] = k < NEGATIVE_NAN_LAST_FROM_K  # (a negative NaN: CUDA's topk may sort it last)
     assert_same(got[plain], expected[plain])
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    ("vocab", "k"), [(3 * CHUNK + 5, 1), (3 * CHUNK + 5, 7), (2 * CHUNK + 3, 20)]
+)
+def test_each_search_path_matches_the_ops(vocab, k):
+    """Rows whose candidates fit the narrow search (row 0), the ``CAPACITY``-wide one (row 1:
+    300 entries tied at the top) and neither (row 2: 5,000 tied), with the bound taken from
+    coarse maxima (``bound_group`` past ``GROUP``), against the warper's ops. Planted: a chunk's
+    largest entry standing for each of its coarse groups (counted more than once), the narrow
+    search a slot short: each failed. (Any entry of a coarse group would keep the bound
+    valid, so coarse minima of group maxima are no bug: only slower.)"""
+    assert bound_group(vocab, k) > GROUP and narrow_slots(k) < 300 < CAPACITY < 5000 < vocab
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    scores = torch.randn(3, vocab, generator=gen)
+    scores[1, torch.randperm(vocab, generator=gen)[:300]] = 9.0
+    scores[2, torch.randperm(vocab, generator=gen)[:5000]] = 9.0
+    assert_same(top_k_filter(scores, k, backend="triton"), top_k_filter_ref(scores, k))
 
 
 @pytest.mark.parametrize("device", ON_GPU)
