@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -129,8 +130,9 @@ def _summary(records: int, new_tokens: int, seconds: float, largest: dict) -> st
 def serve(args, model, tokenizer, prompts: list[list[int]]) -> int:
     """Generate for every record of ``args.prompts`` (its token ids: ``prompts``) in batches
     of ``args.batch_size`` on the patched ``model``; writes ``args.out`` and prints the
-    summary. The answers go to a file beside ``args.out`` that replaces it once every
-    prompt is answered: a call that fails leaves ``args.out`` as it was."""
+    summary. The answers go to a new file beside ``args.out`` (a name no file had) that
+    replaces it once every prompt is answered: a call that fails leaves ``args.out`` as it
+    was, and no other file is written over."""
     import torch
 
     from nanoserve.adapters.generate_batch import eos_ids
@@ -143,7 +145,7 @@ def serve(args, model, tokenizer, prompts: list[list[int]]) -> int:
     eos = eos_ids(model.generation_config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
     start = time.perf_counter()
-    partial = f"{args.out}.partial"
+    partial = _new_file_beside(args.out)
     try:
         new_tokens, largest = _answer(args, model, tokenizer, prompts, options, pad, eos, partial)
         os.replace(partial, args.out)
@@ -152,6 +154,19 @@ def serve(args, model, tokenizer, prompts: list[list[int]]) -> int:
             os.remove(partial)
     print(_summary(len(args.records), new_tokens, time.perf_counter() - start, largest))
     return 0
+
+
+def _new_file_beside(out: str) -> str:
+    """The path of a new empty file in ``out``'s folder, named after it, that no file had
+    (``out.partial`` could be the prompts or another file of the user's), with the
+    permissions ``open`` would have given it (``mkstemp`` makes it private)."""
+    folder, name = os.path.split(os.path.abspath(out))
+    handle, path = tempfile.mkstemp(prefix=f"{name}.", suffix=".partial", dir=folder)
+    os.close(handle)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+    return path
 
 
 def _answer(args, model, tokenizer, prompts, options, pad, eos, path) -> tuple[int, dict]:

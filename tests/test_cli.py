@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -288,6 +289,37 @@ def test_file_mode_sampling_that_fails_leaves_out_as_it_was(
     assert err.splitlines()[-1].startswith("generate: error: ") and "Traceback" not in err
     assert out.read_text() == '{"kept": 1}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+
+
+@pytest.mark.parametrize("temperature", ["1.0", "1e-300"])
+def test_file_mode_writes_no_other_file(tiny_model_and_prompts, tmp_path, capsys, temperature):
+    """The prompts in ``OUT.partial`` and a user's ``keep.jsonl.partial`` beside ``--out
+    keep.jsonl``: a run that succeeds or fails leaves both files as they were (the answers
+    once went to ``OUT.partial``, which then replaced ``--out`` or was removed: a probe lost
+    its prompts file that way). Planted: the old ``OUT.partial`` name: both cases failed."""
+    folder, rows, _ = tiny_model_and_prompts
+    prompts = tmp_path / "run.jsonl.partial"
+    write_prompts(prompts, rows)
+    held = prompts.read_text()
+    keep = tmp_path / "keep.jsonl.partial"
+    keep.write_text("mine\n")
+    for out in (tmp_path / "run.jsonl", tmp_path / "keep.jsonl"):
+        argv = ["generate", "--model", str(folder), "--prompts", str(prompts), "--out", str(out)]
+        argv += ["--max-new-tokens", "3", "--do-sample", "--temperature", temperature]
+        assert cli.main(argv) == (0 if temperature == "1.0" else 2)
+        assert prompts.read_text() == held and keep.read_text() == "mine\n"
+    capsys.readouterr()
+    expected = {"run.jsonl.partial", "keep.jsonl.partial"}
+    if temperature == "1.0":
+        expected |= {"run.jsonl", "keep.jsonl"}
+        assert oct((tmp_path / "run.jsonl").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    assert {p.name for p in tmp_path.iterdir()} == expected
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @pytest.mark.parametrize(
