@@ -82,8 +82,10 @@ class _MinP(_Step):
     def __call__(self, scores, length):
         probs = torch.softmax(scores, dim=-1)
         remove = probs < self.min_p * probs.amax(dim=-1, keepdim=True)
-        keep = torch.topk(probs, min(self.keep, probs.shape[-1]), dim=-1).indices
-        remove.scatter_(-1, keep, False)
+        if self.keep > 1 or not self.min_p <= 1:
+            keep = torch.topk(probs, min(self.keep, probs.shape[-1]), dim=-1).indices
+            remove.scatter_(-1, keep, False)
+        # (else HF's topk would keep one largest probability, which min_p <= 1 never removes)
         return scores.masked_fill(remove, self.filter_value)
 
 

@@ -477,6 +477,29 @@ def test_processed_scores_equal_hf_processors():
     check_processors(rows=3, vocab=97, rounds=40, device="cpu")
 
 
+@pytest.mark.parametrize("min_p", [0.0, 1e-3, 0.5, 1.0, 1.5, float("nan")])
+@pytest.mark.parametrize("keep", [1, 2])
+def test_min_p_step_equals_hf_on_ties_and_edges(min_p, keep):
+    """The min-p step against HF's warper where the largest probability is tied, at min_p 0
+    and 1, past 1 and NaN (a warper's attribute set after its checks), on rows of one value,
+    of -inf and with NaN. Planted: the kept tokens' scatter skipped always (min_p 1.0 and 1.5
+    keeping two, 1.5 keeping one failed), and whenever one token is kept (1.5 failed)."""
+    warper = lp.MinPLogitsWarper(0.1, min_tokens_to_keep=keep)
+    warper.min_p = min_p
+    logits = torch.randn(6, 40) * 3
+    logits[0, [3, 17, 29]] = logits[0].max() + 1  # three tied largest
+    logits[1] = 2.0
+    logits[2] = -math.inf
+    logits[3, 5] = math.nan
+    logits[4, :20] = -math.inf
+    prompt = torch.zeros(6, 1, dtype=torch.long)
+    step = processor_steps(LogitsProcessorList([warper]), prompt)[0]
+    expected = warper(prompt, logits.clone())
+    got = step(logits.clone(), 1)
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+
+
 @pytest.mark.parametrize(
     "fill", [torch.tensor(-1e4), np.float32(-1e4), True, -5, -1e4, -math.inf, 1e39, 2**70]
 )
