@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import time
 
+import numpy as np
 import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
@@ -25,12 +26,54 @@ from nanoserve.log import get_logger
 _log = get_logger(__name__)
 
 
+def _token_id(value) -> int | None:
+    """A token id as a Python int: from an int, a numpy integer or a 0-d integer tensor (not
+    a bool); None for anything else."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and _integer_tensor(value):
+        return int(value)
+    return None
+
+
+def _integer_tensor(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _integer_vector(row) -> bool:
+    """A 1-D integer numpy array or tensor."""
+    if isinstance(row, np.ndarray):
+        return row.ndim == 1 and np.issubdtype(row.dtype, np.integer)
+    return isinstance(row, torch.Tensor) and row.dim() == 1 and _integer_tensor(row)
+
+
+def _token_rows(inputs) -> list[list[int]] | None:
+    """``inputs`` as lists of Python ints, as transformers' own ``generate_batch`` reads
+    them (each row a list or tuple of ids, or a 1-D integer numpy array or tensor); None
+    where a row is anything else or empty."""
+    if not isinstance(inputs, (list, tuple)):
+        return None
+    rows = []
+    for row in inputs:
+        if _integer_vector(row):
+            row = row.tolist()
+        if not isinstance(row, (list, tuple)) or not row:
+            return None
+        ids = [_token_id(t) for t in row]
+        if any(t is None for t in ids):
+            return None
+        rows.append(ids)
+    return rows
+
+
 def _check_inputs(inputs, vocab_size: int | None) -> None:
-    if not isinstance(inputs, (list, tuple)) or not all(
-        isinstance(row, (list, tuple)) and row and all(type(t) is int for t in row)
-        for row in inputs
-    ):
-        raise ValueError("inputs: expected a list of non-empty lists of token ids (ints)")
+    if inputs is None:
+        raise ValueError(
+            "inputs: expected a list of non-empty rows of token ids (lists of ints, or 1-D "
+            "integer arrays or tensors)"
+        )
     if vocab_size is None:
         return
     for i, row in enumerate(inputs):
@@ -128,6 +171,7 @@ def paged_generate_batch(
     batching manager's options (``persistent_manager``, ``warmup``, ``progress_bar``,
     ``continuous_batching_config`` other than ``return_logprobs``) have nothing to set here.
     """
+    inputs = _token_rows(inputs)
     _check_inputs(inputs, vocab_size(model))
     if not inputs:
         return {}

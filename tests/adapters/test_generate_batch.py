@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 from helpers import patched
@@ -98,6 +99,30 @@ def test_copies_are_named_as_transformers_names_them():
         results = model.generate_batch(random_prompts(2, 5), config)
     assert list(results) == ["req_0__child#0", "req_0", "req_1__child#0", "req_1"]
     assert all(len(r.generated_tokens) == 3 and not r.logprobs for r in results.values())
+
+
+def test_rows_as_arrays_tensors_and_numpy_ints_equal_lists():
+    """Rows as transformers' own generate_batch takes them (1-D integer numpy arrays or
+    tensors, lists of numpy ints) give what the same lists of ints give (they were refused,
+    naming ``inputs``; found by a probe); float or bool rows stay refused. Planted: the rows
+    not converted: failed."""
+    model = tiny_model("llama")
+    prompts = random_prompts(3, int(torch.randint(0, 2**31, ())))
+    config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None)
+    with patched(model):
+        expected = {k: v.generated_tokens for k, v in model.generate_batch(prompts, config).items()}
+        forms = (
+            [np.array(p) for p in prompts],
+            [torch.tensor(p) for p in prompts],
+            [[np.int64(t) for t in p] for p in prompts],
+        )
+        for rows in forms:
+            results = model.generate_batch(rows, config)
+            assert {k: v.generated_tokens for k, v in results.items()} == expected
+            assert [type(t) for t in results["req_0"].prompt_ids] == [int] * len(prompts[0])
+        for bad in ([np.array([5.0, 6.0])], [torch.tensor([True, False])], [np.array([])]):
+            with pytest.raises(ValueError, match="^inputs"):
+                model.generate_batch(bad, config)
 
 
 def test_bad_calls_are_refused():
