@@ -144,6 +144,17 @@ def _append(keys, take, count, candidates, capacity):
 
 
 @triton.jit
+def _search_candidates(candidates, row, taken, k, stride_c, WIDTH: tl.constexpr):
+    """(k-th largest key, whether a negative NaN is among them) of the ``taken`` candidate
+    keys of ``row``, searched over WIDTH slots. Every NaN of the row is a candidate unless k
+    of them are, and then the k-th is NaN's."""
+    i = tl.arange(0, WIDTH)
+    keys = tl.load(candidates + row.to(tl.int64) * stride_c + i, mask=i < taken, other=0)
+    keys = keys.to(tl.uint32, bitcast=True)
+    return _kth_largest_key(keys, k), tl.max((keys == 0xFFFFFFFE).to(tl.int32), 0)
+
+
+@triton.jit
 def _threshold_kernel(
     scores, candidates, count, threshold, vocab, k, stride_s, stride_c,
     NARROW: tl.constexpr, CAPACITY: tl.constexpr, CHUNK: tl.constexpr,
@@ -153,18 +164,9 @@ def _threshold_kernel(
     row = tl.program_id(0)
     taken = tl.load(count + row)
     if taken <= NARROW:  # (the usual case: a search over few slots)
-        i = tl.arange(0, NARROW)
-        keys = tl.load(candidates + row.to(tl.int64) * stride_c + i, mask=i < taken, other=0)
-        keys = keys.to(tl.uint32, bitcast=True)
-        kth = _kth_largest_key(keys, k)
-        negative_nan = tl.max((keys == 0xFFFFFFFE).to(tl.int32), 0)
+        kth, negative_nan = _search_candidates(candidates, row, taken, k, stride_c, NARROW)
     elif taken <= CAPACITY:
-        i = tl.arange(0, CAPACITY)
-        keys = tl.load(candidates + row.to(tl.int64) * stride_c + i, mask=i < taken, other=0)
-        keys = keys.to(tl.uint32, bitcast=True)
-        kth = _kth_largest_key(keys, k)
-        # every NaN of the row is a candidate unless k of them are, and then kth is NaN's
-        negative_nan = tl.max((keys == 0xFFFFFFFE).to(tl.int32), 0)
+        kth, negative_nan = _search_candidates(candidates, row, taken, k, stride_c, CAPACITY)
     else:
         kth = tl.zeros([], tl.uint32)
         negative_nan = tl.zeros([], tl.int32)
