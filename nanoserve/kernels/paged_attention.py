@@ -16,6 +16,7 @@ import torch
 from nanoserve.kernels.dispatch import check_backend, refuse_interpreted_bfloat16, use_triton
 from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, dequantize, dequantize_int8
 from nanoserve.kernels.reference import attend_sequence, gather_history
+from nanoserve.kernels.shared_prefix import SharedPrefixPlan, check_shared_prefix
 from nanoserve.kernels.validation import check_attention_args, check_positive
 
 
@@ -137,6 +138,7 @@ def paged_decode_attention(
     check: bool = True,
     backend: str = "auto",
     equal_lengths: bool | None = None,
+    shared_prefix: SharedPrefixPlan | None = None,
 ) -> torch.Tensor:
     """Decode attention; same contract as ``paged_decode_attention_ref``.
 
@@ -148,7 +150,11 @@ def paged_decode_attention(
     per-slot scales; the query is then float16/bfloat16/float32. ``equal_lengths``: whether
     every ``seq_lens`` entry is the same (the Triton launch then splits each row evenly
     instead of balancing work across rows: faster there, exact either way); None: read from
-    the lengths the check copies to the host, False without the check.
+    the lengths the check copies to the host, False without the check. ``shared_prefix``: a
+    ``SharedPrefixPlan`` (``plan_shared_prefix``) of rows whose tables begin with the same
+    blocks; the Triton launch reads those blocks once for all of them (the same attention,
+    summed in another order). The check refuses a plan that does not hold for the tables; an
+    unchecked wrong plan attends rows to other rows' keys.
     """
     check_backend(backend)
     if check:
@@ -159,6 +165,9 @@ def paged_decode_attention(
         )  # fmt: skip
         if equal_lengths is None and lens is not None:
             equal_lengths = bool(lens.min() == lens.max())
+        if shared_prefix is not None:
+            shared_prefix = SharedPrefixPlan(*shared_prefix)
+            check_shared_prefix(shared_prefix, block_tables, seq_lens, key_cache.shape[1])
     if use_triton(backend, key_cache):
         from nanoserve.kernels.triton_decode import paged_decode_attention_triton
 
@@ -167,7 +176,7 @@ def paged_decode_attention(
             query, key_cache, value_cache, block_tables, seq_lens,
             scale=_default_scale(query.shape[-1], scale),
             sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
-            equal_lengths=bool(equal_lengths),
+            equal_lengths=bool(equal_lengths), shared_prefix=shared_prefix,
         )  # fmt: skip
     return paged_decode_attention_ref(
         query, key_cache, value_cache, block_tables, seq_lens,

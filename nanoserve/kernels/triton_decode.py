@@ -38,6 +38,8 @@ from nanoserve.kernels.dispatch import (
     unit_stride,
 )
 from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_groups
+from nanoserve.kernels.shared_prefix import SharedPrefixPlan
+from nanoserve.kernels.triton_cascade import shared_prefix_partials
 from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
 
 MAX_SPLITS = 64
@@ -73,15 +75,20 @@ FP8_TILE_REGISTERS = 128
 
 @triton.jit
 def _row_items(seq_lens, num_seqs, window, target_items,
-               S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):  # fmt: skip
+               S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               prefix_lens, HAS_PREFIX: tl.constexpr):  # fmt: skip
     """The balanced plan, computed alike by every program from seq_lens [S_PAD]: each row's
     length, its number of work items (about its share of total / target_items tokens, at
-    least one) and the running total of items up to and including it."""
+    least one) and the running total of items up to and including it. Tokens a shared
+    prefix pass covers (``prefix_lens``) are not the row's work."""
     rows = tl.arange(0, S_PAD)
     lens = tl.load(seq_lens + rows, mask=rows < num_seqs, other=0)
     base = tl.zeros_like(lens)
     if HAS_WINDOW:
         base = (tl.maximum(lens - window, 0) // BLOCK_N) * BLOCK_N
+    if HAS_PREFIX:
+        skip = tl.load(prefix_lens + rows, mask=rows < num_seqs, other=0)
+        base = (skip // BLOCK_N) * BLOCK_N
     total = tl.sum(lens - base, 0)
     chunk = tl.maximum(tl.cdiv(tl.cdiv(total, target_items), BLOCK_N), 1) * BLOCK_N
     items = tl.where(rows < num_seqs, tl.maximum(tl.cdiv(lens - base, chunk), 1), 0)
@@ -99,16 +106,19 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
     k_scale=None, v_scale=None, FP8: tl.constexpr = False,
     INT8: tl.constexpr = False, K_GROUPS: tl.constexpr = 1, K_GW: tl.constexpr = 16,
+    prefix_lens=None, prefix_o=None, prefix_lse=None, PREFIX_SPLITS: tl.constexpr = 0,
 ):  # fmt: skip
-    pdl_enter(PDL)  # (the merge kernel's launch then starts while this one runs)
+    # (the prefix pass before it has finished; the merge kernel's launch starts while this runs)
+    pdl_enter(PDL)
     # one grid axis for (work, KV head): axis 1 of a CUDA grid stops at 65,535
     kv_head = tl.program_id(0) % num_kv_heads
     if BALANCED:
         # Work item -> (row, token range): rows hold consecutive items of `chunk` tokens.
         item = tl.program_id(0) // num_kv_heads
         row_ids, lens, items, ends = _row_items(
-            seq_lens, num_seqs, window, target_items, S_PAD, BLOCK_N, HAS_WINDOW
-        )
+            seq_lens, num_seqs, window, target_items, S_PAD, BLOCK_N, HAS_WINDOW,
+            prefix_lens, PREFIX_SPLITS > 0,
+        )  # fmt: skip
         seq = tl.sum((ends <= item).to(tl.int32), 0)
         in_use = seq < num_seqs  # the grid has room for the most items any lengths need
         seq = tl.minimum(seq, num_seqs - 1)
@@ -118,6 +128,9 @@ def _decode_kernel(
         kv_start = 0
         if HAS_WINDOW:
             kv_start = tl.maximum(seq_len - window, 0)
+        if PREFIX_SPLITS > 0:  # (never with a window)
+            kv_start = tl.load(prefix_lens + seq)
+        first_piece = item == first
         # The row's items split [first tile of the window, seq_len) evenly in whole tiles.
         base = (kv_start // BLOCK_N) * BLOCK_N
         per_item = tl.cdiv(tl.cdiv(seq_len - base, row_items), BLOCK_N) * BLOCK_N
@@ -130,6 +143,9 @@ def _decode_kernel(
         kv_start = 0
         if HAS_WINDOW:
             kv_start = tl.maximum(seq_len - window, 0)
+        if PREFIX_SPLITS > 0:
+            kv_start = tl.load(prefix_lens + seq)
+        first_piece = split == 0
         # Splits cut [first tile of the window, seq_len) into equal runs of whole tiles.
         base = (kv_start // BLOCK_N) * BLOCK_N
         per_split = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -201,11 +217,26 @@ def _decode_kernel(
             acc = acc * alpha[:, None] + mma(p, v, FP32)
         m_i = m_new
 
+    num_q_heads = GROUP * num_kv_heads
+    if PREFIX_SPLITS > 0:
+        # The row's first piece folds in the prefix pass's partials (none past its prefix).
+        folds = (first_piece & (kv_start > 0)).to(tl.int32)
+        fold = (g < GROUP) & ((tl.zeros([GROUP_PAD], tl.int32) + folds) > 0)
+        for j in tl.static_range(PREFIX_SPLITS):
+            at = (seq * num_q_heads + heads).to(tl.int64) * PREFIX_SPLITS + j
+            lse_j = tl.load(prefix_lse + at, mask=fold, other=float("-inf"))
+            o_j = tl.load(prefix_o + at[:, None] * D_PAD + d[None, :],
+                          mask=fold[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+            m_new = tl.maximum(m_i, lse_j)
+            alpha = tl.exp2(m_i - m_new)
+            beta = tl.exp2(lse_j - m_new)
+            acc = acc * alpha[:, None] + o_j * beta[:, None]
+            l_i = l_i * alpha + beta
+            m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     if FP8:
         o = o * v_mul
-    num_q_heads = GROUP * num_kv_heads
     if BALANCED:
         # A row of one item is finished here; a row of several leaves partials to merge.
         row_items = tl.where(in_use, row_items, 0)  # past the last item: store nothing
@@ -262,14 +293,16 @@ def _merge_items_kernel(
     mid_o, mid_lse, out, seq_lens, num_seqs, window, target_items, stride_os, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, ITEMS_STEP: tl.constexpr, PDL: tl.constexpr,
+    prefix_lens=None, HAS_PREFIX: tl.constexpr = False,
 ):  # fmt: skip
     """Merge the partial results of each row split into several work items (balanced plan)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
     rows, _, items, ends = _row_items(
-        seq_lens, num_seqs, window, target_items, S_PAD, BLOCK_N, HAS_WINDOW
-    )
+        seq_lens, num_seqs, window, target_items, S_PAD, BLOCK_N, HAS_WINDOW,
+        prefix_lens, HAS_PREFIX,
+    )  # fmt: skip
     row_items = tl.sum(tl.where(rows == seq, items, 0), 0)
     first = tl.sum(tl.where(rows == seq, ends, 0), 0) - row_items
     if PDL:
@@ -481,6 +514,7 @@ def paged_decode_attention_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     equal_lengths: bool = False,
+    shared_prefix: SharedPrefixPlan | None = None,
 ) -> torch.Tensor:
     """Launch decode attention (arguments already validated); returns [S, Hq, D] like query.
     FP8 pools come with float32 ``k_scale``/``v_scale`` [Hkv], INT8 pools with their float16
@@ -490,6 +524,9 @@ def paged_decode_attention_triton(
     evenly per row where the caller says the rows are of one length (``equal_lengths``).
     ``num_splits`` (fixed splits per row), ``work_items`` (the balanced target) and ``config``
     (BLOCK_N, num_warps, num_stages) override the shape-derived choices (tests and sweeps).
+    ``shared_prefix`` (a checked ``SharedPrefixPlan`` on the query's device): its rows' shared
+    blocks are read once by the prefix pass; ignored under a sliding window and for FP8 or
+    INT8 pools, which read every row whole.
     """
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -518,6 +555,18 @@ def paged_decode_attention_triton(
         mid_o = mid_lse = out  # unused
     launch = pdl_launch(query.device)
     pdl = bool(launch)
+    prefix = {}
+    quantized = key_cache.dtype in (FP8_DTYPE, INT8_DTYPE)
+    if shared_prefix is not None and sliding_window is None and not quantized:
+        prefix_o, prefix_lse, splits = shared_prefix_partials(
+            query, key_cache, value_cache, block_tables,
+            shared_prefix.prefix_lens, shared_prefix.tiles,
+            scale=scale, softcap=softcap, pdl=launch,
+        )  # fmt: skip
+        prefix = dict(
+            prefix_lens=shared_prefix.prefix_lens, prefix_o=prefix_o, prefix_lse=prefix_lse,
+            PREFIX_SPLITS=splits,
+        )  # fmt: skip
     # (a launch option of Triton's NVIDIA backend)
     capped = plan.max_registers and torch.version.hip is None
     registers = {"maxnreg": plan.max_registers} if capped else {}
@@ -537,7 +586,7 @@ def paged_decode_attention_triton(
         FP32=query.dtype == torch.float32, PDL=pdl,
         k_scale=k_scale, v_scale=v_scale, FP8=key_cache.dtype == FP8_DTYPE,
         INT8=int8, K_GROUPS=int8_groups(head_dim, INT8_K_GROUP), K_GW=INT8_K_GROUP,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch, **registers,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch, **registers, **prefix,
     )  # fmt: skip
     if balanced:
         # a row holds at most work_items + 1 items, and never more than its tiles
@@ -549,6 +598,7 @@ def paged_decode_attention_triton(
             HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=s_pad, BLOCK_N=plan.block_n,
             HAS_WINDOW=sliding_window is not None,
             ITEMS_STEP=items_step, PDL=pdl, num_warps=merge_warps, **launch,
+            prefix_lens=prefix.get("prefix_lens"), HAS_PREFIX=bool(prefix),
         )  # fmt: skip
     elif plan.num_splits > 1:
         d_block = reduce_lanes(plan.num_splits, d_pad)

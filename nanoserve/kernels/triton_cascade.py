@@ -1,0 +1,152 @@
+"""Triton prefix pass of shared-prefix (cascade) decode attention (``shared_prefix.py``).
+
+One program takes the rows of one prefix tile (a sub-tile of them where the query heads of one
+KV head make more than 64 matrix rows), one KV head and one split of the shared prefix's
+tokens: the rows' query heads of that KV head are the rows of one matrix, so each shared key
+and value is read once for all of them, and the scores are one product per tile of keys. It
+writes each (row, query head)'s normalized partial output and its base-2 log-sum-exp; the
+decode kernel folds them into the row's own tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.dispatch import floor_pow2, next_pow2, sm_count
+from nanoserve.kernels.shared_prefix import TILE_ROWS
+from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
+
+# Matrix rows (tile rows x query heads of one KV head) a program holds at most.
+PREFIX_MATRIX_ROWS = 64
+# Fewest prefix tokens a split keeps, and the most splits.
+PREFIX_SPLIT_TOKENS = 256
+MAX_PREFIX_SPLITS = 16
+
+
+@triton.jit
+def _prefix_kernel(
+    query, key_cache, value_cache, block_tables, prefix_lens, tiles, prefix_o, prefix_lse,
+    scale, softcap, num_kv_heads,
+    stride_qs, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr, SUB_TILES: tl.constexpr, SPLITS: tl.constexpr,
+    TILE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_enter(PDL)
+    tile = tl.program_id(0) // SUB_TILES
+    sub = tl.program_id(0) % SUB_TILES
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    m = tl.arange(0, BLOCK_M)
+    member = m // GROUP
+    slot = sub * ROWS_PER_PROGRAM + member
+    in_tile = (member < ROWS_PER_PROGRAM) & (slot < TILE)
+    row = tl.load(tiles + tile * TILE + slot, mask=in_tile, other=-1)
+    active = row >= 0
+    row = tl.maximum(row, 0)
+    lead = tl.load(tiles + tile * TILE)  # every member shares the first member's blocks
+    prefix = tl.where(lead >= 0, tl.load(prefix_lens + tl.maximum(lead, 0)), 0)
+    per_split = tl.cdiv(tl.cdiv(prefix, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, prefix)
+
+    head = kv_head * GROUP + m % GROUP
+    d = tl.arange(0, D_PAD)
+    d_mask = d < HEAD_DIM
+    q_mask = active[:, None] & d_mask[None, :]
+    q = tl.load(query + row[:, None] * stride_qs + head[:, None] * stride_qh + d[None, :],
+                mask=q_mask, other=0.0)  # fmt: skip
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    table = block_tables + tl.maximum(lead, 0).to(tl.int64) * stride_bt
+    head_off = kv_head * stride_ch
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        at = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + head_off
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(key_cache + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(value_cache + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = scores_to_log2(mma(q, tl.trans(k.to(q.dtype)), FP32), scale, softcap, HAS_SOFTCAP)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mma(p, v.to(q.dtype), FP32)
+        m_i = m_new
+
+    # Scratch: prefix_o [S, Hq, SPLITS, D_PAD], prefix_lse [S, Hq, SPLITS]; an empty split
+    # leaves lse -1e30 and zeros, which weigh nothing beside a split that saw keys.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    at = (row * (GROUP * num_kv_heads) + head).to(tl.int64) * SPLITS + split
+    tl.store(prefix_o + at[:, None] * D_PAD + d[None, :], acc / l_safe[:, None],
+             mask=active[:, None] & (d < D_PAD)[None, :])  # fmt: skip
+    tl.store(prefix_lse + at, m_i + tl.log2(l_safe), mask=active)
+
+
+def prefix_tile_shape(group: int) -> tuple[int, int, int]:
+    """(rows a program takes, programs a tile, matrix rows) for ``group`` query heads a KV
+    head: as many of a tile's rows as keep the matrix within PREFIX_MATRIX_ROWS rows (at
+    least one row, at least 16 matrix rows for ``tl.dot``)."""
+    rows = max(1, min(TILE_ROWS, PREFIX_MATRIX_ROWS // next_pow2(group)))
+    return rows, -(-TILE_ROWS // rows), max(16, next_pow2(rows * group))
+
+
+def prefix_splits(num_tiles: int, num_kv_heads: int, group: int, capacity: int,
+                  device: torch.device) -> int:  # fmt: skip
+    """Splits of the shared prefix from shapes only (a CUDA graph fixes them): about two
+    programs an SM over the tiles' programs, each split keeping PREFIX_SPLIT_TOKENS of the
+    most the tables can hold (``capacity`` tokens), a power of two up to MAX_PREFIX_SPLITS."""
+    programs = num_tiles * prefix_tile_shape(group)[1] * num_kv_heads
+    want = -(-2 * sm_count(device) // max(programs, 1))
+    most = max(1, capacity // PREFIX_SPLIT_TOKENS)
+    return floor_pow2(max(1, min(want, most, MAX_PREFIX_SPLITS)))
+
+
+def shared_prefix_partials(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tiles: torch.Tensor,
+    *,
+    scale: float,
+    softcap: float | None,
+    pdl: dict,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Run the prefix pass: (prefix_o float32 [S, Hq, splits, D_PAD], prefix_lse float32
+    [S, Hq, splits], splits). Only the rows of ``tiles`` are written; query [S, Hq, D] with a
+    unit last stride, 16-bit or float32 pools (not quantized), no sliding window."""
+    num_seqs, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_q_heads // num_kv_heads
+    d_pad = max(16, next_pow2(head_dim))
+    rows, sub_tiles, block_m = prefix_tile_shape(group)
+    capacity = block_tables.shape[1] * block_size
+    splits = prefix_splits(tiles.shape[0], num_kv_heads, group, capacity, query.device)
+    shape = (num_seqs, num_q_heads, splits)
+    prefix_o = torch.empty((*shape, d_pad), dtype=torch.float32, device=query.device)
+    prefix_lse = torch.empty(shape, dtype=torch.float32, device=query.device)
+    fp32 = query.dtype == torch.float32
+    block_n = max(32 if fp32 or d_pad > 128 else 64, next_pow2(block_size))
+    warps = 8 if block_m * d_pad > 64 * 128 else 4
+    grid = (tiles.shape[0] * sub_tiles, num_kv_heads, splits)
+    _prefix_kernel[grid](
+        query, key_cache, value_cache, block_tables, prefix_lens, tiles, prefix_o, prefix_lse,
+        float(scale), float(softcap or 1.0), num_kv_heads,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, ROWS_PER_PROGRAM=rows, SUB_TILES=sub_tiles,
+        SPLITS=splits, TILE=TILE_ROWS, HAS_SOFTCAP=softcap is not None, FP32=fp32,
+        PDL=bool(pdl), num_warps=warps, num_stages=2, **pdl,
+    )  # fmt: skip
+    return prefix_o, prefix_lse, splits
