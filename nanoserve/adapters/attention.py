@@ -113,7 +113,7 @@ def paged_attention(
     if step.all_single and q_len == 1:
         out = paged_decode_attention(
             query[:, :, 0].contiguous(), key, value, step.block_tables, step.seq_lens,
-            equal_lengths=step.equal_lengths, **opts,
+            equal_lengths=step.equal_lengths, shared_prefix=step.shared_prefix, **opts,
         )  # fmt: skip
         return out.unsqueeze(1), None
     # The padded width bounds every row's new tokens: few of them (verify steps of assisted

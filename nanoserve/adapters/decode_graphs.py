@@ -36,6 +36,7 @@ import torch
 from nanoserve.adapters.extend_static import StaticExtend, column_bucket
 from nanoserve.cache import StepMetadata
 from nanoserve.cache.paged_cache import grouped_metadata
+from nanoserve.kernels.shared_prefix import TILE_ROWS, SharedPrefixPlan, tile_capacity
 from nanoserve.log import get_logger
 
 _log = get_logger(__name__)
@@ -67,15 +68,20 @@ class StaticStep:
     @classmethod
     def allocate(
         cls, rows: int, width: int, device: torch.device, layer_groups: tuple[int, ...] = (),
-        equal_lengths: bool = False,
+        equal_lengths: bool = False, shared_prefix: bool = False,
     ) -> StaticStep:  # fmt: skip
         """Buffers for ``rows`` rows and ``width`` block-table columns; with
         ``layer_groups`` (each layer's group, as ``StepMetadata`` has them) a slot mapping
         and block tables for each group. ``equal_lengths``: the steps loaded into it have
-        real rows all of one length (the padding rows past them do not count)."""
+        real rows all of one length (the padding rows past them do not count).
+        ``shared_prefix`` (one group only): the steps loaded come with a shared-prefix plan,
+        held in buffers of ``tile_capacity(rows)`` tiles."""
         groups = max(layer_groups, default=0) + 1
+        tiles = tile_capacity(rows) if shared_prefix else 0
         # layout: ids | positions | seq_lens | each group's slots | each group's block tables
-        size = rows * (3 + groups * (1 + width))
+        # | the plan's prefix lengths | its tiles
+        metadata = rows * (3 + groups * (1 + width))
+        size = metadata + (rows + tiles * TILE_ROWS if shared_prefix else 0)
         buf = torch.zeros(size, dtype=torch.int32, device=device)
         on_cuda = device.type == "cuda"
         host = torch.zeros(size - 2 * rows, dtype=torch.int32, device="cpu", pin_memory=on_cuda)
@@ -83,6 +89,11 @@ class StaticStep:
         tables_at = (3 + groups) * rows
         token_index = torch.arange(rows, device=device)
         cu_seqlens = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        plan = None
+        if shared_prefix:
+            plan = SharedPrefixPlan(
+                buf[metadata : metadata + rows], buf[metadata + rows :].view(tiles, TILE_ROWS)
+            )
         metas = tuple(
             StepMetadata(
                 slot_mapping=buf[(3 + g) * rows : (4 + g) * rows],
@@ -92,6 +103,7 @@ class StaticStep:
                 cu_seqlens_q=cu_seqlens,
                 all_single=True,
                 equal_lengths=equal_lengths,
+                shared_prefix=plan,
             )
             for g in range(groups)
         )
@@ -112,6 +124,16 @@ class StaticStep:
         lens[:n] = host.seq_lens.numpy()
         lens[n:] = 1
         metas = host.group_metas or (host,)
+        if self.meta.shared_prefix is not None:  # (the plan ends the layout)
+            held = self.meta.shared_prefix.tiles.shape[0]
+            plan_at = staging.size - rows - held * TILE_ROWS
+            prefix_lens = staging[plan_at : plan_at + rows]
+            tiles = staging[plan_at + rows :].reshape(held, TILE_ROWS)
+            plan = host.shared_prefix
+            prefix_lens[:n] = plan.prefix_lens.numpy()
+            prefix_lens[n:] = 0
+            tiles[: plan.tiles.shape[0]] = plan.tiles.numpy()
+            tiles[plan.tiles.shape[0] :] = -1
         tables_at = (1 + len(metas)) * rows
         for g, meta in enumerate(metas):
             slots = staging[(1 + g) * rows : (2 + g) * rows]
@@ -226,14 +248,16 @@ class DecodeGraphs:
         width = host.block_tables.shape[1]
         rows = bucket_for(batch)
         if columns == 1:
-            key = ("decode", rows, width, host.equal_lengths)
+            # a plan's buffers in the graph of one layer group only
+            plan = host.shared_prefix is not None and not host.layer_groups
+            key = ("decode", rows, width, host.equal_lengths, plan)
         else:
             key = ("extend", rows, column_bucket(columns), width)
         captured = self.graphs.get(key)
         if captured is None:
             if columns == 1:
                 static = StaticStep.allocate(
-                    rows, width, input_ids.device, host.layer_groups, host.equal_lengths
+                    rows, width, input_ids.device, host.layer_groups, host.equal_lengths, plan
                 )
             else:
                 static = StaticExtend.allocate(*key[1:], input_ids.device)

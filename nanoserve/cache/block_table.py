@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from nanoserve.cache.allocator import BlockAllocator, as_index
 
 DROPPED = -1  # block_ids entry of a block released under a sliding window
+_SERIALS = itertools.count()  # each table's own number (an id() can be reused)
 
 
 class BlockTable:
@@ -32,6 +35,11 @@ class BlockTable:
         self._dropped = 0  # leading entries of _block_ids released by drop_before (DROPPED)
         self.pending_copies: list[tuple[int, int]] = []
         self.version = 0  # bumped whenever block_ids change (lets readers cache them)
+        # bumped whenever block_ids change other than by fresh blocks at the end (what this
+        # table shares with others can have changed); with ``serial`` a cache key for plans
+        # over the shared blocks of several tables
+        self.sharing_version = 0
+        self.serial = next(_SERIALS)
         self.released = False  # a hold's table let go (PagedKVCache.release): ended
 
     @property
@@ -85,6 +93,7 @@ class BlockTable:
         if new or shared:
             self.version += 1
         if shared:
+            self.sharing_version += 1
             private = blocks.pop()
             old = self._block_ids[-1]
             self.pending_copies.append((old, private))
@@ -120,6 +129,7 @@ class BlockTable:
         self.allocator.free(self._block_ids[max(keep, self._dropped) :][::-1])
         if keep < len(self._block_ids):
             self.version += 1
+        self.sharing_version += 1
         del self._block_ids[keep:]
         self._dropped = min(self._dropped, keep)
         self._num_tokens = num_tokens
@@ -135,6 +145,7 @@ class BlockTable:
         self._block_ids[self._dropped : end] = [DROPPED] * len(released)
         self._dropped = end
         self.version += 1
+        self.sharing_version += 1
         return len(released)
 
     def adopt(self, block_ids: list[int]) -> None:
@@ -147,6 +158,7 @@ class BlockTable:
         self._dropped = 0
         if block_ids:
             self.version += 1
+            self.sharing_version += 1
 
     def fork(self) -> BlockTable:
         """A second table over the same tokens, sharing every block by reference count."""
@@ -166,3 +178,4 @@ class BlockTable:
         self._dropped = 0
         self.pending_copies = []
         self.version += 1
+        self.sharing_version += 1

@@ -62,6 +62,7 @@ from nanoserve.kernels.quant import (
     QUANTIZED_DTYPES,
     int8_scale_shape,
 )
+from nanoserve.kernels.shared_prefix import SharedPrefixPlan, plan_shared_prefix
 from nanoserve.kernels.slot_scatter import slot_scatter
 from nanoserve.kernels.validation import FLOAT_DTYPES, check_positive
 
@@ -81,7 +82,8 @@ class StepMetadata:
     ``block_tables`` int32 [S, max_blocks], ``seq_lens`` int32 [S], ``cu_seqlens_q`` int32
     [S + 1] over the real tokens. ``all_single`` (every row takes one token) and
     ``equal_lengths`` (every row holds as many tokens as the others after the step) are host
-    values.
+    values. ``shared_prefix``: in a decode step, the ``SharedPrefixPlan`` of rows whose tables
+    begin with the same blocks (decode attention reads those once for all of them), or None.
 
     A cache of several layer groups (``GroupedKVCache``) gives each group its own
     ``slot_mapping`` and ``block_tables``: ``group_metas`` holds one metadata per group (the
@@ -99,6 +101,7 @@ class StepMetadata:
     _mirrors: dict[torch.device, StepMetadata] = field(default_factory=dict, repr=False)
     group_metas: tuple[StepMetadata, ...] = ()
     layer_groups: tuple[int, ...] = ()
+    shared_prefix: SharedPrefixPlan | None = None
 
     def for_layer(self, layer_idx: int) -> StepMetadata:
         """The metadata layer ``layer_idx`` reads (its group's; this one with one group)."""
@@ -116,10 +119,14 @@ class StepMetadata:
             if groups:
                 self._mirrors[device] = grouped_metadata(groups, self.layer_groups)
             else:
+                plan = self.shared_prefix
+                if plan is not None:
+                    plan = SharedPrefixPlan(*(t.to(device, non_blocking=True) for t in plan))
                 self._mirrors[device] = StepMetadata(
                     *(t.to(device, non_blocking=True) for t in self._tensors()),
                     all_single=self.all_single,
                     equal_lengths=self.equal_lengths,
+                    shared_prefix=plan,
                 )
         return self._mirrors[device]
 
@@ -145,6 +152,7 @@ def grouped_metadata(
         equal_lengths=first.equal_lengths,
         group_metas=group_metas,
         layer_groups=layer_groups,
+        shared_prefix=first.shared_prefix,
     )
 
 
@@ -191,6 +199,10 @@ def check_given_scales(pools: tuple[list, ...] | None, kv_scale: float | None) -
 class PagedKVCache:
     """K/V pools ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer, one block
     table per sequence, shared by all layers."""
+
+    # Decode steps plan shared-prefix reads (``StepMetadata.shared_prefix``); False reads
+    # every row whole, as before (A/B timings).
+    share_prefix_reads = True
 
     def __init__(
         self,
@@ -289,6 +301,8 @@ class PagedKVCache:
         self.tables: list[BlockTable] = []
         self.step = None  # the current step's metadata (``step``)
         self._rows = np.zeros((0, 0), np.int32)  # see _block_table_rows
+        self._plan_key: tuple = ()  # see _shared_prefix
+        self._plan: SharedPrefixPlan | None = None
         self._row_sources: list[tuple[BlockTable, int] | None] = []
 
     # -- sequences -------------------------------------------------------------------------
@@ -578,14 +592,17 @@ class PagedKVCache:
         seq_lens = np.fromiter((t.num_tokens for t in self.tables), np.int32, len(self.tables))
         cu = np.zeros(len(counts) + 1, np.int32)
         np.cumsum(counts_np, out=cu[1:])
+        all_single = all(n == 1 for n in counts)
+        block_tables = self._block_table_rows()
         host = StepMetadata(
             slot_mapping=torch.from_numpy(slot_mapping),
             token_index=torch.from_numpy(token_index.astype(np.int64, copy=False)),
-            block_tables=self._block_table_rows(),
+            block_tables=block_tables,
             seq_lens=torch.from_numpy(seq_lens),
             cu_seqlens_q=torch.from_numpy(cu),
-            all_single=all(n == 1 for n in counts),
+            all_single=all_single,
             equal_lengths=bool(seq_lens.size) and bool(seq_lens.min() == seq_lens.max()),
+            shared_prefix=self._shared_prefix(block_tables, seq_lens) if all_single else None,
         )
         return host.to(device) if torch.device(device).type != "cpu" else host
 
@@ -599,6 +616,25 @@ class PagedKVCache:
                     f"after the sliding window ({self.sliding_window}) released its positions "
                     f"before {table.dropped * self.block_size}; it cannot take new tokens"
                 )
+
+    def _shared_prefix(self, block_tables: torch.Tensor, seq_lens: np.ndarray):
+        """The decode step's ``SharedPrefixPlan`` (None when no rows share blocks, under a
+        sliding window, whose released entries would look alike, and for FP8/INT8 pools,
+        which the prefix pass does not read). Kept until a table is replaced or changes what
+        it shares: fresh blocks at a table's end never do, and a decode step's newest token
+        is always in a private block, so the plan holds from step to step."""
+        if (
+            not self.share_prefix_reads
+            or len(self.tables) < 2
+            or self.sliding_window is not None
+            or self.kv_dtype in QUANTIZED_DTYPES
+        ):
+            return None
+        key = tuple((t.serial, t.sharing_version) for t in self.tables)
+        if key != self._plan_key:
+            self._plan = plan_shared_prefix(block_tables.numpy(), seq_lens, self.block_size)
+            self._plan_key = key
+        return self._plan
 
     def _block_table_rows(self) -> torch.Tensor:
         """Every table's block ids as int32 [S, width], zero padded.

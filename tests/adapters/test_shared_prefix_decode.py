@@ -1,0 +1,129 @@
+"""Decode steps over rows that share a prompt's blocks read those blocks once (the
+shared-prefix plan, ``StepMetadata.shared_prefix``), with stock's tokens: copies of a
+prompt, ``num_return_sequences``, sampling, beams, the static (graph) buffers and the own
+decode loop."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers import patched
+from test_families import padded_batch, tiny_model
+
+import nanoserve
+from nanoserve.adapters.decode_graphs import DecodeGraphs
+from nanoserve.adapters.step import state_of
+from nanoserve.cache import PagedKVCache
+from nanoserve.kernels import triton_decode
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
+
+
+def spy_prefix_pass(monkeypatch) -> list[tuple[int, int]]:
+    """A list receiving (rows with a prefix, tiles) of every prefix-pass launch."""
+    calls, launcher = [], triton_decode.shared_prefix_partials
+
+    def recording(query, key_cache, value_cache, block_tables, prefix_lens, tiles, **kwargs):
+        calls.append((int((prefix_lens > 0).sum()), tiles.shape[0]))
+        return launcher(query, key_cache, value_cache, block_tables, prefix_lens, tiles, **kwargs)
+
+    monkeypatch.setattr(triton_decode, "shared_prefix_partials", recording)
+    return calls
+
+
+# (rows of the batch as copies of the two prompts, generate's options)
+CASES = {
+    "greedy-copies": ([0, 1, 0, 0, 1], dict(do_sample=False)),
+    "sampled-copies": ([0, 1], dict(do_sample=True, top_k=20, num_return_sequences=4)),
+    "beams": ([0, 1], dict(do_sample=False, num_beams=3, num_return_sequences=2)),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("graphs", ["eager", "static"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_rows_of_one_prompt_read_its_blocks_once_with_stocks_tokens(case, graphs, monkeypatch):
+    """Two prompts (13 and 9 tokens, blocks of 4) copied per row: every decode step runs the
+    prefix pass over the copies' shared full blocks, and the tokens and logits are stock's.
+    Planted: the decode kernel reading each row from its first token again (the prefix
+    counted twice), and its fold of the pass's partials skipped: both failed here."""
+    model = tiny_model("llama")
+    order, options = CASES[case]
+    inputs = {k: v[order] for k, v in padded_batch([13, 9], 13, seed=5).items()}
+    opts = dict(max_new_tokens=6, eos_token_id=None, output_logits=True,
+                return_dict_in_generate=True, **options)  # fmt: skip
+    torch.manual_seed(3)
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+    calls = spy_prefix_pass(monkeypatch)
+    with patched(model, block_size=4, backend="triton"), torch.no_grad():
+        if graphs == "static":
+            state_of(model).graphs = DecodeGraphs(capture=False)
+        torch.manual_seed(3)
+        paged = model.generate(**inputs, **opts)
+    assert calls and all(rows >= 2 for rows, _ in calls), calls
+    assert torch.equal(stock.sequences, paged.sequences)
+    for step, (a, b) in enumerate(zip(stock.logits, paged.logits, strict=True)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+
+
+@needs_interpreter
+def test_reads_every_row_whole_when_switched_off(monkeypatch):
+    model = tiny_model("llama")
+    inputs = {k: v[[0, 1, 0, 1]] for k, v in padded_batch([13, 9], 13, seed=5).items()}
+    opts = dict(max_new_tokens=4, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+    calls = spy_prefix_pass(monkeypatch)
+    monkeypatch.setattr(PagedKVCache, "share_prefix_reads", False)
+    with patched(model, block_size=4, backend="triton"), torch.no_grad():
+        paged = model.generate(**inputs, **opts)
+    assert calls == [] and torch.equal(stock, paged)
+
+
+@needs_interpreter
+def test_the_own_decode_loop_with_rows_ending_apart(monkeypatch):
+    """Sampled copies of one prompt whose rows draw EOS at different steps: nanoserve's loop
+    compacts its batch as rows finish, the plan follows the rows left, and the sequences are
+    stock's."""
+    model = tiny_model("llama", seed=10)
+    with torch.no_grad():
+        model.lm_head.weight[2] *= 3.0  # EOS likelier: rows end apart
+    inputs = padded_batch([14], 14, seed=9)
+    opts = dict(max_new_tokens=24, do_sample=True, num_return_sequences=6, eos_token_id=2)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+    ends = {int((row[14:] == 2).nonzero()[0]) if (row[14:] == 2).any() else -1 for row in stock}
+    assert len(ends) >= 3, stock  # rows end at several steps
+    calls = spy_prefix_pass(monkeypatch)
+    with patched(model, block_size=4, backend="triton"), torch.no_grad():
+        torch.manual_seed(1)
+        paged = model.generate(**inputs, **opts)
+        assert nanoserve.decode_graph_stats(model)["decode_loop"] == "nanoserve"
+    assert len({rows for rows, _ in calls}) >= 2, calls  # the plan shrank with the batch
+    assert torch.equal(stock, paged)
+
+
+def test_the_cache_keeps_its_plan_until_a_table_changes_what_it_shares():
+    """A decode step's plan is computed once while the tables share the same blocks (fresh
+    blocks at the end change nothing), and again after a cut back. Planted: the plan kept
+    across the cut (no sharing_version bump in truncate): failed."""
+    cache = PagedKVCache(num_layers=1, num_blocks=40, block_size=4)
+    cache.begin_step(torch.ones(1, 10, dtype=torch.bool), "cpu")
+    cache.reorder([0, 0, 0])  # rows 0, 1, 2 share 10 tokens (two full blocks and half a block)
+    plans = []
+    for _ in range(6):
+        plans.append(cache.begin_step(torch.ones(3, 1, dtype=torch.bool), "cpu").shared_prefix)
+    assert plans[0].prefix_lens.tolist() == [8, 8, 8]
+    assert all(p is plans[1] for p in plans[1:])  # kept (step 0 swapped the shared tail)
+    cache.truncate_rows([16, 4, 16])  # row 1 back to the first block: its next is fresh
+    after = cache.begin_step(torch.ones(3, 1, dtype=torch.bool), "cpu").shared_prefix
+    assert after is not plans[-1] and after.prefix_lens.tolist() == [4, 4, 4]
+    tiles = after.tiles.numpy()
+    assert sorted(tiles[tiles >= 0].tolist()) == [0, 1, 2]
+    assert np.all(after.prefix_lens.numpy() < np.array(cache.seq_lens()))
