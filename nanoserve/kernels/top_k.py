@@ -26,7 +26,6 @@ CAPACITY = 4096  # candidates a row keeps; past them the threshold reads the who
 FILTER_BLOCK = 4096
 BOUND_GROUPS_PER_K = 2  # coarse maxima a row needs per k to bound by them
 NARROW_PER_K = 4  # candidate slots the narrow threshold search covers per k
-GATHER_FEW_GROUPS = 8  # hot groups of a chunk the gather reads as one small tile
 MAX_K = 1024  # the kernel path's largest k ("auto"; past it torch.topk)
 MAX_GROUPS = 16384  # group maxima one program searches (vocabularies up to 524,288)
 # from this k torch's CUDA topk sorts its values by a radix sort, which puts a negative NaN
@@ -136,7 +135,7 @@ def top_k_filter(
     kernels._gather_kernel[(rows, chunks)](
         scores, maxima, bound, count, candidates, vocab, CAPACITY,
         scores.stride(0), maxima.stride(0), candidates.stride(0),
-        CHUNK=CHUNK, GROUP=GROUP, FEW=GATHER_FEW_GROUPS, PDL=pdl, num_warps=4, **launch,
+        CHUNK=CHUNK, GROUP=GROUP, PDL=pdl, num_warps=4, **launch,
     )  # fmt: skip
     kernels._threshold_kernel[(rows,)](
         scores, candidates, count, threshold, vocab, k, scores.stride(0), candidates.stride(0),

@@ -12,9 +12,8 @@ as in ``torch.topk``. Key 0 belongs to no float and pads.
    maxima are k entries of the row, so the row's k-th largest key is at least this bound, and
    the entries at or above it (the candidates) are few: about k for scores without long ties
    when the row has a few coarse groups per k.
-3. ``_gather_kernel``: the candidates, read only from groups whose maximum reaches the bound
-   (a chunk with at most ``FEW`` such groups reads them as one small tile), appended to the
-   row's list (up to ``capacity``; the count goes on past it).
+3. ``_gather_kernel``: the candidates, read only from groups whose maximum reaches the bound,
+   appended to the row's list (up to ``capacity``; the count goes on past it).
 4. ``_threshold_kernel``: the k-th largest candidate (a search over ``NARROW`` slots when
    the candidates fit, else over ``CAPACITY``), or, when the list overflowed (ties over
    many entries, a row of -inf), the k-th largest key of the whole row by passes over it;
@@ -99,7 +98,7 @@ def _lower_bound_kernel(
 @triton.jit
 def _gather_kernel(
     scores, maxima, bound, count, candidates, vocab, capacity, stride_s, stride_m, stride_c,
-    CHUNK: tl.constexpr, GROUP: tl.constexpr, FEW: tl.constexpr, PDL: tl.constexpr,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     row = tl.program_id(0)
@@ -107,40 +106,18 @@ def _gather_kernel(
     least = tl.load(bound + row).to(tl.uint32, bitcast=True)
     groups = chunk * (CHUNK // GROUP) + tl.arange(0, CHUNK // GROUP)
     top = tl.load(maxima + row.to(tl.int64) * stride_m + groups).to(tl.uint32, bitcast=True)
-    hot = top >= least
-    row_scores = scores + row.to(tl.int64) * stride_s
-    row_candidates = candidates + row.to(tl.int64) * stride_c
-    if tl.sum(hot.to(tl.int32), 0) <= FEW:
-        # (the usual case) the hot groups' entries as a [FEW, GROUP] tile: group i of the tile
-        # is the chunk's (i + 1)-th hot group, its lanes off past the last
-        rank = tl.cumsum(hot.to(tl.int32), 0)
-        nth = tl.arange(0, FEW)
-        mine = hot[None, :] & (rank[None, :] == nth[:, None] + 1)
-        group = tl.sum(tl.where(mine, groups[None, :], 0), 1)
-        used = tl.sum(mine.to(tl.int32), 1) > 0
-        cols = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        read = used[:, None] & (cols < vocab)
-        x = tl.load(row_scores + cols, mask=read, other=0.0)
-        keys = tl.where(read, _keys(x), 0).to(tl.uint32)
-        take = tl.reshape(read & (keys >= least), (FEW * GROUP,))
-        _append(tl.reshape(keys, (FEW * GROUP,)), take, count + row, row_candidates, capacity)
-    else:
-        hot_lanes = tl.broadcast_to(hot[:, None], (CHUNK // GROUP, GROUP))
-        cols = chunk * CHUNK + tl.arange(0, CHUNK)
-        # groups below the bound are not read (their lanes are masked off)
-        read = tl.reshape(hot_lanes, (CHUNK,)) & (cols < vocab)
-        x = tl.load(row_scores + cols, mask=read, other=0.0)
-        keys = tl.where(read, _keys(x), 0).to(tl.uint32)
-        _append(keys, read & (keys >= least), count + row, row_candidates, capacity)
-
-
-@triton.jit
-def _append(keys, take, count, candidates, capacity):
-    """Appends the ``take`` lanes of ``keys`` (1-D) to a row's candidate list: one atomic on
-    its ``count`` for the slots, stores up to ``capacity``."""
-    start = tl.atomic_add(count, tl.sum(take.to(tl.int32), 0))
+    hot = tl.broadcast_to((top >= least)[:, None], (CHUNK // GROUP, GROUP))
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    # groups below the bound are not read (their lanes are masked off)
+    read = tl.reshape(hot, (CHUNK,)) & (cols < vocab)
+    x = tl.load(scores + row.to(tl.int64) * stride_s + cols, mask=read, other=0.0)
+    keys = tl.where(read, _keys(x), 0).to(tl.uint32)
+    take = read & (keys >= least)
+    taken = tl.sum(take.to(tl.int32), 0)
+    start = tl.atomic_add(count + row, taken)
     slot = start + tl.cumsum(take.to(tl.int32), 0) - 1
-    tl.store(candidates + slot, keys.to(tl.int32, bitcast=True), mask=take & (slot < capacity))
+    target = candidates + row.to(tl.int64) * stride_c + slot
+    tl.store(target, keys.to(tl.int32, bitcast=True), mask=take & (slot < capacity))
 
 
 @triton.jit

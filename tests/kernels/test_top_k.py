@@ -16,7 +16,6 @@ from transformers.generation.logits_process import TopKLogitsWarper
 from nanoserve.kernels.top_k import (
     CAPACITY,
     CHUNK,
-    GATHER_FEW_GROUPS,
     GROUP,
     MAX_K,
     NEGATIVE_NAN_LAST_FROM_K,
@@ -116,24 +115,6 @@ def test_each_search_path_matches_the_ops(vocab, k):
     scores = torch.randn(3, vocab, generator=gen)
     scores[1, torch.randperm(vocab, generator=gen)[:300]] = 9.0
     scores[2, torch.randperm(vocab, generator=gen)[:5000]] = 9.0
-    assert_same(top_k_filter(scores, k, backend="triton"), top_k_filter_ref(scores, k))
-
-
-@needs_interpreter
-def test_gather_takes_every_hot_group_at_its_tiles_edge():
-    """A chunk with ``GATHER_FEW_GROUPS`` hot groups (its small tile) and one with a group
-    more (the whole-chunk path), each hot group holding one of the k largest entries: every
-    one of them must reach the candidates. Planted: the small tile taken for one group more
-    than it holds (failed)."""
-    few, spacing = GATHER_FEW_GROUPS, 256
-    vocab, k = 3 * CHUNK + 5, 2 * GATHER_FEW_GROUPS + 1
-    assert bound_group(vocab, k) <= spacing and (few + 1) * spacing <= CHUNK
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    scores = torch.rand(2, vocab, generator=gen) - 5
-    for chunk, groups in ((0, few + 1), (1, few)):
-        lane = torch.randint(0, GROUP, (1,), generator=gen)
-        places = chunk * CHUNK + spacing * torch.arange(groups) + lane
-        scores[:, places] = 9.0
     assert_same(top_k_filter(scores, k, backend="triton"), top_k_filter_ref(scores, k))
 
 
