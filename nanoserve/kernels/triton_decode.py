@@ -71,6 +71,11 @@ REDUCE_MIN_LANES = 16
 # own choice holds both converted 16-bit tiles at once and fits two programs per SM; capped,
 # four fit (a few registers spill), which hides more of the conversion's latency.
 FP8_TILE_REGISTERS = 128
+# A shared-prefix plan is taken with at least this many (row, KV head) programs per SM: a
+# grid that fills the GPU without splits. Fewer rows split each row instead, and there the
+# prefix pass's launch, in sequence before the rows', cost more than the reads it saved (see
+# benchmarks/RESULTS.md).
+SHARED_PREFIX_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -430,6 +435,20 @@ def reduce_lanes(num_splits: int, d_pad: int) -> int:
     return min(d_pad, floor_pow2(fit))
 
 
+def takes_shared_prefix(
+    num_seqs: int, num_kv_heads: int, sliding_window: int | None, pool_dtype: torch.dtype,
+    device: torch.device,
+) -> bool:  # fmt: skip
+    """Whether a launch with a shared-prefix plan runs the prefix pass (from shapes only):
+    16-bit or float32 pools, no sliding window, and at least SHARED_PREFIX_PROGRAMS_PER_SM
+    (row, KV head) programs per SM; otherwise every row is read whole."""
+    return (
+        sliding_window is None
+        and pool_dtype not in (FP8_DTYPE, INT8_DTYPE)
+        and num_seqs * num_kv_heads >= SHARED_PREFIX_PROGRAMS_PER_SM * sm_count(device)
+    )
+
+
 class DecodePlan(NamedTuple):
     """How one decode launch runs: tile, warps, stages, and either ``num_splits`` fixed splits
     per row (``work_items`` 0) or the balanced plan (``num_splits`` 0): rows cut into items of
@@ -525,8 +544,8 @@ def paged_decode_attention_triton(
     ``num_splits`` (fixed splits per row), ``work_items`` (the balanced target) and ``config``
     (BLOCK_N, num_warps, num_stages) override the shape-derived choices (tests and sweeps).
     ``shared_prefix`` (a checked ``SharedPrefixPlan`` on the query's device): its rows' shared
-    blocks are read once by the prefix pass; ignored under a sliding window and for FP8 or
-    INT8 pools, which read every row whole.
+    blocks are read once by the prefix pass where ``takes_shared_prefix`` says so; otherwise
+    every row is read whole.
     """
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -556,8 +575,9 @@ def paged_decode_attention_triton(
     launch = pdl_launch(query.device)
     pdl = bool(launch)
     prefix = {}
-    quantized = key_cache.dtype in (FP8_DTYPE, INT8_DTYPE)
-    if shared_prefix is not None and sliding_window is None and not quantized:
+    if shared_prefix is not None and takes_shared_prefix(
+        num_seqs, num_kv_heads, sliding_window, key_cache.dtype, query.device
+    ):
         prefix_o, prefix_lse, splits = shared_prefix_partials(
             query, key_cache, value_cache, block_tables,
             shared_prefix.prefix_lens, shared_prefix.tiles,

@@ -10,7 +10,8 @@ import pytest
 import torch
 from kernel_inputs import ON_GPU, TOLERANCE, make_paged_kv, rel_err, row_errors
 
-from nanoserve.kernels import paged_decode_attention, paged_decode_attention_ref
+from nanoserve.kernels import paged_decode_attention, paged_decode_attention_ref, triton_decode
+from nanoserve.kernels.dispatch import sm_count
 from nanoserve.kernels.shared_prefix import (
     TILE_ROWS,
     SharedPrefixPlan,
@@ -39,6 +40,13 @@ def shared_rows(groups, lens, num_kv_heads, head_dim, block_size, dtype, device=
             assert lens[r] > blocks * block_size and lens[rows[0]] > blocks * block_size
             tables[r, :blocks] = tables[rows[0], :blocks]
     return key_cache, value_cache, tables, seq_lens
+
+
+@pytest.fixture(autouse=True)
+def any_grid_takes_the_plan(monkeypatch):
+    """The launcher takes a plan only for grids that fill the GPU; these small shapes run
+    the prefix pass too (``test_small_grids_read_every_row_whole`` checks the rule)."""
+    monkeypatch.setattr(triton_decode, "SHARED_PREFIX_PROGRAMS_PER_SM", 0)
 
 
 def as_plan(plan: SharedPrefixPlan, device) -> SharedPrefixPlan:
@@ -235,3 +243,28 @@ def test_a_plan_is_ignored_under_a_window(device, poison_outputs):
     )  # fmt: skip
     out = paged_decode_attention(*args, sliding_window=20, shared_prefix=plan, backend="triton")
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_small_grids_read_every_row_whole(device, monkeypatch):
+    """With fewer (row, KV head) programs than SHARED_PREFIX_PROGRAMS_PER_SM per SM the plan
+    is not taken (no prefix pass); with as many it is; the answer is the reference's both
+    ways. Planted: the rule's comparison reversed: failed."""
+    monkeypatch.undo()
+    args, plan, ref, softcap = _case_inputs("gqa4-edges", torch.float32, device)
+    programs = args[0].shape[0] * args[1].shape[2]  # 5 rows x 2 KV heads
+    passes = []
+    launcher = triton_decode.shared_prefix_partials
+
+    def recording(*a, **kw):
+        passes.append(1)
+        return launcher(*a, **kw)
+
+    monkeypatch.setattr(triton_decode, "shared_prefix_partials", recording)
+    sms = sm_count(args[0].device)
+    for per_sm, taken in ((programs / sms + 1, False), (programs / sms, True)):
+        monkeypatch.setattr(triton_decode, "SHARED_PREFIX_PROGRAMS_PER_SM", per_sm)
+        passes.clear()
+        out = paged_decode_attention(*args, shared_prefix=plan, backend="triton")
+        assert bool(passes) == taken
+        assert rel_err(out, ref) < TOLERANCE[torch.float32]
