@@ -136,3 +136,29 @@ def test_the_cache_keeps_its_plan_until_a_table_changes_what_it_shares():
     tiles = after.tiles.numpy()
     assert sorted(tiles[tiles >= 0].tolist()) == [0, 1, 2]
     assert np.all(after.prefix_lens.numpy() < np.array(cache.seq_lens()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_replayed_decode_steps_with_a_shared_prefix_on_the_gpu(dtype, monkeypatch):
+    """Copies of two prompts on CUDA: the decode steps are captured and replayed with the
+    plan's buffers and run the prefix pass; float32 gives stock's tokens, and in both dtypes
+    the replayed run gives the eager run's (graphs off) tokens."""
+    model = tiny_model("llama").to("cuda", dtype)
+    base = padded_batch([40, 23], 40, seed=6)
+    inputs = {k: v[[0, 1, 0, 0, 1, 1, 0, 1]].cuda() for k, v in base.items()}
+    opts = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        stock = model.generate(**inputs, **opts)
+    calls = spy_prefix_pass(monkeypatch)
+    runs = {}
+    for graphs in (False, True):
+        with patched(model, block_size=16, cuda_graphs=graphs), torch.no_grad():
+            runs[graphs] = model.generate(**inputs, **opts)
+            replays = nanoserve.decode_graph_stats(model)["replays"]
+        assert (replays > 0) == graphs
+    assert calls and all(rows == 8 for rows, _ in calls), calls
+    assert torch.equal(runs[True], runs[False])
+    if dtype == torch.float32:
+        assert torch.equal(runs[True], stock)
