@@ -49,28 +49,17 @@ def drawn(n: int, lo: int, hi: int, seed: int) -> list[int]:
     return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
 
 
+# a group rollout: 16 prompts of 256..2048 tokens (whole blocks), 8 rows each, 1..256 own
+GROUP_PROMPTS = [p // BS * BS for p in drawn(16, 256, 2048, 2)]
+GROUP_OWN = drawn(128, 1, 256, 3)
+
 # name: (prefix tokens of each group, rows a group, own tokens of each row, Hq, Hkv, head dim)
 CLASSES = {
     # 64 sampled rows of one 512-token prompt, 65 tokens each so far (the EOS-spread call)
     "eos-64x512-own65-d64": ([512], 64, [65] * 64, 32, 8, 64),
     "eos-64x512-ragged-d64": ([512], 64, drawn(64, 1, 512, 1), 32, 8, 64),
-    # group rollout: 16 prompts of 256..2048 tokens, 8 rows each, 1..256 tokens each
-    "group-16x8-d64": (
-        [p // BS * BS for p in drawn(16, 256, 2048, 2)],
-        8,
-        drawn(128, 1, 256, 3),
-        32,
-        8,
-        64,
-    ),  # fmt: skip
-    "group-16x8-d128": (
-        [p // BS * BS for p in drawn(16, 256, 2048, 2)],
-        8,
-        drawn(128, 1, 256, 3),
-        32,
-        8,
-        128,
-    ),  # fmt: skip
+    "group-16x8-d64": (GROUP_PROMPTS, 8, GROUP_OWN, 32, 8, 64),
+    "group-16x8-d128": (GROUP_PROMPTS, 8, GROUP_OWN, 32, 8, 128),
     # best-of-8 over a 4k prompt (Qwen-7B's 28 / 4 heads)
     "best8-4096-gqa7": ([4096], 8, drawn(8, 1, 512, 4), 28, 4, 128),
     # a system prompt under four turns
