@@ -62,7 +62,11 @@ from nanoserve.kernels.quant import (
     QUANTIZED_DTYPES,
     int8_scale_shape,
 )
-from nanoserve.kernels.shared_prefix import SharedPrefixPlan, plan_shared_prefix
+from nanoserve.kernels.shared_prefix import (
+    SharedPrefixPlan,
+    plan_shared_prefix,
+    takes_shared_prefix,
+)
 from nanoserve.kernels.slot_scatter import slot_scatter
 from nanoserve.kernels.validation import FLOAT_DTYPES, check_positive
 
@@ -602,7 +606,9 @@ class PagedKVCache:
             cu_seqlens_q=torch.from_numpy(cu),
             all_single=all_single,
             equal_lengths=bool(seq_lens.size) and bool(seq_lens.min() == seq_lens.max()),
-            shared_prefix=self._shared_prefix(block_tables, seq_lens) if all_single else None,
+            shared_prefix=self._shared_prefix(block_tables, seq_lens, device)
+            if all_single
+            else None,
         )
         return host.to(device) if torch.device(device).type != "cpu" else host
 
@@ -617,17 +623,21 @@ class PagedKVCache:
                     f"before {table.dropped * self.block_size}; it cannot take new tokens"
                 )
 
-    def _shared_prefix(self, block_tables: torch.Tensor, seq_lens: np.ndarray):
-        """The decode step's ``SharedPrefixPlan`` (None when no rows share blocks, under a
-        sliding window, whose released entries would look alike, and for FP8/INT8 pools,
-        which the prefix pass does not read). Kept until a table is replaced or changes what
-        it shares: fresh blocks at a table's end never do, and a decode step's newest token
-        is always in a private block, so the plan holds from step to step."""
+    def _shared_prefix(self, block_tables: torch.Tensor, seq_lens: np.ndarray, device):
+        """The decode step's ``SharedPrefixPlan``: None when no rows share blocks, under a
+        sliding window (whose released entries would look alike), and where the decode
+        launch would not take a plan (``takes_shared_prefix``: FP8/INT8 pools, grids too
+        small). Kept until a table is replaced or changes what it shares: fresh blocks at a
+        table's end never do, and a decode step's newest token is always in a private block,
+        so the plan holds from step to step."""
+        pool = next((p for p in self.key_pools if p is not None), None)
+        heads = pool.shape[2] if pool is not None else 1
+        dtype = pool.dtype if pool is not None else self.kv_dtype
         if (
             not self.share_prefix_reads
             or len(self.tables) < 2
             or self.sliding_window is not None
-            or self.kv_dtype in QUANTIZED_DTYPES
+            or not takes_shared_prefix(len(self.tables), heads, None, dtype, torch.device(device))
         ):
             return None
         key = tuple((t.serial, t.sharing_version) for t in self.tables)

@@ -25,12 +25,20 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from nanoserve.kernels.dispatch import sm_count
+from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE
+
 # Rows per prefix tile; the kernel packs a tile's rows times their query heads of one KV head
 # into the rows of one matrix (in sub-tiles of at most 64 such rows).
 TILE_ROWS = 16
 # Tiles a plan may use beyond one per TILE_ROWS rows (each group's last tile is partial), so
 # that a CUDA graph can hold a fixed tile buffer for a bucket of rows.
 EXTRA_TILES = 4
+# A shared-prefix plan is taken with at least this many (row, KV head) programs per SM: a
+# grid that fills the GPU without splits. Fewer rows split each row instead, and there the
+# prefix pass's launch, in sequence before the rows', cost more than the reads it saved (see
+# benchmarks/RESULTS.md).
+SHARED_PREFIX_PROGRAMS_PER_SM = 2
 
 
 class SharedPrefixPlan(NamedTuple):
@@ -38,6 +46,20 @@ class SharedPrefixPlan(NamedTuple):
 
     prefix_lens: torch.Tensor
     tiles: torch.Tensor
+
+
+def takes_shared_prefix(
+    num_seqs: int, num_kv_heads: int, sliding_window: int | None, pool_dtype: torch.dtype,
+    device: torch.device,
+) -> bool:  # fmt: skip
+    """Whether a launch with a shared-prefix plan runs the prefix pass (from shapes only):
+    16-bit or float32 pools, no sliding window, and at least SHARED_PREFIX_PROGRAMS_PER_SM
+    (row, KV head) programs per SM; otherwise every row is read whole."""
+    return (
+        sliding_window is None
+        and pool_dtype not in (FP8_DTYPE, INT8_DTYPE)
+        and num_seqs * num_kv_heads >= SHARED_PREFIX_PROGRAMS_PER_SM * sm_count(device)
+    )
 
 
 def tile_capacity(num_rows: int) -> int:

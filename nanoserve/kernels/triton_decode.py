@@ -38,7 +38,7 @@ from nanoserve.kernels.dispatch import (
     unit_stride,
 )
 from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_groups
-from nanoserve.kernels.shared_prefix import SharedPrefixPlan
+from nanoserve.kernels.shared_prefix import SharedPrefixPlan, takes_shared_prefix
 from nanoserve.kernels.triton_cascade import shared_prefix_partials
 from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
 
@@ -71,11 +71,6 @@ REDUCE_MIN_LANES = 16
 # own choice holds both converted 16-bit tiles at once and fits two programs per SM; capped,
 # four fit (a few registers spill), which hides more of the conversion's latency.
 FP8_TILE_REGISTERS = 128
-# A shared-prefix plan is taken with at least this many (row, KV head) programs per SM: a
-# grid that fills the GPU without splits. Fewer rows split each row instead, and there the
-# prefix pass's launch, in sequence before the rows', cost more than the reads it saved (see
-# benchmarks/RESULTS.md).
-SHARED_PREFIX_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -433,20 +428,6 @@ def reduce_lanes(num_splits: int, d_pad: int) -> int:
     splits alone (see benchmarks/RESULTS.md)."""
     fit = max(REDUCE_TILE_ELEMENTS // next_pow2(num_splits), REDUCE_MIN_LANES)
     return min(d_pad, floor_pow2(fit))
-
-
-def takes_shared_prefix(
-    num_seqs: int, num_kv_heads: int, sliding_window: int | None, pool_dtype: torch.dtype,
-    device: torch.device,
-) -> bool:  # fmt: skip
-    """Whether a launch with a shared-prefix plan runs the prefix pass (from shapes only):
-    16-bit or float32 pools, no sliding window, and at least SHARED_PREFIX_PROGRAMS_PER_SM
-    (row, KV head) programs per SM; otherwise every row is read whole."""
-    return (
-        sliding_window is None
-        and pool_dtype not in (FP8_DTYPE, INT8_DTYPE)
-        and num_seqs * num_kv_heads >= SHARED_PREFIX_PROGRAMS_PER_SM * sm_count(device)
-    )
 
 
 class DecodePlan(NamedTuple):

@@ -17,7 +17,7 @@ import nanoserve
 from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.step import state_of
 from nanoserve.cache import PagedKVCache
-from nanoserve.kernels import triton_decode
+from nanoserve.kernels import shared_prefix, triton_decode
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -26,7 +26,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def any_grid_takes_the_plan(monkeypatch):
     """These tiny batches run the prefix pass too (the launcher's rule otherwise keeps it to
     grids that fill the GPU)."""
-    monkeypatch.setattr(triton_decode, "SHARED_PREFIX_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(shared_prefix, "SHARED_PREFIX_PROGRAMS_PER_SM", 0)
 
 
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
@@ -162,3 +162,16 @@ def test_replayed_decode_steps_with_a_shared_prefix_on_the_gpu(dtype, monkeypatc
     assert torch.equal(runs[True], runs[False])
     if dtype == torch.float32:
         assert torch.equal(runs[True], stock)
+
+
+@pytest.mark.parametrize("rows", [7, 8])
+def test_the_cache_plans_only_for_grids_the_launch_takes_a_plan_for(rows, monkeypatch):
+    """The plan's rule (``takes_shared_prefix``) gates the host's planning too: on CPU (four
+    nominal SMs, two programs an SM) 8 rows of one KV head get a plan and 7 none, so small
+    batches spend no host time on plans their launch would not use."""
+    monkeypatch.undo()
+    cache = PagedKVCache(num_layers=1, num_blocks=60, block_size=4)
+    cache.begin_step(torch.ones(1, 10, dtype=torch.bool), "cpu")
+    cache.reorder([0] * rows)
+    plan = cache.begin_step(torch.ones(rows, 1, dtype=torch.bool), "cpu").shared_prefix
+    assert (plan is not None) == (rows >= 8)

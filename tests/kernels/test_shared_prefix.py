@@ -10,7 +10,12 @@ import pytest
 import torch
 from kernel_inputs import ON_GPU, TOLERANCE, make_paged_kv, rel_err, row_errors
 
-from nanoserve.kernels import paged_decode_attention, paged_decode_attention_ref, triton_decode
+from nanoserve.kernels import (
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    shared_prefix,
+    triton_decode,
+)
 from nanoserve.kernels.dispatch import sm_count
 from nanoserve.kernels.shared_prefix import (
     TILE_ROWS,
@@ -46,7 +51,7 @@ def shared_rows(groups, lens, num_kv_heads, head_dim, block_size, dtype, device=
 def any_grid_takes_the_plan(monkeypatch):
     """The launcher takes a plan only for grids that fill the GPU; these small shapes run
     the prefix pass too (``test_small_grids_read_every_row_whole`` checks the rule)."""
-    monkeypatch.setattr(triton_decode, "SHARED_PREFIX_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(shared_prefix, "SHARED_PREFIX_PROGRAMS_PER_SM", 0)
 
 
 def as_plan(plan: SharedPrefixPlan, device) -> SharedPrefixPlan:
@@ -263,7 +268,7 @@ def test_small_grids_read_every_row_whole(device, monkeypatch):
     monkeypatch.setattr(triton_decode, "shared_prefix_partials", recording)
     sms = sm_count(args[0].device)
     for per_sm, taken in ((programs / sms + 1, False), (programs / sms, True)):
-        monkeypatch.setattr(triton_decode, "SHARED_PREFIX_PROGRAMS_PER_SM", per_sm)
+        monkeypatch.setattr(shared_prefix, "SHARED_PREFIX_PROGRAMS_PER_SM", per_sm)
         passes.clear()
         out = paged_decode_attention(*args, shared_prefix=plan, backend="triton")
         assert bool(passes) == taken
