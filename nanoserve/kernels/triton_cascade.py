@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.dispatch import floor_pow2, next_pow2, sm_count
+from nanoserve.kernels.dispatch import floor_pow2, head_dim_pad, next_pow2, sm_count
 from nanoserve.kernels.shared_prefix import TILE_ROWS
 from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
 
@@ -128,7 +128,7 @@ def shared_prefix_partials(
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
-    d_pad = max(16, next_pow2(head_dim))
+    d_pad = head_dim_pad(head_dim)
     rows, sub_tiles, block_m = prefix_tile_shape(group)
     capacity = block_tables.shape[1] * block_size
     splits = prefix_splits(tiles.shape[0], num_kv_heads, group, capacity, query.device)
