@@ -3,14 +3,17 @@ against the same launch reading every row whole.
 
 The classes are the workloads prefix sharing makes: rows of one prompt sampled apart (an EOS
 spread, best-of-N), group rollouts (G rows of each of several prompts), a system prompt under a
-few turns. bf16, block 16, blocks scattered at random, NaN in every unused slot. Providers:
+few turns. bf16 (or FP8 pools with per-KV-head scales, ``--kv-dtype fp8_e4m3``), block 16,
+blocks scattered at random, NaN in every unused slot. Providers:
 nanoserve's decode as the adapter launches it without a plan, the same with the plan
-(``plan_shared_prefix`` over the tables, built once on the host and timed apart), FlashInfer's
-paged decode over every row (when it imports), and two pure reads: of the K/V the rows hold
-(each row whole) and of the unique K/V (each shared block once). Timed with
+(``plan_shared_prefix`` over the tables, built once on the host and timed apart),
+FlashInfer's paged decode over every row (bf16 pools, when it imports), and two pure reads:
+of the K/V the rows hold (each row whole) and of the unique K/V (each shared block once).
+Timed with
 ``triton.testing.do_bench_cudagraph`` rotating over input sets; errors against the float32
 reference. Usage:
     python3 benchmarks/bench_shared_prefix.py [--classes eos-64x512-d64,...]
+        [--kv-dtype fp8_e4m3]
 Prints one table (µs, GB/s of the unique bytes, x the unique read) and writes
 $OUT/bench_shared_prefix.csv.
 """
@@ -36,6 +39,7 @@ from bench_decode_classes import flashinfer_fn  # noqa: E402
 from harness import ceiling, num_input_sets, rel_err, show_table, time_graph, versions  # noqa: E402
 
 from nanoserve.kernels import SharedPrefixPlan, paged_decode_attention_ref  # noqa: E402
+from nanoserve.kernels.quant import FP8_DTYPE, FP8_MAX, dequantize, quantize  # noqa: E402
 from nanoserve.kernels.shared_prefix import plan_shared_prefix  # noqa: E402
 from nanoserve.kernels.triton_decode import paged_decode_attention_triton  # noqa: E402
 
@@ -69,7 +73,7 @@ CLASSES = {
 }
 
 
-def make_set(prefixes, per_group, own, hq, hkv, dim) -> dict:
+def make_set(prefixes, per_group, own, hq, hkv, dim, fp8=False) -> dict:
     """Pools with each group's prefix in blocks of its own and each row's tokens after it in
     blocks of the row's, scattered; NaN in every slot no row holds."""
     rows = len(prefixes) * per_group
@@ -103,9 +107,17 @@ def make_set(prefixes, per_group, own, hq, hkv, dim) -> dict:
             lens.append(prefix + own[r])
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(rows, hq, dim, device="cuda", dtype=DTYPE)
+    scales = {}
+    if fp8:  # per-KV-head scales fitting each head's finite amax; NaN stays NaN in e4m3
+        for name in ("kc", "vc"):
+            pool = kc if name == "kc" else vc
+            amax = pool.float().nan_to_num(0.0).abs().amax(dim=(0, 1, 3)).clamp_min(1e-3)
+            scales[name] = amax / FP8_MAX
+        kc, vc = quantize(kc, scales["kc"]), quantize(vc, scales["vc"])
     pages = [p + o for p, o in zip([pp for pp in prefix_pages for _ in range(per_group)],
                                    own_pages, strict=True)]  # fmt: skip
-    return dict(q=q, kc=kc, vc=vc, bt=bt, sl=sl, pages=pages, lens=lens, hq=hq, hkv=hkv, dim=dim)
+    return dict(q=q, kc=kc, vc=vc, bt=bt, sl=sl, pages=pages, lens=lens, hq=hq, hkv=hkv, dim=dim,
+                k_scale=scales.get("kc"), v_scale=scales.get("vc"))  # fmt: skip
 
 
 def nanoserve_fn(s: dict, plan: SharedPrefixPlan | None):
@@ -113,21 +125,34 @@ def nanoserve_fn(s: dict, plan: SharedPrefixPlan | None):
         return paged_decode_attention_triton(
             s["q"], s["kc"], s["vc"], s["bt"], s["sl"], scale=s["dim"] ** -0.5,
             sliding_window=None, softcap=None, shared_prefix=plan,
+            k_scale=s["k_scale"], v_scale=s["v_scale"],
         )  # fmt: skip
 
     return run
 
 
-def measure(name: str, flashinfer) -> list[dict]:
+def reference(s: dict) -> torch.Tensor:
+    """float32 decode attention over the set's (dequantized) pools, on the host."""
+    kc, vc = s["kc"], s["vc"]
+    if kc.dtype == FP8_DTYPE:
+        kc, vc = (
+            dequantize(kc, s["k_scale"], torch.float32),
+            dequantize(vc, s["v_scale"], torch.float32),
+        )
+    return paged_decode_attention_ref(
+        s["q"].float(), kc.float(), vc.float(), s["bt"], s["sl"], check=False
+    ).cpu()
+
+
+def measure(name: str, flashinfer, fp8: bool) -> list[dict]:
     prefixes, per_group, own, hq, hkv, dim = CLASSES[name]
-    token_bytes = hkv * dim * 2 * 2
+    token_bytes = hkv * dim * 2 * (1 if fp8 else 2)
     whole = (sum(prefixes) * per_group + sum(own)) * token_bytes
     unique = (sum(prefixes) + sum(own)) * token_bytes
-    sets = [make_set(prefixes, per_group, own, hq, hkv, dim) for _ in range(num_input_sets(whole))]
+    sets = [make_set(prefixes, per_group, own, hq, hkv, dim, fp8)
+            for _ in range(num_input_sets(whole))]  # fmt: skip
     s0 = sets[0]
-    ref = paged_decode_attention_ref(
-        s0["q"].float(), s0["kc"].float(), s0["vc"].float(), s0["bt"], s0["sl"], check=False
-    ).cpu()
+    ref = reference(s0)
     tables, lens = s0["bt"].cpu().numpy(), s0["sl"].cpu().numpy()
     start = time.perf_counter()
     plan_shared_prefix(tables, lens, BS)
@@ -140,7 +165,7 @@ def measure(name: str, flashinfer) -> list[dict]:
     providers["nanoserve_shared_prefix"] = [
         nanoserve_fn(s, p) for s, p in zip(sets, plans, strict=True)
     ]
-    if flashinfer is not None:
+    if flashinfer is not None and not fp8:
         providers["flashinfer_whole_rows"] = [flashinfer_fn(s, flashinfer) for s in sets]
     rows = []
     for provider, fns in providers.items():
@@ -165,19 +190,23 @@ def measure(name: str, flashinfer) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--classes", default=",".join(CLASSES), help="comma-separated names")
+    parser.add_argument("--kv-dtype", default=None, choices=["fp8_e4m3"],
+                        help="FP8 pools (per-KV-head scales) instead of bf16")  # fmt: skip
     args = parser.parse_args()
+    fp8 = args.kv_dtype == "fp8_e4m3"
+    print(f"pools: {'fp8_e4m3' if fp8 else 'bf16'}")
     torch.manual_seed(0)
     print(versions())
     flashinfer, reason = flashinfer_or_reason()
     print(f"flashinfer: {flashinfer.__version__ if flashinfer else reason}")
     rows = []
     for name in args.classes.split(","):
-        rows += measure(name, flashinfer)
+        rows += measure(name, flashinfer, fp8)
         for r in rows[-5:]:
             print(r, flush=True)
     columns = ["cls", "rows", "provider", "us", "GBps_unique", "x_unique_read", "err",
                "plan_host_us"]  # fmt: skip
-    show_table(rows, "bench_shared_prefix.csv", columns)
+    show_table(rows, "bench_shared_prefix_fp8.csv" if fp8 else "bench_shared_prefix.csv", columns)
 
 
 if __name__ == "__main__":

@@ -626,7 +626,7 @@ class PagedKVCache:
     def _shared_prefix(self, block_tables: torch.Tensor, seq_lens: np.ndarray, device):
         """The decode step's ``SharedPrefixPlan``: None when no rows share blocks, under a
         sliding window (whose released entries would look alike), and where the decode
-        launch would not take a plan (``takes_shared_prefix``: FP8/INT8 pools, grids too
+        launch would not take a plan (``takes_shared_prefix``: INT8 pools, grids too
         small). Kept until a table is replaced or changes what it shares: fresh blocks at a
         table's end never do, and a decode step's newest token is always in a private block,
         so the plan holds from step to step."""

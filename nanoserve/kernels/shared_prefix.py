@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from nanoserve.kernels.dispatch import sm_count
-from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE
+from nanoserve.kernels.quant import INT8_DTYPE
 
 # Rows per prefix tile; the kernel packs a tile's rows times their query heads of one KV head
 # into the rows of one matrix (in sub-tiles of at most 64 such rows).
@@ -53,11 +53,12 @@ def takes_shared_prefix(
     device: torch.device,
 ) -> bool:  # fmt: skip
     """Whether a launch with a shared-prefix plan runs the prefix pass (from shapes only):
-    16-bit or float32 pools, no sliding window, and at least SHARED_PREFIX_PROGRAMS_PER_SM
-    (row, KV head) programs per SM; otherwise every row is read whole."""
+    16-bit, float32 or FP8 pools (not INT8: its per-slot scales), no sliding window, and at
+    least SHARED_PREFIX_PROGRAMS_PER_SM (row, KV head) programs per SM; otherwise every row
+    is read whole."""
     return (
         sliding_window is None
-        and pool_dtype not in (FP8_DTYPE, INT8_DTYPE)
+        and pool_dtype != INT8_DTYPE
         and num_seqs * num_kv_heads >= SHARED_PREFIX_PROGRAMS_PER_SM * sm_count(device)
     )
 

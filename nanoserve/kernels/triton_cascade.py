@@ -15,8 +15,9 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.dispatch import floor_pow2, head_dim_pad, next_pow2, sm_count
+from nanoserve.kernels.quant import FP8_DTYPE
 from nanoserve.kernels.shared_prefix import TILE_ROWS
-from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
+from nanoserve.kernels.triton_common import mma, pdl_enter, query_for_fp8_tiles, scores_to_log2
 
 # Matrix rows (tile rows x query heads of one KV head) a program holds at most.
 PREFIX_MATRIX_ROWS = 64
@@ -28,12 +29,13 @@ MAX_PREFIX_SPLITS = 16
 @triton.jit
 def _prefix_kernel(
     query, key_cache, value_cache, block_tables, prefix_lens, tiles, prefix_o, prefix_lse,
-    scale, softcap, num_kv_heads,
+    scale, softcap, k_scale, num_kv_heads,
     stride_qs, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr, SUB_TILES: tl.constexpr, SPLITS: tl.constexpr,
-    TILE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
+    TILE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr, FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     tile = tl.program_id(0) // SUB_TILES
@@ -59,6 +61,10 @@ def _prefix_kernel(
     q_mask = active[:, None] & d_mask[None, :]
     q = tl.load(query + row[:, None] * stride_qs + head[:, None] * stride_qh + d[None, :],
                 mask=q_mask, other=0.0)  # fmt: skip
+    if FP8:  # K's scale folds into the score scale; V's is the decode kernel's, at its end
+        scale = scale * tl.load(k_scale + kv_head)
+        if not FP32:
+            q, scale = query_for_fp8_tiles(q, scale)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -87,7 +93,7 @@ def _prefix_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     at = (row * (GROUP * num_kv_heads) + head).to(tl.int64) * SPLITS + split
     tl.store(prefix_o + at[:, None] * D_PAD + d[None, :], acc / l_safe[:, None],
-             mask=active[:, None] & (d < D_PAD)[None, :])  # fmt: skip
+             mask=active[:, None])  # fmt: skip
     tl.store(prefix_lse + at, m_i + tl.log2(l_safe), mask=active)
 
 
@@ -121,10 +127,13 @@ def shared_prefix_partials(
     scale: float,
     softcap: float | None,
     pdl: dict,
+    k_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Run the prefix pass: (prefix_o float32 [S, Hq, splits, D_PAD], prefix_lse float32
     [S, Hq, splits], splits). Only the rows of ``tiles`` are written; query [S, Hq, D] with a
-    unit last stride, 16-bit or float32 pools (not quantized), no sliding window."""
+    unit last stride; 16-bit, float32 or FP8 pools (FP8 with its float32 ``k_scale`` [Hkv];
+    the outputs are left in units of the unscaled values, which the decode kernel scales at
+    its end), no sliding window."""
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
@@ -136,17 +145,18 @@ def shared_prefix_partials(
     prefix_o = torch.empty((*shape, d_pad), dtype=torch.float32, device=query.device)
     prefix_lse = torch.empty(shape, dtype=torch.float32, device=query.device)
     fp32 = query.dtype == torch.float32
+    fp8 = key_cache.dtype == FP8_DTYPE
     block_n = max(32 if fp32 or d_pad > 128 else 64, next_pow2(block_size))
     warps = 8 if block_m * d_pad > 64 * 128 else 4
     grid = (tiles.shape[0] * sub_tiles, num_kv_heads, splits)
     _prefix_kernel[grid](
         query, key_cache, value_cache, block_tables, prefix_lens, tiles, prefix_o, prefix_lse,
-        float(scale), float(softcap or 1.0), num_kv_heads,
+        float(scale), float(softcap or 1.0), k_scale, num_kv_heads,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, ROWS_PER_PROGRAM=rows, SUB_TILES=sub_tiles,
         SPLITS=splits, TILE=TILE_ROWS, HAS_SOFTCAP=softcap is not None, FP32=fp32,
-        PDL=bool(pdl), num_warps=warps, num_stages=2, **pdl,
+        FP8=fp8, PDL=bool(pdl), num_warps=warps, num_stages=2, **pdl,
     )  # fmt: skip
     return prefix_o, prefix_lse, splits

@@ -40,7 +40,12 @@ from nanoserve.kernels.dispatch import (
 from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_groups
 from nanoserve.kernels.shared_prefix import SharedPrefixPlan, takes_shared_prefix
 from nanoserve.kernels.triton_cascade import shared_prefix_partials
-from nanoserve.kernels.triton_common import mma, pdl_enter, scores_to_log2
+from nanoserve.kernels.triton_common import (
+    mma,
+    pdl_enter,
+    query_for_fp8_tiles,
+    scores_to_log2,
+)
 
 MAX_SPLITS = 64
 # ... and up to this many for a few long rows, when each split keeps LONG_SPLIT_TOKENS tokens:
@@ -163,15 +168,7 @@ def _decode_kernel(
     q_rows = query + seq * stride_qs + heads[:, None] * stride_qh
     q = tl.load(q_rows + d[None, :], mask=row_mask)
     if FP8 and not FP32:
-        # e4m3 converts to float16 in one instruction, to bfloat16 only through more: the
-        # tiles meet in float16. The query joins them divided by a power of two that puts its
-        # largest entry in [2^13, 2^14): no overflow, and every entry down to 2^-27 of the
-        # largest keeps all of bfloat16's bits; the scores take the power back in the scale.
-        q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
-        exponent = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        q_pow = (tl.maximum(exponent - 13, 1) << 23).to(tl.float32, bitcast=True)
-        q = (q.to(tl.float32) / q_pow).to(tl.float16)
-        scale = scale * q_pow
+        q, scale = query_for_fp8_tiles(q, scale)
 
     # A finite start keeps exp2(m_old - m_new) from ever being NaN on fully masked tiles.
     m_i = tl.full([GROUP_PAD], -1.0e30, tl.float32)
@@ -562,7 +559,7 @@ def paged_decode_attention_triton(
         prefix_o, prefix_lse, splits = shared_prefix_partials(
             query, key_cache, value_cache, block_tables,
             shared_prefix.prefix_lens, shared_prefix.tiles,
-            scale=scale, softcap=softcap, pdl=launch,
+            scale=scale, softcap=softcap, pdl=launch, k_scale=k_scale,
         )  # fmt: skip
         prefix = dict(
             prefix_lens=shared_prefix.prefix_lens, prefix_o=prefix_o, prefix_lse=prefix_lse,

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from fp8_inputs import make_fp8_paged_kv
 from kernel_inputs import ON_GPU, TOLERANCE, make_paged_kv, rel_err, row_errors
 
 from nanoserve.kernels import (
@@ -17,6 +18,7 @@ from nanoserve.kernels import (
     triton_decode,
 )
 from nanoserve.kernels.dispatch import sm_count
+from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE
 from nanoserve.kernels.shared_prefix import (
     TILE_ROWS,
     SharedPrefixPlan,
@@ -236,6 +238,67 @@ def test_decode_with_a_shared_prefix_matches_reference(case, dtype, launch, devi
     assert rel_err(out, ref) < tolerance
 
 
+def spy_prefix_pass(monkeypatch) -> list[int]:
+    """A list receiving one entry per prefix-pass launch."""
+    passes, launcher = [], triton_decode.shared_prefix_partials
+
+    def recording(*args, **kwargs):
+        passes.append(1)
+        return launcher(*args, **kwargs)
+
+    monkeypatch.setattr(triton_decode, "shared_prefix_partials", recording)
+    return passes
+
+
+# FP8 pools: row errors against float64 on the same dequantized values (the query's float16
+# rounding for 16-bit queries)
+FP8_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("launch", ["auto", "splits1", "splits4", "balanced"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])  # fmt: skip
+@pytest.mark.parametrize("case", ["gqa4-edges", "mha-d80-two-groups", "gqa7-d96-softcap",
+                                  "bs32-long-prefix"])  # fmt: skip
+def test_fp8_pools_with_a_shared_prefix_match_reference(case, dtype, launch, device,
+                                                        poison_outputs, monkeypatch):  # fmt: skip
+    """FP8 pools (per-KV-head scales 10x apart): the prefix pass runs, folds K's scale into
+    its scores and leaves V's to the decode kernel's end; each (row, head) against float64
+    on the dequantized pools. A bfloat16 query of magnitude 1e5 (past float16's range; K's
+    scale shrunk to match) meets the tiles in float16 through its power of two, so bfloat16
+    runs under the interpreter too. Planted: the pass without K's scale, and its output
+    scaled by a stray factor (as V's scale would): both failed."""
+    num_kv_heads, group, head_dim, block_size, lens, groups, softcap = CASES[case]
+    kc, vc, ks, vs, k64, v64, tables, seq_lens = make_fp8_paged_kv(
+        lens, num_kv_heads, head_dim, block_size, device=device
+    )
+    for rows, blocks in groups:
+        tables[rows[1:], :blocks] = tables[rows[0], :blocks]
+    magnitude = {torch.float32: 1.0, torch.float16: 1e2, torch.bfloat16: 1e5}[dtype]
+    ks = ks / magnitude
+    query = torch.randn(len(lens), num_kv_heads * group, head_dim, device=device) * magnitude
+    query = query.to(dtype)
+    plan = as_plan(plan_shared_prefix(tables.cpu().numpy(), seq_lens.cpu().numpy(), block_size),
+                   device)  # fmt: skip
+    ref = paged_decode_attention_ref(query.double(), k64 / magnitude, v64, tables, seq_lens,
+                                     softcap=softcap)  # fmt: skip
+    passes = spy_prefix_pass(monkeypatch)
+    args = (query, kc, vc, tables, seq_lens)
+    scales = dict(k_scale=ks, v_scale=vs, softcap=softcap, shared_prefix=plan)
+    if launch == "auto":
+        out = paged_decode_attention(*args, **scales, backend="triton")
+    else:
+        extra = {"splits1": dict(num_splits=1), "splits4": dict(num_splits=4),
+                 "balanced": dict(work_items=5)}[launch]  # fmt: skip
+        out = paged_decode_attention_triton(
+            *args, scale=head_dim**-0.5, sliding_window=None, **scales, **extra
+        )
+    assert passes, "the prefix pass did not run"
+    assert out.dtype == dtype and out.shape == query.shape
+    assert row_errors(out.float().cpu(), ref.cpu()).max() < FP8_TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_plan_is_ignored_under_a_window(device, poison_outputs):
     """A sliding window reads each row whole (the prefix pass has no window): the plan is
@@ -258,14 +321,7 @@ def test_small_grids_read_every_row_whole(device, monkeypatch):
     monkeypatch.undo()
     args, plan, ref, softcap = _case_inputs("gqa4-edges", torch.float32, device)
     programs = args[0].shape[0] * args[1].shape[2]  # 5 rows x 2 KV heads
-    passes = []
-    launcher = triton_decode.shared_prefix_partials
-
-    def recording(*a, **kw):
-        passes.append(1)
-        return launcher(*a, **kw)
-
-    monkeypatch.setattr(triton_decode, "shared_prefix_partials", recording)
+    passes = spy_prefix_pass(monkeypatch)
     sms = sm_count(args[0].device)
     for per_sm, taken in ((programs / sms + 1, False), (programs / sms, True)):
         monkeypatch.setattr(shared_prefix, "SHARED_PREFIX_PROGRAMS_PER_SM", per_sm)
@@ -273,3 +329,14 @@ def test_small_grids_read_every_row_whole(device, monkeypatch):
         out = paged_decode_attention(*args, shared_prefix=plan, backend="triton")
         assert bool(passes) == taken
         assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+def test_the_rule_takes_fp8_pools_and_refuses_int8_and_windows():
+    """The prefix pass reads 16-bit, float32 and FP8 pools; INT8 pools (per-slot scales) and
+    sliding windows read every row whole. Planted: FP8 left out of the rule: failed."""
+    device = torch.device("cpu")
+    rows = 2 * sm_count(device)  # one KV head: two programs an SM, past the rule's bound
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE):
+        assert shared_prefix.takes_shared_prefix(rows, 1, None, dtype, device), dtype
+    assert not shared_prefix.takes_shared_prefix(rows, 1, None, INT8_DTYPE, device)
+    assert not shared_prefix.takes_shared_prefix(rows, 1, 64, torch.float16, device)
