@@ -3,8 +3,9 @@ against the same launch reading every row whole.
 
 The classes are the workloads prefix sharing makes: rows of one prompt sampled apart (an EOS
 spread, best-of-N), group rollouts (G rows of each of several prompts), a system prompt under a
-few turns. bf16 (or FP8 pools with per-KV-head scales, ``--kv-dtype fp8_e4m3``), block 16,
-blocks scattered at random, NaN in every unused slot. Providers:
+few turns. bf16 (or FP8 pools with per-KV-head scales, ``--kv-dtype fp8_e4m3``, or INT8 pools
+with per-slot scales, ``--kv-dtype int8``), block 16, blocks scattered at random, NaN in every
+unused slot (INT8: NaN scales). Providers:
 nanoserve's decode as the adapter launches it without a plan, the same with the plan
 (``plan_shared_prefix`` over the tables, built once on the host and timed apart),
 FlashInfer's paged decode over every row (bf16 pools, when it imports), and two pure reads:
@@ -13,7 +14,7 @@ Timed with
 ``triton.testing.do_bench_cudagraph`` rotating over input sets; errors against the float32
 reference. Usage:
     python3 benchmarks/bench_shared_prefix.py [--classes eos-64x512-d64,...]
-        [--kv-dtype fp8_e4m3]
+        [--kv-dtype fp8_e4m3|int8]
 Prints one table (µs, GB/s of the unique bytes, x the unique read) and writes
 $OUT/bench_shared_prefix.csv.
 """
@@ -39,7 +40,16 @@ from bench_decode_classes import flashinfer_fn  # noqa: E402
 from harness import ceiling, num_input_sets, rel_err, show_table, time_graph, versions  # noqa: E402
 
 from nanoserve.kernels import SharedPrefixPlan, paged_decode_attention_ref  # noqa: E402
-from nanoserve.kernels.quant import FP8_DTYPE, FP8_MAX, dequantize, quantize  # noqa: E402
+from nanoserve.kernels.quant import (  # noqa: E402
+    FP8_DTYPE,
+    FP8_MAX,
+    INT8_DTYPE,
+    INT8_K_GROUP,
+    dequantize,
+    dequantize_int8,
+    quantize,
+    quantize_int8,
+)
 from nanoserve.kernels.shared_prefix import plan_shared_prefix  # noqa: E402
 from nanoserve.kernels.triton_decode import paged_decode_attention_triton  # noqa: E402
 
@@ -73,7 +83,7 @@ CLASSES = {
 }
 
 
-def make_set(prefixes, per_group, own, hq, hkv, dim, fp8=False) -> dict:
+def make_set(prefixes, per_group, own, hq, hkv, dim, kv_dtype=None) -> dict:
     """Pools with each group's prefix in blocks of its own and each row's tokens after it in
     blocks of the row's, scattered; NaN in every slot no row holds."""
     rows = len(prefixes) * per_group
@@ -108,7 +118,9 @@ def make_set(prefixes, per_group, own, hq, hkv, dim, fp8=False) -> dict:
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(rows, hq, dim, device="cuda", dtype=DTYPE)
     scales = {}
-    if fp8:  # per-KV-head scales fitting each head's finite amax; NaN stays NaN in e4m3
+    if kv_dtype == "int8":  # per-slot scales (K's per 16 channels); NaN slots get NaN scales
+        (kc, scales["kc"]), (vc, scales["vc"]) = quantize_int8(kc), quantize_int8(vc, None)
+    if kv_dtype == "fp8_e4m3":  # per-KV-head scales fitting each head's finite amax
         for name in ("kc", "vc"):
             pool = kc if name == "kc" else vc
             amax = pool.float().nan_to_num(0.0).abs().amax(dim=(0, 1, 3)).clamp_min(1e-3)
@@ -134,22 +146,27 @@ def nanoserve_fn(s: dict, plan: SharedPrefixPlan | None):
 def reference(s: dict) -> torch.Tensor:
     """float32 decode attention over the set's (dequantized) pools, on the host."""
     kc, vc = s["kc"], s["vc"]
-    if kc.dtype == FP8_DTYPE:
-        kc, vc = (
-            dequantize(kc, s["k_scale"], torch.float32),
-            dequantize(vc, s["v_scale"], torch.float32),
-        )
+    undo = {FP8_DTYPE: dequantize, INT8_DTYPE: dequantize_int8}.get(kc.dtype)
+    if undo is not None:
+        kc, vc = undo(kc, s["k_scale"], torch.float32), undo(vc, s["v_scale"], torch.float32)
     return paged_decode_attention_ref(
         s["q"].float(), kc.float(), vc.float(), s["bt"], s["sl"], check=False
     ).cpu()
 
 
-def measure(name: str, flashinfer, fp8: bool) -> list[dict]:
+def token_bytes(hkv: int, dim: int, kv_dtype: str | None) -> int:
+    """K/V bytes a token holds (INT8: its float16 scales too)."""
+    if kv_dtype == "int8":
+        return hkv * (2 * dim + 2 * (-(-dim // INT8_K_GROUP) + 1))
+    return hkv * dim * 2 * (1 if kv_dtype == "fp8_e4m3" else 2)
+
+
+def measure(name: str, flashinfer, kv_dtype: str | None) -> list[dict]:
     prefixes, per_group, own, hq, hkv, dim = CLASSES[name]
-    token_bytes = hkv * dim * 2 * (1 if fp8 else 2)
-    whole = (sum(prefixes) * per_group + sum(own)) * token_bytes
-    unique = (sum(prefixes) + sum(own)) * token_bytes
-    sets = [make_set(prefixes, per_group, own, hq, hkv, dim, fp8)
+    per_token = token_bytes(hkv, dim, kv_dtype)
+    whole = (sum(prefixes) * per_group + sum(own)) * per_token
+    unique = (sum(prefixes) + sum(own)) * per_token
+    sets = [make_set(prefixes, per_group, own, hq, hkv, dim, kv_dtype)
             for _ in range(num_input_sets(whole))]  # fmt: skip
     s0 = sets[0]
     ref = reference(s0)
@@ -165,7 +182,7 @@ def measure(name: str, flashinfer, fp8: bool) -> list[dict]:
     providers["nanoserve_shared_prefix"] = [
         nanoserve_fn(s, p) for s, p in zip(sets, plans, strict=True)
     ]
-    if flashinfer is not None and not fp8:
+    if flashinfer is not None and kv_dtype is None:
         providers["flashinfer_whole_rows"] = [flashinfer_fn(s, flashinfer) for s in sets]
     rows = []
     for provider, fns in providers.items():
@@ -190,23 +207,23 @@ def measure(name: str, flashinfer, fp8: bool) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--classes", default=",".join(CLASSES), help="comma-separated names")
-    parser.add_argument("--kv-dtype", default=None, choices=["fp8_e4m3"],
-                        help="FP8 pools (per-KV-head scales) instead of bf16")  # fmt: skip
+    parser.add_argument("--kv-dtype", default=None, choices=["fp8_e4m3", "int8"],
+                        help="quantized pools instead of bf16")  # fmt: skip
     args = parser.parse_args()
-    fp8 = args.kv_dtype == "fp8_e4m3"
-    print(f"pools: {'fp8_e4m3' if fp8 else 'bf16'}")
+    print(f"pools: {args.kv_dtype or 'bf16'}")
     torch.manual_seed(0)
     print(versions())
     flashinfer, reason = flashinfer_or_reason()
     print(f"flashinfer: {flashinfer.__version__ if flashinfer else reason}")
     rows = []
     for name in args.classes.split(","):
-        rows += measure(name, flashinfer, fp8)
+        rows += measure(name, flashinfer, args.kv_dtype)
         for r in rows[-5:]:
             print(r, flush=True)
     columns = ["cls", "rows", "provider", "us", "GBps_unique", "x_unique_read", "err",
                "plan_host_us"]  # fmt: skip
-    show_table(rows, "bench_shared_prefix_fp8.csv" if fp8 else "bench_shared_prefix.csv", columns)
+    suffix = f"_{args.kv_dtype}" if args.kv_dtype else ""
+    show_table(rows, f"bench_shared_prefix{suffix}.csv", columns)
 
 
 if __name__ == "__main__":

@@ -626,18 +626,17 @@ class PagedKVCache:
     def _shared_prefix(self, block_tables: torch.Tensor, seq_lens: np.ndarray, device):
         """The decode step's ``SharedPrefixPlan``: None when no rows share blocks, under a
         sliding window (whose released entries would look alike), and where the decode
-        launch would not take a plan (``takes_shared_prefix``: INT8 pools, grids too
-        small). Kept until a table is replaced or changes what it shares: fresh blocks at a
-        table's end never do, and a decode step's newest token is always in a private block,
-        so the plan holds from step to step."""
+        launch would not take a plan (``takes_shared_prefix``: grids too small). Kept until a
+        table is replaced or changes what it shares: fresh blocks at a table's end never do,
+        and a decode step's newest token is always in a private block, so the plan holds
+        from step to step."""
         pool = next((p for p in self.key_pools if p is not None), None)
         heads = pool.shape[2] if pool is not None else 1
-        dtype = pool.dtype if pool is not None else self.kv_dtype
         if (
             not self.share_prefix_reads
             or len(self.tables) < 2
             or self.sliding_window is not None
-            or not takes_shared_prefix(len(self.tables), heads, None, dtype, torch.device(device))
+            or not takes_shared_prefix(len(self.tables), heads, None, torch.device(device))
         ):
             return None
         key = tuple((t.serial, t.sharing_version) for t in self.tables)

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from nanoserve.kernels.dispatch import sm_count
-from nanoserve.kernels.quant import INT8_DTYPE
 
 # Rows per prefix tile; the kernel packs a tile's rows times their query heads of one KV head
 # into the rows of one matrix (in sub-tiles of at most 64 such rows).
@@ -49,16 +48,13 @@ class SharedPrefixPlan(NamedTuple):
 
 
 def takes_shared_prefix(
-    num_seqs: int, num_kv_heads: int, sliding_window: int | None, pool_dtype: torch.dtype,
-    device: torch.device,
-) -> bool:  # fmt: skip
-    """Whether a launch with a shared-prefix plan runs the prefix pass (from shapes only):
-    16-bit, float32 or FP8 pools (not INT8: its per-slot scales), no sliding window, and at
-    least SHARED_PREFIX_PROGRAMS_PER_SM (row, KV head) programs per SM; otherwise every row
-    is read whole."""
+    num_seqs: int, num_kv_heads: int, sliding_window: int | None, device: torch.device
+) -> bool:
+    """Whether a launch with a shared-prefix plan runs the prefix pass (from shapes only, for
+    pools of any dtype): no sliding window, and at least SHARED_PREFIX_PROGRAMS_PER_SM
+    (row, KV head) programs per SM; otherwise every row is read whole."""
     return (
         sliding_window is None
-        and pool_dtype != INT8_DTYPE
         and num_seqs * num_kv_heads >= SHARED_PREFIX_PROGRAMS_PER_SM * sm_count(device)
     )
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.dispatch import floor_pow2, head_dim_pad, next_pow2, sm_count
-from nanoserve.kernels.quant import FP8_DTYPE
+from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_groups
 from nanoserve.kernels.shared_prefix import TILE_ROWS
 from nanoserve.kernels.triton_common import mma, pdl_enter, query_for_fp8_tiles, scores_to_log2
 
@@ -29,13 +29,13 @@ MAX_PREFIX_SPLITS = 16
 @triton.jit
 def _prefix_kernel(
     query, key_cache, value_cache, block_tables, prefix_lens, tiles, prefix_o, prefix_lse,
-    scale, softcap, k_scale, num_kv_heads,
+    scale, softcap, k_scale, v_scale, num_kv_heads,
     stride_qs, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr, SUB_TILES: tl.constexpr, SPLITS: tl.constexpr,
     TILE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32: tl.constexpr, FP8: tl.constexpr,
-    PDL: tl.constexpr,
+    INT8: tl.constexpr, K_GROUPS: tl.constexpr, K_GW: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     tile = tl.program_id(0) // SUB_TILES
@@ -59,8 +59,8 @@ def _prefix_kernel(
     d = tl.arange(0, D_PAD)
     d_mask = d < HEAD_DIM
     q_mask = active[:, None] & d_mask[None, :]
-    q = tl.load(query + row[:, None] * stride_qs + head[:, None] * stride_qh + d[None, :],
-                mask=q_mask, other=0.0)  # fmt: skip
+    q_rows = query + row[:, None] * stride_qs + head[:, None] * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
     if FP8:  # K's scale folds into the score scale; V's is the decode kernel's, at its end
         scale = scale * tl.load(k_scale + kv_head)
         if not FP32:
@@ -77,14 +77,33 @@ def _prefix_kernel(
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         at = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + head_off
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(key_cache + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(value_cache + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = scores_to_log2(mma(q, tl.trans(k.to(q.dtype)), FP32), scale, softcap, HAS_SOFTCAP)
+        if INT8:
+            # As the decode kernel: one product per group of K_GW channels, each times its
+            # keys' scales; a value's one scale folds into its softmax weight.
+            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            slot_head = at // HEAD_DIM
+            for gi in tl.static_range(K_GROUPS):
+                c = gi * K_GW + tl.arange(0, K_GW)
+                c_mask = c < HEAD_DIM
+                k_g = tl.load(key_cache + at[:, None] + c[None, :],
+                              mask=valid[:, None] & c_mask[None, :], other=0)  # fmt: skip
+                q_g = tl.load(q_rows + c[None, :], mask=active[:, None] & c_mask[None, :],
+                              other=0.0)  # fmt: skip
+                k_mul = tl.load(k_scale + slot_head * K_GROUPS + gi, mask=valid, other=0.0)
+                s += mma(q_g, tl.trans(k_g.to(q.dtype)), FP32) * k_mul.to(tl.float32)[None, :]
+            v_token = tl.load(v_scale + slot_head, mask=valid, other=0.0).to(tl.float32)
+        else:
+            k = tl.load(key_cache + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = mma(q, tl.trans(k.to(q.dtype)), FP32)
+        s = scores_to_log2(s, scale, softcap, HAS_SOFTCAP)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if INT8:
+            p = p * v_token[None, :]
         acc = acc * alpha[:, None] + mma(p, v.to(q.dtype), FP32)
         m_i = m_new
 
@@ -128,12 +147,14 @@ def shared_prefix_partials(
     softcap: float | None,
     pdl: dict,
     k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Run the prefix pass: (prefix_o float32 [S, Hq, splits, D_PAD], prefix_lse float32
     [S, Hq, splits], splits). Only the rows of ``tiles`` are written; query [S, Hq, D] with a
-    unit last stride; 16-bit, float32 or FP8 pools (FP8 with its float32 ``k_scale`` [Hkv];
-    the outputs are left in units of the unscaled values, which the decode kernel scales at
-    its end), no sliding window."""
+    unit last stride; 16-bit, float32, FP8 or INT8 pools, with the decode launch's
+    ``k_scale``/``v_scale`` (FP8: float32 [Hkv], the outputs left in units of the unscaled
+    values, which the decode kernel scales at its end; INT8: the pools' per-slot scales), no
+    sliding window."""
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
@@ -146,17 +167,19 @@ def shared_prefix_partials(
     prefix_lse = torch.empty(shape, dtype=torch.float32, device=query.device)
     fp32 = query.dtype == torch.float32
     fp8 = key_cache.dtype == FP8_DTYPE
+    int8 = key_cache.dtype == INT8_DTYPE
     block_n = max(32 if fp32 or d_pad > 128 else 64, next_pow2(block_size))
     warps = 8 if block_m * d_pad > 64 * 128 else 4
     grid = (tiles.shape[0] * sub_tiles, num_kv_heads, splits)
     _prefix_kernel[grid](
         query, key_cache, value_cache, block_tables, prefix_lens, tiles, prefix_o, prefix_lse,
-        float(scale), float(softcap or 1.0), k_scale, num_kv_heads,
+        float(scale), float(softcap or 1.0), k_scale, v_scale, num_kv_heads,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, ROWS_PER_PROGRAM=rows, SUB_TILES=sub_tiles,
         SPLITS=splits, TILE=TILE_ROWS, HAS_SOFTCAP=softcap is not None, FP32=fp32,
-        FP8=fp8, PDL=bool(pdl), num_warps=warps, num_stages=2, **pdl,
+        FP8=fp8, INT8=int8, K_GROUPS=int8_groups(head_dim, INT8_K_GROUP), K_GW=INT8_K_GROUP,
+        PDL=bool(pdl), num_warps=warps, num_stages=2, **pdl,
     )  # fmt: skip
     return prefix_o, prefix_lse, splits

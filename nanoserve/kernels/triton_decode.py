@@ -554,12 +554,12 @@ def paged_decode_attention_triton(
     pdl = bool(launch)
     prefix = {}
     if shared_prefix is not None and takes_shared_prefix(
-        num_seqs, num_kv_heads, sliding_window, key_cache.dtype, query.device
+        num_seqs, num_kv_heads, sliding_window, query.device
     ):
         prefix_o, prefix_lse, splits = shared_prefix_partials(
             query, key_cache, value_cache, block_tables,
             shared_prefix.prefix_lens, shared_prefix.tiles,
-            scale=scale, softcap=softcap, pdl=launch, k_scale=k_scale,
+            scale=scale, softcap=softcap, pdl=launch, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
         prefix = dict(
             prefix_lens=shared_prefix.prefix_lens, prefix_o=prefix_o, prefix_lse=prefix_lse,
