@@ -17,7 +17,13 @@ import triton.language as tl
 from nanoserve.kernels.dispatch import floor_pow2, head_dim_pad, next_pow2, sm_count
 from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_groups
 from nanoserve.kernels.shared_prefix import TILE_ROWS
-from nanoserve.kernels.triton_common import mma, pdl_enter, query_for_fp8_tiles, scores_to_log2
+from nanoserve.kernels.triton_common import (
+    int8_key_scores,
+    mma,
+    pdl_enter,
+    query_for_fp8_tiles,
+    scores_to_log2,
+)
 
 # Matrix rows (tile rows x query heads of one KV head) a program holds at most.
 PREFIX_MATRIX_ROWS = 64
@@ -78,21 +84,10 @@ def _prefix_kernel(
         at = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + head_off
         kv_mask = valid[:, None] & d_mask[None, :]
         v = tl.load(value_cache + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if INT8:
-            # As the decode kernel: one product per group of K_GW channels, each times its
-            # keys' scales; a value's one scale folds into its softmax weight.
-            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            slot_head = at // HEAD_DIM
-            for gi in tl.static_range(K_GROUPS):
-                c = gi * K_GW + tl.arange(0, K_GW)
-                c_mask = c < HEAD_DIM
-                k_g = tl.load(key_cache + at[:, None] + c[None, :],
-                              mask=valid[:, None] & c_mask[None, :], other=0)  # fmt: skip
-                q_g = tl.load(q_rows + c[None, :], mask=active[:, None] & c_mask[None, :],
-                              other=0.0)  # fmt: skip
-                k_mul = tl.load(k_scale + slot_head * K_GROUPS + gi, mask=valid, other=0.0)
-                s += mma(q_g, tl.trans(k_g.to(q.dtype)), FP32) * k_mul.to(tl.float32)[None, :]
-            v_token = tl.load(v_scale + slot_head, mask=valid, other=0.0).to(tl.float32)
+        if INT8:  # as the decode kernel; a value's one scale folds into its softmax weight
+            s = int8_key_scores(q, q_rows, active, key_cache, at, valid, k_scale,
+                                HEAD_DIM, K_GROUPS, K_GW, FP32)  # fmt: skip
+            v_token = tl.load(v_scale + at // HEAD_DIM, mask=valid, other=0.0).to(tl.float32)
         else:
             k = tl.load(key_cache + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = mma(q, tl.trans(k.to(q.dtype)), FP32)

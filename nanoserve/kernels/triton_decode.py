@@ -41,6 +41,7 @@ from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE, INT8_K_GROUP, int8_gr
 from nanoserve.kernels.shared_prefix import SharedPrefixPlan, takes_shared_prefix
 from nanoserve.kernels.triton_cascade import shared_prefix_partials
 from nanoserve.kernels.triton_common import (
+    int8_key_scores,
     mma,
     pdl_enter,
     query_for_fp8_tiles,
@@ -184,19 +185,10 @@ def _decode_kernel(
         kv_mask = valid[:, None] & d_mask[None, :]
         v = tl.load(value_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if INT8:
-            # A key's scales are per group of K_GW channels: the scores sum one dot per group,
-            # each times its keys' scales; a value's one scale folds into its softmax weight.
-            s = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
-            slot_head = rows // HEAD_DIM
-            for gi in tl.static_range(K_GROUPS):
-                c = gi * K_GW + tl.arange(0, K_GW)
-                c_mask = c < HEAD_DIM
-                k_g = tl.load(key_cache + rows[:, None] + c[None, :],
-                              mask=valid[:, None] & c_mask[None, :], other=0)  # fmt: skip
-                q_g = tl.load(q_rows + c[None, :], mask=(g < GROUP)[:, None] & c_mask[None, :])
-                k_mul = tl.load(k_scale + slot_head * K_GROUPS + gi, mask=valid, other=0.0)
-                s += mma(q_g, tl.trans(k_g.to(q.dtype)), FP32) * k_mul.to(tl.float32)[None, :]
-            v_token = tl.load(v_scale + slot_head, mask=valid, other=0.0).to(tl.float32)
+            # a value's one scale folds into its softmax weight
+            s = int8_key_scores(q, q_rows, g < GROUP, key_cache, rows, valid, k_scale,
+                                HEAD_DIM, K_GROUPS, K_GW, FP32)  # fmt: skip
+            v_token = tl.load(v_scale + rows // HEAD_DIM, mask=valid, other=0.0).to(tl.float32)
             v = v.to(q.dtype)
         else:
             k = tl.load(key_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
