@@ -52,6 +52,22 @@ def bucket_for(batch: int) -> int:
     return -(-batch // BUCKETS[-1]) * BUCKETS[-1]
 
 
+def plan_group_of(host: StepMetadata) -> int | None:
+    """The layer group whose decode steps carry a shared-prefix plan (0 for a cache of one
+    group), or None: no group's does, or several do (their plans, over different tables,
+    would need buffers each; such steps read rows whole under a graph). A grouped cache's
+    windowed groups never plan, so a model mixing sliding and global layers has one."""
+    metas = host.group_metas or (host,)
+    planned = [g for g, meta in enumerate(metas) if meta.shared_prefix is not None]
+    return planned[0] if len(planned) == 1 else None
+
+
+def plan_of(meta: StepMetadata) -> SharedPrefixPlan | None:
+    """The plan of ``plan_group_of(meta)``'s group, or None."""
+    group = plan_group_of(meta)
+    return None if group is None else (meta.group_metas or (meta,))[group].shared_prefix
+
+
 @dataclass
 class StaticStep:
     """The fixed buffers of one bucket, as views of one int32 device buffer."""
@@ -68,15 +84,16 @@ class StaticStep:
     @classmethod
     def allocate(
         cls, rows: int, width: int, device: torch.device, layer_groups: tuple[int, ...] = (),
-        equal_lengths: bool = False, shared_prefix: bool = False,
+        equal_lengths: bool = False, plan_group: int | None = None,
     ) -> StaticStep:  # fmt: skip
         """Buffers for ``rows`` rows and ``width`` block-table columns; with
         ``layer_groups`` (each layer's group, as ``StepMetadata`` has them) a slot mapping
         and block tables for each group. ``equal_lengths``: the steps loaded into it have
         real rows all of one length (the padding rows past them do not count).
-        ``shared_prefix`` (one group only): the steps loaded come with a shared-prefix plan,
-        held in buffers of ``tile_capacity(rows)`` tiles."""
+        ``plan_group``: the steps loaded come with a shared-prefix plan for that layer group
+        (``plan_group_of``), held in buffers of ``tile_capacity(rows)`` tiles."""
         groups = max(layer_groups, default=0) + 1
+        shared_prefix = plan_group is not None
         tiles = tile_capacity(rows) if shared_prefix else 0
         # layout: ids | positions | seq_lens | each group's slots | each group's block tables
         # | the plan's prefix lengths | its tiles
@@ -103,7 +120,7 @@ class StaticStep:
                 cu_seqlens_q=cu_seqlens,
                 all_single=True,
                 equal_lengths=equal_lengths,
-                shared_prefix=plan,
+                shared_prefix=plan if g == plan_group else None,
             )
             for g in range(groups)
         )
@@ -124,12 +141,13 @@ class StaticStep:
         lens[:n] = host.seq_lens.numpy()
         lens[n:] = 1
         metas = host.group_metas or (host,)
-        if self.meta.shared_prefix is not None:  # (the plan ends the layout)
-            held = self.meta.shared_prefix.tiles.shape[0]
+        held_plan = plan_of(self.meta)
+        if held_plan is not None:  # (the plan ends the layout)
+            held = held_plan.tiles.shape[0]
             plan_at = staging.size - rows - held * TILE_ROWS
             prefix_lens = staging[plan_at : plan_at + rows]
             tiles = staging[plan_at + rows :].reshape(held, TILE_ROWS)
-            plan = host.shared_prefix
+            plan = plan_of(host)
             prefix_lens[:n] = plan.prefix_lens.numpy()
             prefix_lens[n:] = 0
             tiles[: plan.tiles.shape[0]] = plan.tiles.numpy()
@@ -248,17 +266,17 @@ class DecodeGraphs:
         width = host.block_tables.shape[1]
         rows = bucket_for(batch)
         if columns == 1:
-            # a plan's buffers in the graph of one layer group only
-            plan = host.shared_prefix is not None and not host.layer_groups
-            key = ("decode", rows, width, host.equal_lengths, plan)
+            plan_group = plan_group_of(host)
+            key = ("decode", rows, width, host.equal_lengths, plan_group)
         else:
             key = ("extend", rows, column_bucket(columns), width)
         captured = self.graphs.get(key)
         if captured is None:
             if columns == 1:
                 static = StaticStep.allocate(
-                    rows, width, input_ids.device, host.layer_groups, host.equal_lengths, plan
-                )
+                    rows, width, input_ids.device, host.layer_groups, host.equal_lengths,
+                    plan_group,
+                )  # fmt: skip
             else:
                 static = StaticExtend.allocate(*key[1:], input_ids.device)
             static.load(host, input_ids, position_ids)

@@ -9,15 +9,18 @@ import os
 
 import numpy as np
 import pytest
+import test_new_families as new_families
 import torch
 from helpers import patched
 from test_families import padded_batch, tiny_model
 
 import nanoserve
-from nanoserve.adapters.decode_graphs import DecodeGraphs
+from nanoserve.adapters.decode_graphs import DecodeGraphs, plan_group_of
 from nanoserve.adapters.step import state_of
 from nanoserve.cache import PagedKVCache
+from nanoserve.cache.paged_cache import StepMetadata, grouped_metadata
 from nanoserve.kernels import shared_prefix, triton_decode
+from nanoserve.kernels.shared_prefix import SharedPrefixPlan
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -138,6 +141,46 @@ def test_quantized_pools_with_copies_of_a_prompt(kv_dtype, monkeypatch):
     assert torch.equal(runs[True].sequences, runs[False].sequences)
     for step, (a, b) in enumerate(zip(runs[False].logits, runs[True].logits, strict=True)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("graphs", ["eager", "static"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_global_layers_of_a_grouped_cache_read_shared_blocks_once(name, graphs, monkeypatch):
+    """Gemma 2 / 3 (a global and a sliding layer group): the global layers' decode steps
+    run the prefix pass, in eager steps and from the graph buffers (whose plan belongs to
+    the global group), the sliding layers read rows whole (their window); the tokens and
+    logits are stock's. Planted: the graph buffers holding no plan for a grouped cache (the
+    rule before): the static cases failed."""
+    model = new_families.tiny_model(name)
+    inputs = {k: v[[0, 1, 0, 0, 1]] for k, v in padded_batch([13, 9], 13, seed=5).items()}
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=6, **new_families.LOGITS)
+    calls = spy_prefix_pass(monkeypatch)
+    with patched(model, block_size=4, backend="triton"), torch.no_grad():
+        if graphs == "static":
+            state_of(model).graphs = DecodeGraphs(capture=False)
+        paged = model.generate(**inputs, max_new_tokens=6, **new_families.LOGITS)
+        if graphs == "static":
+            assert state_of(model).graphs.replays > 0  # the steps ran from the buffers
+    assert calls and all(rows == 5 for rows, _ in calls), calls
+    new_families.assert_logits_equal(stock, paged)
+
+
+def test_graph_buffers_hold_the_plan_of_the_one_group_that_has_one():
+    """``plan_group_of``: the group whose steps carry a plan, None where none does or where
+    several do (buffers for one plan only: such steps read rows whole under a graph)."""
+    plan = SharedPrefixPlan(torch.zeros(2, dtype=torch.int32), torch.full((1, 16), -1))
+
+    def meta(with_plan: bool) -> StepMetadata:
+        zeros = torch.zeros(2, dtype=torch.int32)
+        tensors = (zeros, zeros, zeros.view(2, 1), zeros, torch.zeros(3, dtype=torch.int32))
+        return StepMetadata(*tensors, all_single=True, shared_prefix=plan if with_plan else None)
+
+    assert plan_group_of(meta(True)) == 0 and plan_group_of(meta(False)) is None
+    for planned, group in (((False, True), 1), ((True, False), 0), ((True, True), None)):
+        grouped = grouped_metadata(tuple(meta(p) for p in planned), (0, 1, 1))
+        assert plan_group_of(grouped) == group, planned
 
 
 def test_the_cache_keeps_its_plan_until_a_table_changes_what_it_shares():
