@@ -86,7 +86,7 @@ def _prefix_kernel(
         v = tl.load(value_cache + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if INT8:  # as the decode kernel; a value's one scale folds into its softmax weight
             s = int8_key_scores(q, q_rows, active, key_cache, at, valid, k_scale,
-                                HEAD_DIM, K_GROUPS, K_GW, FP32)  # fmt: skip
+                                BLOCK_M, BLOCK_N, HEAD_DIM, K_GROUPS, K_GW, FP32)  # fmt: skip
             v_token = tl.load(v_scale + at // HEAD_DIM, mask=valid, other=0.0).to(tl.float32)
         else:
             k = tl.load(key_cache + at[:, None] + d[None, :], mask=kv_mask, other=0.0)

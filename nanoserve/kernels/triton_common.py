@@ -84,15 +84,15 @@ def int8_rows_scales(scales, rows, valid, HEAD_DIM: tl.constexpr, GROUPS: tl.con
 
 
 @triton.jit
-def int8_key_scores(q, q_rows, q_valid, key_cache, rows, valid, k_scale,
-                    HEAD_DIM: tl.constexpr, K_GROUPS: tl.constexpr, K_GW: tl.constexpr,
-                    FP32: tl.constexpr):  # fmt: skip
+def int8_key_scores(q, q_rows, q_valid, key_cache, rows, valid, k_scale, M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, K_GROUPS: tl.constexpr,
+                    K_GW: tl.constexpr, FP32: tl.constexpr):  # fmt: skip
     """float32 raw scores [M, BLOCK_N] of the query rows at pointers ``q_rows`` [M, 1] (those
     with ``q_valid`` [M]; ``q`` [M, D_PAD] gives the products' dtype) against INT8 keys at
     element offsets ``rows`` [BLOCK_N] (``valid`` ones): a key's scales are per group of K_GW
     channels, so the scores sum one product per group, each times its keys' float16 scales
     (contiguous pools: a key's scales start at rows // HEAD_DIM * K_GROUPS)."""
-    s = tl.zeros([q.shape[0], rows.shape[0]], tl.float32)
+    s = tl.zeros([M, BLOCK_N], tl.float32)
     slot_head = rows // HEAD_DIM
     for gi in tl.static_range(K_GROUPS):
         c = gi * K_GW + tl.arange(0, K_GW)

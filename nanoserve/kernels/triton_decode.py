@@ -187,7 +187,7 @@ def _decode_kernel(
         if INT8:
             # a value's one scale folds into its softmax weight
             s = int8_key_scores(q, q_rows, g < GROUP, key_cache, rows, valid, k_scale,
-                                HEAD_DIM, K_GROUPS, K_GW, FP32)  # fmt: skip
+                                GROUP_PAD, BLOCK_N, HEAD_DIM, K_GROUPS, K_GW, FP32)  # fmt: skip
             v_token = tl.load(v_scale + rows // HEAD_DIM, mask=valid, other=0.0).to(tl.float32)
             v = v.to(q.dtype)
         else:
