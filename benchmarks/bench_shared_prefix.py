@@ -16,7 +16,7 @@ reference. Usage:
     python3 benchmarks/bench_shared_prefix.py [--classes eos-64x512-d64,...]
         [--kv-dtype fp8_e4m3|int8]
 Prints one table (µs, GB/s of the unique bytes, x the unique read) and writes
-$OUT/bench_shared_prefix.csv.
+$OUT/bench_shared_prefix.csv (``bench_shared_prefix_<kv-dtype>.csv`` for quantized pools).
 """
 
 from __future__ import annotations

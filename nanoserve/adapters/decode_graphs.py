@@ -1,15 +1,16 @@
 """Decode steps of a patched model as replayed CUDA graphs.
 
 A decode step (one new token in every row, on CUDA) runs as a CUDA graph: one graph per
-batch bucket (1, 2, 4, ..., 128, then multiples of 128), block-table width and whether the
-rows are of one length (the attention launch differs), captured on the first step that
-needs it and replayed after, all graphs drawing on one memory pool.
+batch bucket (1, 2, 4, ..., 128, then multiples of 128), block-table width, whether the
+rows are of one length (the attention launch differs) and which layer group's steps carry a
+shared-prefix plan (``plan_group_of``; none: rows read whole), captured on the first step
+that needs it and replayed after, all graphs drawing on one memory pool.
 What changes from step to step lives in fixed device buffers updated in place before the
 replay: token ids, positions, slot mapping, block tables and lengths (one int32 buffer,
 filled by one host-to-device copy; a slot mapping and block tables per layer group for a
-``GroupedKVCache``). New blocks are allocated on the host by ``begin_step``
-before the replay, never inside it. Rows past the batch pad the bucket: slot -1 (nothing is
-stored), length 1, and their logits are dropped.
+``GroupedKVCache``; the plan's prefix lengths and tiles at its end). New blocks are
+allocated on the host by ``begin_step`` before the replay, never inside it. Rows past the
+batch pad the bucket: slot -1 (nothing is stored), length 1, and their logits are dropped.
 
 Extend steps of more than 16 new columns and at most 4,096 tokens in all (a prompt's
 prefill over a pool an earlier call made, later turns of a chat over a cached prompt, the

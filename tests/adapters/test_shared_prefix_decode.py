@@ -15,7 +15,7 @@ from helpers import patched
 from test_families import padded_batch, tiny_model
 
 import nanoserve
-from nanoserve.adapters.decode_graphs import DecodeGraphs, plan_group_of
+from nanoserve.adapters.decode_graphs import DecodeGraphs, StaticStep, plan_group_of
 from nanoserve.adapters.step import state_of
 from nanoserve.cache import PagedKVCache
 from nanoserve.cache.paged_cache import StepMetadata, grouped_metadata
@@ -169,18 +169,45 @@ def test_global_layers_of_a_grouped_cache_read_shared_blocks_once(name, graphs, 
 
 def test_graph_buffers_hold_the_plan_of_the_one_group_that_has_one():
     """``plan_group_of``: the group whose steps carry a plan, None where none does or where
-    several do (buffers for one plan only: such steps read rows whole under a graph)."""
-    plan = SharedPrefixPlan(torch.zeros(2, dtype=torch.int32), torch.full((1, 16), -1))
+    several do (buffers for one plan only: such steps read rows whole under a graph). The
+    static buffers of a bucket of 4 rows, loaded with 3, give that group the host's plan
+    (padding rows outside every tile) and every other group none. Planted: the buffers'
+    plan always group 0's: failed on the plan in group 1."""
+    rows, width = 3, 4
 
-    def meta(with_plan: bool) -> StepMetadata:
-        zeros = torch.zeros(2, dtype=torch.int32)
-        tensors = (zeros, zeros, zeros.view(2, 1), zeros, torch.zeros(3, dtype=torch.int32))
-        return StepMetadata(*tensors, all_single=True, shared_prefix=plan if with_plan else None)
+    def meta(group: int, with_plan: bool) -> StepMetadata:
+        plan = None
+        if with_plan:
+            tiles = torch.full((2, 16), -1, dtype=torch.int32)
+            tiles[0, :rows] = torch.arange(rows)
+            plan = SharedPrefixPlan(torch.full((rows,), 8, dtype=torch.int32), tiles)
+        tables = torch.arange(rows * 2, dtype=torch.int32).view(rows, 2) + 100 * (group + 1)
+        return StepMetadata(
+            torch.tensor([5, 6, 7]) + 10 * group, torch.arange(rows), tables,
+            torch.tensor([9, 10, 11], dtype=torch.int32), torch.arange(rows + 1),
+            all_single=True, shared_prefix=plan,
+        )  # fmt: skip
 
-    assert plan_group_of(meta(True)) == 0 and plan_group_of(meta(False)) is None
-    for planned, group in (((False, True), 1), ((True, False), 0), ((True, True), None)):
-        grouped = grouped_metadata(tuple(meta(p) for p in planned), (0, 1, 1))
-        assert plan_group_of(grouped) == group, planned
+    assert plan_group_of(meta(0, True)) == 0 and plan_group_of(meta(0, False)) is None
+    assert plan_group_of(grouped_metadata((meta(0, True), meta(1, True)), (0, 1, 1))) is None
+    for planned in ((False, True), (True, False)):
+        host = grouped_metadata(tuple(meta(g, p) for g, p in enumerate(planned)), (0, 1, 1))
+        group = plan_group_of(host)
+        assert group == planned.index(True)
+        static = StaticStep.allocate(4, width, torch.device("cpu"), host.layer_groups, False, group)
+        ones = torch.ones(rows, 1, dtype=torch.long)
+        static.load(host, ones, ones)
+        static.device_buffer[2 * 4 :].copy_(static.host_buffer)  # (CPU: the copy is done)
+        for g, held in enumerate(static.meta.group_metas):
+            assert (
+                held.block_tables[:rows, :2].tolist() == host.group_metas[g].block_tables.tolist()
+            )
+            if g != group:
+                assert held.shared_prefix is None
+                continue
+            assert held.shared_prefix.prefix_lens.tolist() == [8, 8, 8, 0]
+            tiles = held.shared_prefix.tiles
+            assert tiles[0, :4].tolist() == [0, 1, 2, -1] and (tiles[1:] == -1).all()
 
 
 def test_the_cache_keeps_its_plan_until_a_table_changes_what_it_shares():

@@ -312,6 +312,36 @@ def test_quantized_pools_with_a_shared_prefix_match_reference(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [float("inf"), 1e30], ids=["inf", "1e30"])
+def test_one_rows_huge_query_leaves_the_other_rows_of_a_tile(bad, device, poison_outputs,
+                                                             monkeypatch):  # fmt: skip
+    """FP8 pools, bfloat16 queries: the prefix pass's matrix holds rows of several sequences,
+    and each row meets the tiles in float16 through its own power of two, so row 0's query
+    entry of 1e30 (or inf) leaves rows 1-4 at the reference. Planted: one power of two for
+    the whole matrix (the first version): rows 1-4 off by 1 to 10."""
+    num_kv_heads, group, head_dim, block_size, lens, groups, _ = CASES["gqa4-edges"]
+    kc, vc, ks, vs, k64, v64, tables, seq_lens = make_fp8_paged_kv(
+        lens, num_kv_heads, head_dim, block_size, device=device
+    )
+    for rows, blocks in groups:
+        tables[rows[1:], :blocks] = tables[rows[0], :blocks]
+    query = torch.randn(len(lens), num_kv_heads * group, head_dim, device=device)
+    query = query.to(torch.bfloat16)
+    query[0, :, 0] = bad
+    plan = as_plan(plan_shared_prefix(tables.cpu().numpy(), seq_lens.cpu().numpy(), block_size),
+                   device)  # fmt: skip
+    assert (plan.prefix_lens.cpu() > 0).all()  # row 0 shares its tiles with rows 1-4
+    passes = spy_prefix_pass(monkeypatch)
+    out = paged_decode_attention(
+        query, kc, vc, tables, seq_lens, k_scale=ks, v_scale=vs, shared_prefix=plan,
+        backend="triton",
+    )  # fmt: skip
+    ref = paged_decode_attention_ref(query[1:].double(), k64, v64, tables[1:], seq_lens[1:])
+    assert passes
+    assert row_errors(out[1:].float().cpu(), ref.cpu()).max() < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_plan_is_ignored_under_a_window(device, poison_outputs):
     """A sliding window reads each row whole (the prefix pass has no window): the plan is
     ignored and the output is the windowed reference."""
