@@ -92,11 +92,13 @@ def cuobjdump(kernel, flag: str) -> str:
 
 
 def resources(kernel) -> dict[str, int]:
-    """Registers and local memory a thread (cuobjdump's resource usage), shared memory."""
+    """Registers, stack and local memory a thread (cuobjdump's resource usage; a stack frame
+    holds what calls to device functions spill), shared memory."""
     usage = cuobjdump(kernel, "--dump-resource-usage")
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
-    return dict(registers=registers, local=local, shared=kernel.metadata.shared)
+    return dict(registers=registers, stack=stack, local=local, shared=kernel.metadata.shared)
 
 
 def parse_configs(text: str) -> list[tuple[int, ...]]:

@@ -119,6 +119,14 @@ def prefix_tile_shape(group: int) -> tuple[int, int, int]:
     return rows, -(-TILE_ROWS // rows), max(16, next_pow2(rows * group))
 
 
+def prefix_key_tile(fp32: bool, d_pad: int, block_size: int, block_m: int) -> tuple[int, int]:
+    """(keys a loop step, warps) of the prefix pass for a float32 query or not, head-dim
+    tile ``d_pad`` and ``block_m`` matrix rows: 64 keys (32 for float32 or past head_dim
+    128), at least a block; 8 warps past 64 x 128 matrix entries."""
+    block_n = max(32 if fp32 or d_pad > 128 else 64, next_pow2(block_size))
+    return block_n, 8 if block_m * d_pad > 64 * 128 else 4
+
+
 def prefix_splits(num_tiles: int, num_kv_heads: int, group: int, capacity: int,
                   device: torch.device) -> int:  # fmt: skip
     """Splits of the shared prefix from shapes only (a CUDA graph fixes them): about two
@@ -163,8 +171,7 @@ def shared_prefix_partials(
     fp32 = query.dtype == torch.float32
     fp8 = key_cache.dtype == FP8_DTYPE
     int8 = key_cache.dtype == INT8_DTYPE
-    block_n = max(32 if fp32 or d_pad > 128 else 64, next_pow2(block_size))
-    warps = 8 if block_m * d_pad > 64 * 128 else 4
+    block_n, warps = prefix_key_tile(fp32, d_pad, block_size, block_m)
     grid = (tiles.shape[0] * sub_tiles, num_kv_heads, splits)
     _prefix_kernel[grid](
         query, key_cache, value_cache, block_tables, prefix_lens, tiles, prefix_o, prefix_lse,
