@@ -60,7 +60,7 @@ def compile_decode(pool: str, head_dim: int, group: int, config, maxnreg: int, a
         D_PAD=head_dim_pad(head_dim), BLOCK_SIZE=16, BLOCK_N=block_n, NUM_SPLITS=4,
         BALANCED=False, S_PAD=1, HAS_WINDOW=False, HAS_SOFTCAP=False, FP32=False, PDL=True,
         FP8=pool == "fp8", INT8=pool == "int8", K_GROUPS=int8_groups(head_dim, INT8_K_GROUP),
-        K_GW=INT8_K_GROUP,
+        K_GW=INT8_K_GROUP, prefix_lens=None, prefix_o=None, prefix_lse=None, PREFIX_SPLITS=0,
     )  # fmt: skip
     if quantized:
         pointers.update(k_scale=SCALE_TYPES[pool], v_scale=SCALE_TYPES[pool])

@@ -70,7 +70,7 @@ def _prefix_kernel(
     if FP8:  # K's scale folds into the score scale; V's is the decode kernel's, at its end
         scale = scale * tl.load(k_scale + kv_head)
         if not FP32:
-            q, scale = query_for_fp8_tiles(q, scale)
+            q, scale = query_for_fp8_tiles(q, scale, True)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

@@ -43,16 +43,21 @@ def scores_to_log2(s, scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def query_for_fp8_tiles(q, scale):
-    """(q [M, D] as float16, the score scale [M, 1] to use with it) for products with e4m3
-    tiles, which convert to float16 in one instruction and to bfloat16 only through more: the
-    tiles meet in float16. Each row is divided by the power of two that puts its largest entry
-    in [2^13, 2^14): no overflow, and every entry down to 2^-27 of its row's largest keeps all
-    of bfloat16's bits; the scale takes each row's power back. Per row, so that one row's huge
-    or infinite entries (another sequence's, in the prefix pass) leave the others' bits."""
-    q_max = tl.max(tl.abs(q.to(tl.float32)), 1)
+def query_for_fp8_tiles(q, scale, PER_ROW: tl.constexpr):
+    """(q [M, D] as float16, the score scale to use with it) for products with e4m3 tiles,
+    which convert to float16 in one instruction and to bfloat16 only through more: the tiles
+    meet in float16. The query is divided by the power of two that puts its largest entry in
+    [2^13, 2^14): no overflow, and every entry down to 2^-27 of the largest keeps all of
+    bfloat16's bits; the scale takes the power back. ``PER_ROW``: a power for each row (the
+    scale [M, 1]), for a matrix whose rows are different sequences' (the prefix pass), so that
+    one row's huge or infinite entries leave the others' bits; else one for the whole matrix
+    (the heads of one sequence: a scalar scale, fewer instructions in the decode loop)."""
+    if PER_ROW:
+        q_max = tl.max(tl.abs(q.to(tl.float32)), 1)[:, None]
+    else:
+        q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
     exponent = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    q_pow = (tl.maximum(exponent - 13, 1) << 23).to(tl.float32, bitcast=True)[:, None]
+    q_pow = (tl.maximum(exponent - 13, 1) << 23).to(tl.float32, bitcast=True)
     return (q.to(tl.float32) / q_pow).to(tl.float16), scale * q_pow
 
 

@@ -169,7 +169,7 @@ def _decode_kernel(
     q_rows = query + seq * stride_qs + heads[:, None] * stride_qh
     q = tl.load(q_rows + d[None, :], mask=row_mask)
     if FP8 and not FP32:
-        q, scale = query_for_fp8_tiles(q, scale)
+        q, scale = query_for_fp8_tiles(q, scale, False)
 
     # A finite start keeps exp2(m_old - m_new) from ever being NaN on fully masked tiles.
     m_i = tl.full([GROUP_PAD], -1.0e30, tl.float32)
