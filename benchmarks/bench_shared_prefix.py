@@ -121,8 +121,7 @@ def make_set(prefixes, per_group, own, hq, hkv, dim, kv_dtype=None) -> dict:
     if kv_dtype == "int8":  # per-slot scales (K's per 16 channels); NaN slots get NaN scales
         (kc, scales["kc"]), (vc, scales["vc"]) = quantize_int8(kc), quantize_int8(vc, None)
     if kv_dtype == "fp8_e4m3":  # per-KV-head scales fitting each head's finite amax
-        for name in ("kc", "vc"):
-            pool = kc if name == "kc" else vc
+        for name, pool in (("kc", kc), ("vc", vc)):
             amax = pool.float().nan_to_num(0.0).abs().amax(dim=(0, 1, 3)).clamp_min(1e-3)
             scales[name] = amax / FP8_MAX
         kc, vc = quantize(kc, scales["kc"]), quantize(vc, scales["vc"])

@@ -63,12 +63,6 @@ def plan_group_of(host: StepMetadata) -> int | None:
     return planned[0] if len(planned) == 1 else None
 
 
-def plan_of(meta: StepMetadata) -> SharedPrefixPlan | None:
-    """The plan of ``plan_group_of(meta)``'s group, or None."""
-    group = plan_group_of(meta)
-    return None if group is None else (meta.group_metas or (meta,))[group].shared_prefix
-
-
 @dataclass
 class StaticStep:
     """The fixed buffers of one bucket, as views of one int32 device buffer."""
@@ -81,6 +75,7 @@ class StaticStep:
     input_ids: torch.Tensor  # [rows, 1]
     position_ids: torch.Tensor  # [rows, 1]
     meta: StepMetadata
+    plan_group: int | None  # the layer group whose plan the buffers hold (``allocate``)
 
     @classmethod
     def allocate(
@@ -130,7 +125,8 @@ class StaticStep:
         if on_cuda:
             event = torch.cuda.Event()
             event.record()
-        return cls(rows, width, buf, host, event, ids.view(rows, 1), pos.view(rows, 1), meta)
+        ids, pos = ids.view(rows, 1), pos.view(rows, 1)
+        return cls(rows, width, buf, host, event, ids, pos, meta, plan_group)
 
     def load(self, host: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor):
         """Write one step's inputs; rows past the batch become padding."""
@@ -142,13 +138,12 @@ class StaticStep:
         lens[:n] = host.seq_lens.numpy()
         lens[n:] = 1
         metas = host.group_metas or (host,)
-        held_plan = plan_of(self.meta)
-        if held_plan is not None:  # (the plan ends the layout)
-            held = held_plan.tiles.shape[0]
+        if self.plan_group is not None:  # (the plan ends the layout)
+            held = tile_capacity(rows)
             plan_at = staging.size - rows - held * TILE_ROWS
             prefix_lens = staging[plan_at : plan_at + rows]
             tiles = staging[plan_at + rows :].reshape(held, TILE_ROWS)
-            plan = plan_of(host)
+            plan = metas[self.plan_group].shared_prefix  # (the graph's key holds the group)
             prefix_lens[:n] = plan.prefix_lens.numpy()
             prefix_lens[n:] = 0
             tiles[: plan.tiles.shape[0]] = plan.tiles.numpy()
