@@ -38,7 +38,7 @@ def compile_prefix(pool: str, query: str, head_dim: int, group: int, arch: int):
     block size 16, four splits, soft-cap on (the larger program)."""
     fn = triton_cascade._prefix_kernel
     d_pad = head_dim_pad(head_dim)
-    rows, sub_tiles, block_m = triton_cascade.prefix_tile_shape(group)
+    rows, sub_tiles, block_m = triton_cascade.prefix_tile_shape(group, pool == "int8")
     block_n, warps = triton_cascade.prefix_key_tile(query == "fp32", d_pad, 16, block_m)
     pointers = dict(query=QUERY_TYPES[query], key_cache=POOL_TYPES[pool],
                     value_cache=POOL_TYPES[pool], block_tables="*i32", prefix_lens="*i32",

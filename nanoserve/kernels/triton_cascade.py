@@ -25,8 +25,10 @@ from nanoserve.kernels.triton_common import (
     scores_to_log2,
 )
 
-# Matrix rows (tile rows x query heads of one KV head) a program holds at most.
+# Matrix rows (tile rows x query heads of one KV head) a program holds at most; INT8 pools'
+# grouped key products hold more registers a row, and at 64 rows the pass runs out of them.
 PREFIX_MATRIX_ROWS = 64
+INT8_PREFIX_MATRIX_ROWS = 32
 # Fewest prefix tokens a split keeps, and the most splits.
 PREFIX_SPLIT_TOKENS = 256
 MAX_PREFIX_SPLITS = 16
@@ -111,11 +113,13 @@ def _prefix_kernel(
     tl.store(prefix_lse + at, m_i + tl.log2(l_safe), mask=active)
 
 
-def prefix_tile_shape(group: int) -> tuple[int, int, int]:
+def prefix_tile_shape(group: int, int8: bool = False) -> tuple[int, int, int]:
     """(rows a program takes, programs a tile, matrix rows) for ``group`` query heads a KV
-    head: as many of a tile's rows as keep the matrix within PREFIX_MATRIX_ROWS rows (at
-    least one row, at least 16 matrix rows for ``tl.dot``)."""
-    rows = max(1, min(TILE_ROWS, PREFIX_MATRIX_ROWS // next_pow2(group)))
+    head: as many of a tile's rows as keep the matrix within PREFIX_MATRIX_ROWS rows
+    (INT8_PREFIX_MATRIX_ROWS over ``int8`` pools; at least one row, at least 16 matrix rows
+    for ``tl.dot``)."""
+    most = INT8_PREFIX_MATRIX_ROWS if int8 else PREFIX_MATRIX_ROWS
+    rows = max(1, min(TILE_ROWS, most // next_pow2(group)))
     return rows, -(-TILE_ROWS // rows), max(16, next_pow2(rows * group))
 
 
@@ -128,11 +132,11 @@ def prefix_key_tile(fp32: bool, d_pad: int, block_size: int, block_m: int) -> tu
 
 
 def prefix_splits(num_tiles: int, num_kv_heads: int, group: int, capacity: int,
-                  device: torch.device) -> int:  # fmt: skip
+                  device: torch.device, int8: bool = False) -> int:  # fmt: skip
     """Splits of the shared prefix from shapes only (a CUDA graph fixes them): about two
     programs an SM over the tiles' programs, each split keeping PREFIX_SPLIT_TOKENS of the
     most the tables can hold (``capacity`` tokens), a power of two up to MAX_PREFIX_SPLITS."""
-    programs = num_tiles * prefix_tile_shape(group)[1] * num_kv_heads
+    programs = num_tiles * prefix_tile_shape(group, int8)[1] * num_kv_heads
     want = -(-2 * sm_count(device) // max(programs, 1))
     most = max(1, capacity // PREFIX_SPLIT_TOKENS)
     return floor_pow2(max(1, min(want, most, MAX_PREFIX_SPLITS)))
@@ -162,15 +166,15 @@ def shared_prefix_partials(
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
     d_pad = head_dim_pad(head_dim)
-    rows, sub_tiles, block_m = prefix_tile_shape(group)
-    capacity = block_tables.shape[1] * block_size
-    splits = prefix_splits(tiles.shape[0], num_kv_heads, group, capacity, query.device)
-    shape = (num_seqs, num_q_heads, splits)
-    prefix_o = torch.empty((*shape, d_pad), dtype=torch.float32, device=query.device)
-    prefix_lse = torch.empty(shape, dtype=torch.float32, device=query.device)
     fp32 = query.dtype == torch.float32
     fp8 = key_cache.dtype == FP8_DTYPE
     int8 = key_cache.dtype == INT8_DTYPE
+    rows, sub_tiles, block_m = prefix_tile_shape(group, int8)
+    capacity = block_tables.shape[1] * block_size
+    splits = prefix_splits(tiles.shape[0], num_kv_heads, group, capacity, query.device, int8)
+    shape = (num_seqs, num_q_heads, splits)
+    prefix_o = torch.empty((*shape, d_pad), dtype=torch.float32, device=query.device)
+    prefix_lse = torch.empty(shape, dtype=torch.float32, device=query.device)
     block_n, warps = prefix_key_tile(fp32, d_pad, block_size, block_m)
     grid = (tiles.shape[0] * sub_tiles, num_kv_heads, splits)
     _prefix_kernel[grid](

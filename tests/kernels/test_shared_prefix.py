@@ -264,7 +264,7 @@ QUANTIZED_TOLERANCE = {
                          ids=["fp32", "fp16", "bf16"])  # fmt: skip
 @pytest.mark.parametrize("pools", ["fp8", "int8"])
 @pytest.mark.parametrize("case", ["gqa4-edges", "mha-d80-two-groups", "gqa7-d96-softcap",
-                                  "bs32-long-prefix"])  # fmt: skip
+                                  "bs32-long-prefix", "gqa8-d128-tile-overflow"])  # fmt: skip
 def test_quantized_pools_with_a_shared_prefix_match_reference(
     case, pools, dtype, launch, device, poison_outputs, monkeypatch
 ):
@@ -272,7 +272,8 @@ def test_quantized_pools_with_a_shared_prefix_match_reference(
     channels): the prefix pass runs and dequantizes as the decode kernel does (FP8: K's
     scale in the scores, V's at the decode kernel's end; INT8: a product per channel group
     times its keys' scales, V's scales in the softmax weights); each (row, head) against
-    float64 on the dequantized pools. A bfloat16 query of magnitude 1e5 (past float16's
+    float64 on the dequantized pools (INT8's smaller matrix splits a tile of 18 rows of 8
+    query heads into more programs). A bfloat16 query of magnitude 1e5 (past float16's
     range; K's scale shrunk to match) meets FP8 tiles in float16 through its power of two,
     so it runs under the interpreter too. Planted: the pass without FP8's K scale, its
     output scaled by a stray factor, and INT8's V scales left out: each failed."""
