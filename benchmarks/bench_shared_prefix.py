@@ -216,9 +216,10 @@ def main() -> None:
     print(f"flashinfer: {flashinfer.__version__ if flashinfer else reason}")
     rows = []
     for name in args.classes.split(","):
-        rows += measure(name, flashinfer, args.kv_dtype)
-        for r in rows[-5:]:
+        measured = measure(name, flashinfer, args.kv_dtype)
+        for r in measured:
             print(r, flush=True)
+        rows += measured
     columns = ["cls", "rows", "provider", "us", "GBps_unique", "x_unique_read", "err",
                "plan_host_us"]  # fmt: skip
     suffix = f"_{args.kv_dtype}" if args.kv_dtype else ""
