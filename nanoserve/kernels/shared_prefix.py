@@ -67,26 +67,42 @@ def tile_capacity(num_rows: int) -> int:
 def _groups(rows: np.ndarray, members: np.ndarray, usable: np.ndarray):
     """[(members, prefix blocks)] for rows ``members`` that agree on their first block:
     either one group over their common prefix, or subgroups that agree further, whichever
-    saves more block reads ((members - 1) x prefix, summed). Each level splits a group or
-    drops rows, so the recursion is at most as deep as there are rows."""
-    if members.size < 2:
-        return []
-    most = int(usable[members].min())
-    lead = rows[members[0], :most]
-    same = (rows[members, :most] == lead).all(axis=0)
-    common = most if same.all() else int(np.argmin(same))
-    whole = [(members, common)] if common > 0 else []
-    saved_whole = (members.size - 1) * common
-    if common >= int(usable[members].max()):
-        return whole
-    # rows still holding shared-candidate blocks past the common prefix, split by the next id
-    deeper = members[usable[members] > common]
-    parts = []
-    ids = rows[deeper, common]
-    for block in np.unique(ids):
-        parts += _groups(rows, deeper[ids == block], usable)
-    saved_parts = sum((m.size - 1) * p for m, p in parts)
-    return parts if saved_parts > saved_whole else whole
+    saves more block reads ((members - 1) x prefix, summed), decided at every level of the
+    tree of ever longer common prefixes. Walked with a stack, not recursion: rows whose
+    prompts each extend the one before nest as deep as there are rows."""
+    nodes = []  # per group of rows: [its whole group (or none), reads it saves, children]
+    todo = [(members, 0, -1)]  # (rows, leading blocks they are known to share, parent)
+    while todo:
+        members, known, parent = todo.pop()
+        if members.size < 2:
+            continue
+        most = int(usable[members].min())
+        lead = rows[members[0], known:most]
+        same = (rows[members, known:most] == lead).all(axis=0)
+        common = most if same.all() else known + int(np.argmin(same))
+        whole = [(members, common)] if common > 0 else []
+        leaf = common >= int(usable[members].max())
+        nodes.append([whole, (members.size - 1) * common, None if leaf else []])
+        if parent >= 0:
+            nodes[parent][2].append(len(nodes) - 1)
+        if leaf:
+            continue
+        # rows still holding shared-candidate blocks past the common prefix, split by the next
+        # id (pushed in reverse so that children are listed in the ids' order)
+        deeper = members[usable[members] > common]
+        ids = rows[deeper, common]
+        for block in np.unique(ids)[::-1]:
+            todo.append((deeper[ids == block], common + 1, len(nodes) - 1))
+    chosen = [[] for _ in nodes]
+    for index in range(len(nodes) - 1, -1, -1):  # children come after their parent
+        whole, saved_whole, children = nodes[index]
+        if children is None:
+            chosen[index] = whole
+            continue
+        parts = [group for child in children for group in chosen[child]]
+        saved_parts = sum((m.size - 1) * p for m, p in parts)
+        chosen[index] = parts if saved_parts > saved_whole else whole
+    return chosen[0] if nodes else []
 
 
 def plan_shared_prefix(

@@ -22,6 +22,7 @@ from nanoserve.kernels.dispatch import sm_count
 from nanoserve.kernels.shared_prefix import (
     TILE_ROWS,
     SharedPrefixPlan,
+    check_shared_prefix,
     plan_shared_prefix,
     tile_capacity,
 )
@@ -114,6 +115,27 @@ def test_plan_takes_the_deeper_split_when_it_saves_more():
     tables[1, 1:3] = tables[0, 1:3]
     plan = plan_shared_prefix(tables, np.full(8, 31 * 16 + 5, np.int32), 16)
     assert plan.prefix_lens.tolist() == [16] * 8
+
+
+def test_plan_of_prompts_each_one_block_longer_than_the_last():
+    """1,200 rows where row k holds blocks 0..k of one document (a staircase of prefixes,
+    nested 1,200 levels deep, past Python's recursion limit): one group of the rows
+    599..1199 over 600 blocks saves the most reads (601 x 600 shared reads minus one row's,
+    against (n - j - 1) x (j + 1) at any other level j). Planted: the walk as recursion
+    raised RecursionError."""
+    n = 1200
+    tables = np.zeros((n, n + 1), np.int32)
+    for k in range(n):
+        tables[k, : k + 1] = np.arange(k + 1)
+        tables[k, k + 1] = n + k  # the row's own block, holding its newest token
+    seq_lens = np.arange(n, dtype=np.int32) + 2  # block size 1: row k has k + 1 shared blocks
+    plan = plan_shared_prefix(tables, seq_lens, 1)
+    expected = np.zeros(n, np.int32)
+    expected[599:] = 600
+    assert plan.prefix_lens.tolist() == expected.tolist()
+    planned = np.sort(np.concatenate([t[t >= 0] for t in plan.tiles.numpy()]))
+    assert planned.tolist() == list(range(599, n))
+    check_shared_prefix(plan, torch.from_numpy(tables), torch.from_numpy(seq_lens), 1)
 
 
 def test_plan_fits_its_tiles():
