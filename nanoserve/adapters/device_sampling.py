@@ -135,7 +135,9 @@ class _RepetitionPenalty(_Step):
         if self.seen is None or length < self.ignore:
             return
         vocab = self.seen.shape[1] - 1
-        tokens = tokens.clamp(max=vocab)
+        # a finished row's pad may be no id at all (-1, or past the vocabulary): the dropped
+        # last column records it
+        tokens = torch.where((tokens < 0) | (tokens > vocab), vocab, tokens)
         if self.ignore_rows is not None and length < self.most_ignored:
             # rows still ignoring this column mark the dropped last column instead
             tokens = torch.where(self.ignore_rows.to(tokens.device) <= length, tokens, vocab)

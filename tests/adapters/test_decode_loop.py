@@ -95,17 +95,21 @@ def test_eos_at_different_steps():
     assert_same(stock, hf_loop, ours)
 
 
+@pytest.mark.parametrize("penalty", [None, 1.3], ids=["plain", "repetition_penalty"])
 @pytest.mark.parametrize("pad", [97, -1])
-def test_a_pad_id_outside_the_embedding(pad):
+def test_a_pad_id_outside_the_embedding(pad, penalty):
     """``pad_token_id`` with no embedding row (a tokenizer's added pad token; -1): stock
     never feeds it where every row stops at one step (its loop stops first); nanoserve's
     loop issues steps before it reads that back, and feeds them another id: stock's tokens,
     at batch 1 and with rows ending together. Found by a probe: the embedding raised
-    IndexError. Planted: the pads fed: IndexError."""
+    IndexError. Planted: the pads fed: IndexError. The repetition penalty records the pads
+    of those steps too; found by a probe: -1 reached its scatter as an index (RuntimeError).
+    Planted: negative ids recorded as given: RuntimeError."""
     model = eos_early(tiny_model("llama", seed=10), 3.0)
     ids = torch.randint(3, 97, (1, 13), generator=torch.Generator().manual_seed(4))
     for inputs in (dict(input_ids=ids), dict(input_ids=ids.repeat(2, 1))):
-        opts = dict(max_new_tokens=30, do_sample=False, eos_token_id=EOS, pad_token_id=pad)
+        opts = dict(max_new_tokens=30, do_sample=False, eos_token_id=EOS, pad_token_id=pad,
+                    repetition_penalty=penalty)  # fmt: skip
         with torch.no_grad():
             stock = model.generate(**inputs, **opts)
         assert stock.shape[1] < 13 + 30  # stopped at EOS
