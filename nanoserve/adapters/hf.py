@@ -853,6 +853,18 @@ def _new_store(state: PatchState, size: PoolSize, num_blocks, pools, allocators,
 
 def _paged_generate(self, *args, **kwargs):
     state = _state(self)
+    # One call on a model at a time, from here: what the call reads off the model (its
+    # modules, hooks, training mode, the weights' salt) is read once its turn has come, so
+    # a call that waited does not look prefixes up under weights another thread has changed.
+    with state.lock:
+        if state_of(self) is not state:  # unpatched or patched again while this call waited
+            user_salt = kwargs.pop("cache_salt", None)
+            return _generate_again(self, args, kwargs, user_salt)
+        return _generate_in_turn(self, state, args, kwargs)
+
+
+def _generate_in_turn(self, state: PatchState, args: tuple, kwargs: dict):
+    """``_paged_generate`` under ``state.lock``."""
     stock = stock_method(self, state.previous_generate, "generate")
     if len(args) > 1:  # a generation config (or more) passed by position: read as keywords
         with contextlib.suppress(TypeError, ValueError):
@@ -884,35 +896,32 @@ def _paged_generate(self, *args, **kwargs):
                 f"{name}: a PagedCache passed back, but {why}: nanoserve runs such a model as "
                 "stock does, on stock's cache; start a new call without the cache"
             )
-        with state.lock:
-            if state_of(self) is not state:
-                return _generate_again(self, args, kwargs, user_salt)
-            _check_retired(passed, type(self))
-            _taken_back(state, passed)
-            dropout = walk.dropout
-            agree_options(self, _options(self, state, dropout, hooks))
-            _check_attention(self)
-            _check_layer_config(walk.layer_config)
-            _check_forward(self, state)
-            check_windows(self, state.pool.layout)
-            _check_continuation(self, passed, args, kwargs)
-            # (before the growth below, which counts the blocks a window keeps)
-            passed.paged.keep_past_window(window_slack(self, kwargs))
-            _room_to_continue(state, passed, self, args, kwargs)
-            passed.mask_checked = False
-            passed.drops_out = dropout  # (training mode may have changed since)
-            passed.paged.leave_inference_mode()  # (returned by a call under inference mode)
-            # a failed call (OutOfBlocks, say) leaves the cache as given: its rows' blocks are
-            # held through the call, which beam reorders and windows would otherwise free
-            held = passed.hold()
-            try:
-                with _generating(state, passed, hooks, self, walk):
-                    out = stock(*args, **kwargs)
-            except BaseException:
-                passed.restore(held)
-                raise
-            passed.release(held)
-            return out
+        _check_retired(passed, type(self))
+        _taken_back(state, passed)
+        dropout = walk.dropout
+        agree_options(self, _options(self, state, dropout, hooks))
+        _check_attention(self)
+        _check_layer_config(walk.layer_config)
+        _check_forward(self, state)
+        check_windows(self, state.pool.layout)
+        _check_continuation(self, passed, args, kwargs)
+        # (before the growth below, which counts the blocks a window keeps)
+        passed.paged.keep_past_window(window_slack(self, kwargs))
+        _room_to_continue(state, passed, self, args, kwargs)
+        passed.mask_checked = False
+        passed.drops_out = dropout  # (training mode may have changed since)
+        passed.paged.leave_inference_mode()  # (returned by a call under inference mode)
+        # a failed call (OutOfBlocks, say) leaves the cache as given: its rows' blocks are
+        # held through the call, which beam reorders and windows would otherwise free
+        held = passed.hold()
+        try:
+            with _generating(state, passed, hooks, self, walk):
+                out = stock(*args, **kwargs)
+        except BaseException:
+            passed.restore(held)
+            raise
+        passed.release(held)
+        return out
     if passed is not None or option("use_cache") is False:
         why = "the caller's own cache" if passed is not None else "use_cache=False"
         _log.info("fallback: stock generate (%s)", why)
@@ -968,61 +977,57 @@ def _paged_generate(self, *args, **kwargs):
     if state.prefix_sharing and hooks.rows is None and not option("prefill_chunk_size"):
         # the weights' hash runs on the device while the host sizes the pool below
         pending_salt = begin_prefix_salt(self, state, walk)
-    with state.lock:
-        if state_of(self) is not state:
-            return _generate_again(self, args, kwargs, user_salt)
-        for name in CACHE_KWARGS:
-            kwargs.pop(name, None)
-        share = (
-            state.prefix_sharing
-            and dropout is None
-            and hooks.rows is None
-            and _may_share(kwargs, option)
-        )
-        size = pool_size(state.pool, self, args, kwargs, share)
-        kept = state.kept_pools
-        reclaimable = kept.nbytes() if kept is not None else 0
-        check_pool_fits(size, state.pool, self, reclaimable, walk.parameters)
-        pool_dtype = state.pool.pool_dtype(self.dtype)
-        failed, state.failed_cache = state.failed_cache, None
-        num_blocks, pools, allocators = _pools_for(state, size, pool_dtype, failed)
-        slack = window_slack(self, kwargs)
-        paged = _new_store(state, size, num_blocks, pools, allocators, slack)
-        cache = PagedCache(paged)
-        cache.pool_fixed = state.pool.fixed
-        cache.drops_out = dropout
-        salt = None
-        if pending_salt is not None:
-            salt = finish_prefix_salt(pending_salt, self, user_salt, state, walk)
-        stores = [group.allocator.store_id for group in paged.groups]
-        cache.prefix_salt = agreed_salt(self, salt, stores)
-        if share and not state.pool.fixed:
-            unshared = pool_size(state.pool, self, args, kwargs, quiet=True)
-            unshared = list(unshared.group_blocks) or [unshared.num_blocks]
-            grows = any(u > n for u, n in zip(unshared, num_blocks, strict=True))
-            cache.unshared_blocks = unshared if grows else None
-        # weakly: a cache the caller drops is gone, and its memory can serve the next call
-        state.last_cache = weakref.ref(cache)
-        kept = [
-            KeptPools(pool_dtype, g.pool_lists, weakref.ref(paged), g.allocator)
-            for g in paged.groups
-        ]
-        kept[0].others = tuple(kept[1:])
-        state.kept_pools = kept[0]
-        kwargs[cache_kwarg(type(self))] = cache
-        if implementation == "dynamic":
-            _unset_dynamic(self, kwargs)
-        try:
-            with _generating(state, cache, hooks, self, walk):
-                return stock(*args, **kwargs)
-        except BaseException:
-            state.last_cache = lambda: cache  # held, so the caller can see what was kept
-            state.failed_cache = cache
-            raise
-        finally:
-            state.last_stats = cache.stats()
-            if not state.keep_pools:
-                state.kept_pools = None
-                _forget_cached(state)
-                if state.graphs is not None:
-                    state.graphs.reset()
+    for name in CACHE_KWARGS:
+        kwargs.pop(name, None)
+    share = (
+        state.prefix_sharing
+        and dropout is None
+        and hooks.rows is None
+        and _may_share(kwargs, option)
+    )
+    size = pool_size(state.pool, self, args, kwargs, share)
+    kept = state.kept_pools
+    reclaimable = kept.nbytes() if kept is not None else 0
+    check_pool_fits(size, state.pool, self, reclaimable, walk.parameters)
+    pool_dtype = state.pool.pool_dtype(self.dtype)
+    failed, state.failed_cache = state.failed_cache, None
+    num_blocks, pools, allocators = _pools_for(state, size, pool_dtype, failed)
+    slack = window_slack(self, kwargs)
+    paged = _new_store(state, size, num_blocks, pools, allocators, slack)
+    cache = PagedCache(paged)
+    cache.pool_fixed = state.pool.fixed
+    cache.drops_out = dropout
+    salt = None
+    if pending_salt is not None:
+        salt = finish_prefix_salt(pending_salt, self, user_salt, state, walk)
+    stores = [group.allocator.store_id for group in paged.groups]
+    cache.prefix_salt = agreed_salt(self, salt, stores)
+    if share and not state.pool.fixed:
+        unshared = pool_size(state.pool, self, args, kwargs, quiet=True)
+        unshared = list(unshared.group_blocks) or [unshared.num_blocks]
+        grows = any(u > n for u, n in zip(unshared, num_blocks, strict=True))
+        cache.unshared_blocks = unshared if grows else None
+    # weakly: a cache the caller drops is gone, and its memory can serve the next call
+    state.last_cache = weakref.ref(cache)
+    kept = [
+        KeptPools(pool_dtype, g.pool_lists, weakref.ref(paged), g.allocator) for g in paged.groups
+    ]
+    kept[0].others = tuple(kept[1:])
+    state.kept_pools = kept[0]
+    kwargs[cache_kwarg(type(self))] = cache
+    if implementation == "dynamic":
+        _unset_dynamic(self, kwargs)
+    try:
+        with _generating(state, cache, hooks, self, walk):
+            return stock(*args, **kwargs)
+    except BaseException:
+        state.last_cache = lambda: cache  # held, so the caller can see what was kept
+        state.failed_cache = cache
+        raise
+    finally:
+        state.last_stats = cache.stats()
+        if not state.keep_pools:
+            state.kept_pools = None
+            _forget_cached(state)
+            if state.graphs is not None:
+                state.graphs.reset()

@@ -919,21 +919,13 @@ def test_a_call_that_waited_while_another_thread_unpatched_runs_stock(monkeypatc
     unpatches the model: it runs as the model now stands (stock). Planted, reverted: no
     re-check after the lock: the call ran on the stale state and stock's forward refused the
     paged cache (RuntimeError)."""
-    from nanoserve.adapters import hf
-
     model = tiny_model("llama")
     inputs = padded_batch([9, 4], 9)
     stock = stock_generate(model, **inputs, max_new_tokens=4, **GREEDY)
     nanoserve.patch_model(model, block_size=4)
     state = state_of(model)
     reached, result = threading.Event(), {}
-    scan = hf.scan_hooks
-
-    def scanned(m, *rest):  # runs before the call takes the lock
-        reached.set()
-        return scan(m, *rest)
-
-    monkeypatch.setattr(hf, "scan_hooks", scanned)
+    spy_before_the_lock(monkeypatch, reached)
 
     def call():
         try:
@@ -950,6 +942,62 @@ def test_a_call_that_waited_while_another_thread_unpatched_runs_stock(monkeypatc
     thread.join(120)
     assert "error" not in result, result.get("error")
     assert torch.equal(result["out"], stock)
+
+
+def spy_before_the_lock(monkeypatch, reached: threading.Event) -> None:
+    """Set ``reached`` when a generate call has read the patch state, just before it waits
+    for its turn (the model's lock)."""
+    from nanoserve.adapters import hf
+
+    read_state = hf._state
+
+    def reading(model):
+        reached.set()
+        return read_state(model)
+
+    monkeypatch.setattr(hf, "_state", reading)
+
+
+def test_a_call_that_waited_while_another_thread_changed_the_weights(monkeypatch):
+    """A generate call waits for its turn while a call in another thread holds the model
+    (the test holds its lock) and a trainer updates the weights in place: once its turn
+    comes it runs on the new weights, and the prompt's blocks stored under the old ones are
+    not found. Found by a probe: the call read its modules and the weights' salt before the
+    lock, found the old blocks and gave other tokens. Planted: the salt read before the
+    lock again: other tokens, one prefix hit."""
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    ids = torch.randint(3, 90, (1, 22), generator=torch.Generator().manual_seed(5))
+    opts = dict(input_ids=ids, max_new_tokens=6, **GREEDY)
+    nanoserve.patch_model(model, block_size=4)
+    stock_generate(model, **opts)  # stores the prompt's blocks
+    stock_generate(model, **opts)
+    assert nanoserve.cache_stats(model)["prefix_hits"] > 0  # (found again: the cache works)
+    state = state_of(model)
+    reached, result = threading.Event(), {}
+    spy_before_the_lock(monkeypatch, reached)
+
+    def call():
+        try:
+            result["out"] = stock_generate(model, **opts)
+            result["hits"] = nanoserve.cache_stats(model)["prefix_hits"]
+        except Exception as e:  # reported below
+            result["error"] = e
+
+    with state.lock:
+        thread = threading.Thread(target=call)
+        thread.start()
+        assert reached.wait(60)
+        thread.join(0.2)  # (it now waits for the lock)
+        with torch.no_grad():
+            for m in (model, reference):
+                m.model.layers[0].self_attn.k_proj.weight.mul_(-1.0)
+                m.model.layers[1].self_attn.v_proj.weight.mul_(2.0)
+    thread.join(120)
+    assert "error" not in result, result.get("error")
+    assert result["hits"] == 0
+    assert torch.equal(result["out"], stock_generate(reference, **opts))
+    nanoserve.unpatch_model(model)
 
 
 def test_a_cache_built_for_a_shorter_window_is_refused_naming_it():
