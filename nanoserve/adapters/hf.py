@@ -863,6 +863,19 @@ def _paged_generate(self, *args, **kwargs):
         return _generate_in_turn(self, state, args, kwargs)
 
 
+def _checked_model(model, state: PatchState, walk: ModelWalk, hooks: HookScan) -> str | None:
+    """The checks of the model as it stands that a paged call runs (the patch options agreed
+    with its dropout and hooks, its attention, layer configs, forward and windows); returns
+    ``walk.dropout``."""
+    dropout = walk.dropout
+    agree_options(model, _options(model, state, dropout, hooks))
+    _check_attention(model)
+    _check_layer_config(walk.layer_config)
+    _check_forward(model, state)
+    check_windows(model, state.pool.layout)
+    return dropout
+
+
 def _generate_in_turn(self, state: PatchState, args: tuple, kwargs: dict):
     """``_paged_generate`` under ``state.lock``."""
     stock = stock_method(self, state.previous_generate, "generate")
@@ -898,12 +911,7 @@ def _generate_in_turn(self, state: PatchState, args: tuple, kwargs: dict):
             )
         _check_retired(passed, type(self))
         _taken_back(state, passed)
-        dropout = walk.dropout
-        agree_options(self, _options(self, state, dropout, hooks))
-        _check_attention(self)
-        _check_layer_config(walk.layer_config)
-        _check_forward(self, state)
-        check_windows(self, state.pool.layout)
+        dropout = _checked_model(self, state, walk, hooks)
         _check_continuation(self, passed, args, kwargs)
         # (before the growth below, which counts the blocks a window keeps)
         passed.paged.keep_past_window(window_slack(self, kwargs))
@@ -943,12 +951,7 @@ def _generate_in_turn(self, state: PatchState, args: tuple, kwargs: dict):
             f"cache_implementation unset, or call nanoserve.unpatch_model(model) first{batch}"
         )
     # a model that drops out at random computes each copy of a prompt differently
-    dropout = walk.dropout
-    agree_options(self, _options(self, state, dropout, hooks))
-    _check_attention(self)
-    _check_layer_config(walk.layer_config)
-    _check_forward(self, state)
-    check_windows(self, state.pool.layout)
+    dropout = _checked_model(self, state, walk, hooks)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() != 2:
         raise ValueError(  # stock's check too, which the pool sizing below would pre-empt

@@ -923,39 +923,44 @@ def test_a_call_that_waited_while_another_thread_unpatched_runs_stock(monkeypatc
     inputs = padded_batch([9, 4], 9)
     stock = stock_generate(model, **inputs, max_new_tokens=4, **GREEDY)
     nanoserve.patch_model(model, block_size=4)
-    state = state_of(model)
-    reached, result = threading.Event(), {}
-    spy_before_the_lock(monkeypatch, reached)
 
     def call():
+        return stock_generate(model, **inputs, max_new_tokens=4, **GREEDY)
+
+    out = call_that_waits(monkeypatch, model, call, lambda: nanoserve.unpatch_model(model))
+    assert torch.equal(out, stock)
+
+
+def call_that_waits(monkeypatch, model, call, meanwhile):
+    """``call()``'s result, run in another thread that reads the patch state and then waits
+    for its turn (the test holds the model's lock) while ``meanwhile()`` runs; an error of
+    the call fails the test."""
+    from nanoserve.adapters import hf
+
+    reached, result = threading.Event(), {}
+    read_state = hf._state
+
+    def reading(m):
+        reached.set()
+        return read_state(m)
+
+    monkeypatch.setattr(hf, "_state", reading)
+
+    def run():
         try:
-            result["out"] = stock_generate(model, **inputs, max_new_tokens=4, **GREEDY)
+            result["out"] = call()
         except Exception as e:  # reported below
             result["error"] = e
 
-    with state.lock:
-        thread = threading.Thread(target=call)
+    with state_of(model).lock:
+        thread = threading.Thread(target=run)
         thread.start()
         assert reached.wait(60)
         thread.join(0.2)  # (it now waits for the lock)
-        nanoserve.unpatch_model(model)
+        meanwhile()
     thread.join(120)
     assert "error" not in result, result.get("error")
-    assert torch.equal(result["out"], stock)
-
-
-def spy_before_the_lock(monkeypatch, reached: threading.Event) -> None:
-    """Set ``reached`` when a generate call has read the patch state, just before it waits
-    for its turn (the model's lock)."""
-    from nanoserve.adapters import hf
-
-    read_state = hf._state
-
-    def reading(model):
-        reached.set()
-        return read_state(model)
-
-    monkeypatch.setattr(hf, "_state", reading)
+    return result["out"]
 
 
 def test_a_call_that_waited_while_another_thread_changed_the_weights(monkeypatch):
@@ -973,30 +978,19 @@ def test_a_call_that_waited_while_another_thread_changed_the_weights(monkeypatch
     stock_generate(model, **opts)  # stores the prompt's blocks
     stock_generate(model, **opts)
     assert nanoserve.cache_stats(model)["prefix_hits"] > 0  # (found again: the cache works)
-    state = state_of(model)
-    reached, result = threading.Event(), {}
-    spy_before_the_lock(monkeypatch, reached)
 
     def call():
-        try:
-            result["out"] = stock_generate(model, **opts)
-            result["hits"] = nanoserve.cache_stats(model)["prefix_hits"]
-        except Exception as e:  # reported below
-            result["error"] = e
+        return stock_generate(model, **opts), nanoserve.cache_stats(model)["prefix_hits"]
 
-    with state.lock:
-        thread = threading.Thread(target=call)
-        thread.start()
-        assert reached.wait(60)
-        thread.join(0.2)  # (it now waits for the lock)
+    def train_step():  # in place, on the patched model and on its reference alike
         with torch.no_grad():
             for m in (model, reference):
                 m.model.layers[0].self_attn.k_proj.weight.mul_(-1.0)
                 m.model.layers[1].self_attn.v_proj.weight.mul_(2.0)
-    thread.join(120)
-    assert "error" not in result, result.get("error")
-    assert result["hits"] == 0
-    assert torch.equal(result["out"], stock_generate(reference, **opts))
+
+    out, hits = call_that_waits(monkeypatch, model, call, train_step)
+    assert hits == 0
+    assert torch.equal(out, stock_generate(reference, **opts))
     nanoserve.unpatch_model(model)
 
 
