@@ -17,7 +17,8 @@ float16 scales per 16 channels): int8_us, read_int8_us (a pure read of their val
 scales), int8_speedup = bf16 / int8, int8_x_read. Goals: speedup >= 1.8 at >= 1 GB of
 bf16-equivalent K/V, x_read <= 1.15, 1 x 32k speedup >= 1.6.
 
-    python3 benchmarks/bench_fp8.py [--errors-only | --speed-only | --sweep | --sweep-int8]
+    python3 benchmarks/bench_fp8.py [--errors-only | --speed-only | --sweep | --sweep-int8
+        | --sweep-ahead]
         [--max-context 131072]
 
 Prints two tables; with $OUT set, writes fp8_error.csv and fp8_speed.csv there.
@@ -262,6 +263,80 @@ def sweep_rows(shapes) -> list[dict]:
     return rows
 
 
+# (label, kind, (BLOCK_N, num_warps, num_stages) or None, register cap, ids ahead)
+AHEAD_CANDIDATES = [
+    ("fp8 default", "fp8", None, None, False),
+    ("fp8 128/4/3 cap128 ahead", "fp8", (128, 4, 3), 128, True),
+    ("fp8 128/4/3 ahead", "fp8", (128, 4, 3), 0, True),
+    ("fp8 128/4/4 cap128 ahead", "fp8", (128, 4, 4), 128, True),
+    ("fp8 64/4/3 cap128 ahead", "fp8", (64, 4, 3), 128, True),
+    ("fp8 64/4/3 ahead", "fp8", (64, 4, 3), 0, True),
+    ("fp8 64/4/4 cap128 ahead", "fp8", (64, 4, 4), 128, True),
+    ("fp8 128/8/3 ahead", "fp8", (128, 8, 3), 0, True),
+    ("int8 default", "int8", None, None, False),
+    ("int8 64/4/3 ahead", "int8", (64, 4, 3), 0, True),
+    ("int8 64/4/3 cap128 ahead", "int8", (64, 4, 3), 128, True),
+    ("int8 32/4/3 ahead", "int8", (32, 4, 3), 0, True),
+]
+
+
+def sweep_ahead_rows(shapes) -> list[dict]:
+    """FP8 and INT8 decode with the block ids a loop step ahead (``DecodePlan.table_ahead``)
+    over tiles, stages and register caps, each checked against the float32 reference of the
+    quantized pools: the one-byte kernels compute longer per byte than bf16's, so a second
+    K/V buffer in flight may pay there where it did not for bf16."""
+    from nanoserve.kernels import triton_decode
+
+    planned = triton_decode.decode_plan
+    rows = []
+    for batch, ctx, hq, hkv in shapes:
+        fp8_bytes = batch * ctx * hkv * DIM * 2
+        torch.cuda.empty_cache()
+        sets = [make_set(batch, ctx, hq, hkv) for _ in range(num_input_sets(fp8_bytes, 8))]
+        s0, n = sets[0], min(4, batch)
+        pools = {"fp8": ("k8", "v8", "ks", "vs"), "int8": ("ki", "vi", "kis", "vis")}
+        refs = {}
+        for kind, (k, v, ks, vs) in pools.items():
+            refs[kind] = paged_decode_attention_ref(
+                s0["q"][:n].float(), s0[k], s0[v], s0["bt"][:n], s0["sl"][:n],
+                k_scale=s0[ks], v_scale=s0[vs],
+            )  # fmt: skip
+        base = {}
+        for label, kind, config, registers, ahead in AHEAD_CANDIDATES:
+            k, v, ks, vs = pools[kind]
+
+            def plan(*args, registers=registers, ahead=ahead, **kwargs):
+                chosen = planned(*args, **kwargs)
+                if registers is not None:
+                    chosen = chosen._replace(max_registers=registers)
+                return chosen._replace(table_ahead=ahead)
+
+            def fn(s, config=config, k=k, v=v, ks=ks, vs=vs):
+                return lambda: triton_decode.paged_decode_attention_triton(
+                    s["q"], s[k], s[v], s["bt"], s["sl"], scale=DIM**-0.5,
+                    sliding_window=None, softcap=None, config=config,
+                    k_scale=s[ks], v_scale=s[vs],
+                )  # fmt: skip
+
+            triton_decode.decode_plan = plan
+            try:
+                chosen = str(plan(s0["q"], s0[k], s0["bt"], config))
+                err = rel_err(fn(s0)()[:n], refs[kind])
+                us = time_graph([fn(s) for s in sets]).median
+            except Exception as e:  # a tile that does not fit: say so, go on
+                chosen, err, us = f"{type(e).__name__}: {str(e)[:60]}", float("nan"), float("nan")
+            finally:
+                triton_decode.decode_plan = planned
+            base.setdefault(kind, us)
+            rows.append(dict(shape=f"{batch}x{ctx} {hq}/{hkv}", candidate=label,
+                             us=round(us, 1), x_default=round(us / base[kind], 3),
+                             GBps=round(fp8_bytes / us / 1e3), err=f"{err:.1e}",
+                             plan=chosen))  # fmt: skip
+            print(rows[-1], flush=True)
+        del sets
+    return rows
+
+
 def sweep_int8_rows(shapes) -> list[dict]:
     """INT8 decode over (BLOCK_N, num_warps, num_stages) and split counts."""
     rows = []
@@ -289,8 +364,13 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=131072)
     parser.add_argument("--sweep", action="store_true", help="only FP8 decode configs")
     parser.add_argument("--sweep-int8", action="store_true", help="only INT8 decode configs")
+    parser.add_argument("--sweep-ahead", action="store_true",
+                        help="only FP8 / INT8 decode with the block ids a step ahead")  # fmt: skip
     args = parser.parse_args()
     print(versions())
+    if args.sweep_ahead:
+        show_table(sweep_ahead_rows(SPEED_SHAPES + [(8, 4096, 32, 8)]), "fp8_sweep_ahead.csv")
+        return
     if args.sweep_int8:
         show_table(sweep_int8_rows(SPEED_SHAPES[:3]), "int8_sweep.csv")
         return

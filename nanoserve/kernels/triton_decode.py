@@ -113,6 +113,7 @@ def _decode_kernel(
     k_scale=None, v_scale=None, FP8: tl.constexpr = False,
     INT8: tl.constexpr = False, K_GROUPS: tl.constexpr = 1, K_GW: tl.constexpr = 16,
     prefix_lens=None, prefix_o=None, prefix_lse=None, PREFIX_SPLITS: tl.constexpr = 0,
+    TABLE_AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     # (the prefix pass before it has finished; the merge kernel's launch starts while this runs)
     pdl_enter(PDL)
@@ -177,10 +178,22 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     table = block_tables + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch
+    ahead_ids = tl.zeros([BLOCK_N], tl.int32)  # (Triton wants loop values defined before)
+    if TABLE_AHEAD:
+        ahead = lo + tl.arange(0, BLOCK_N)
+        ahead_ids = tl.load(table + ahead // BLOCK_SIZE, mask=(ahead < hi) & (ahead >= kv_start),
+                            other=0)  # fmt: skip
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = (pos < hi) & (pos >= kv_start)
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        if TABLE_AHEAD:
+            # this tile's ids were loaded a step ago; load the next tile's now
+            block = ahead_ids.to(tl.int64)
+            ahead = pos + BLOCK_N
+            ahead_ids = tl.load(table + ahead // BLOCK_SIZE,
+                                mask=(ahead < hi) & (ahead >= kv_start), other=0)  # fmt: skip
+        else:
+            block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + head_off
         kv_mask = valid[:, None] & d_mask[None, :]
         v = tl.load(value_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -423,7 +436,10 @@ class DecodePlan(NamedTuple):
     """How one decode launch runs: tile, warps, stages, and either ``num_splits`` fixed splits
     per row (``work_items`` 0) or the balanced plan (``num_splits`` 0): rows cut into items of
     about total_tokens / ``work_items`` tokens, at least one item per row. ``max_registers``
-    caps the split kernel's registers per thread (0: the compiler's choice)."""
+    caps the split kernel's registers per thread (0: the compiler's choice); ``table_ahead``
+    loads each tile's block ids a loop step ahead, so that a third pipeline stage is a second
+    K/V buffer filled while the tile before it computes (Triton's pipeliner otherwise spends
+    that stage on the block-table load)."""
 
     block_n: int
     num_warps: int
@@ -431,6 +447,7 @@ class DecodePlan(NamedTuple):
     num_splits: int
     work_items: int
     max_registers: int = 0
+    table_ahead: bool = False
 
 
 def decode_plan(
@@ -576,6 +593,7 @@ def paged_decode_attention_triton(
         FP32=query.dtype == torch.float32, PDL=pdl,
         k_scale=k_scale, v_scale=v_scale, FP8=key_cache.dtype == FP8_DTYPE,
         INT8=int8, K_GROUPS=int8_groups(head_dim, INT8_K_GROUP), K_GW=INT8_K_GROUP,
+        TABLE_AHEAD=plan.table_ahead,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch, **registers, **prefix,
     )  # fmt: skip
     if balanced:

@@ -246,7 +246,7 @@ def test_decode_many_long_narrow_path(poison_outputs):
     assert plan[:3] == (64, 4, 2) and plan.work_items > 0
     # a short table, or a split count given by the caller, keeps the usual choice
     assert decode_plan(query, key_cache, tables[:, :40]).block_n == 128
-    assert decode_plan(query, key_cache, tables, num_splits=1) == (128, 4, 2, 1, 0, 0)
+    assert decode_plan(query, key_cache, tables, num_splits=1) == (128, 4, 2, 1, 0, 0, False)
     ref = paged_decode_attention_ref(query.double(), key_cache.double(), value_cache.double(),
                                      tables, seq_lens)  # fmt: skip
     out = paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, backend="triton")
@@ -263,8 +263,8 @@ def test_decode_plan_split_launch_takes_two_stages():
     wide = BALANCE_ABOVE_TOKENS // 16 + 1 - 7  # columns past the longest row's 7 blocks
     key_cache, _, tables, _ = make_paged_kv([100, 3], 2, 128, 16, torch.float16, extra_columns=wide)
     query = torch.randn(2, 8, 128).to(torch.float16)
-    assert decode_plan(query, key_cache, tables, num_splits=1) == (64, 4, 3, 1, 0, 0)
-    assert decode_plan(query, key_cache, tables, num_splits=2) == (64, 4, 2, 2, 0, 0)
+    assert decode_plan(query, key_cache, tables, num_splits=1) == (64, 4, 3, 1, 0, 0, False)
+    assert decode_plan(query, key_cache, tables, num_splits=2) == (64, 4, 2, 2, 0, 0, False)
     plan = decode_plan(query, key_cache, tables)  # balanced: may split any row
     assert plan.work_items > 0 and plan[:4] == (64, 4, 2, 0)
     short = decode_plan(query, key_cache, tables[:, : BALANCE_ABOVE_TOKENS // 16])
@@ -272,7 +272,8 @@ def test_decode_plan_split_launch_takes_two_stages():
     alone = decode_plan(query[:1], key_cache, tables[:1])  # one row: fixed splits
     assert alone.work_items == 0 and alone.num_splits > 1 and alone[:3] == (64, 4, 2)
     config = (64, 4, 3)
-    assert decode_plan(query, key_cache, tables, config=config, num_splits=4) == (64, 4, 3, 4, 0, 0)
+    given = decode_plan(query, key_cache, tables, config=config, num_splits=4)
+    assert given == (64, 4, 3, 4, 0, 0, False)
 
 
 def test_decode_plan_rows_of_one_length_take_the_fixed_splits():
