@@ -18,7 +18,7 @@ scales), int8_speedup = bf16 / int8, int8_x_read. Goals: speedup >= 1.8 at >= 1 
 bf16-equivalent K/V, x_read <= 1.15, 1 x 32k speedup >= 1.6.
 
     python3 benchmarks/bench_fp8.py [--errors-only | --speed-only | --sweep | --sweep-int8
-        | --sweep-ahead]
+        | --sweep-ahead | --layout | --int8-plan]
         [--max-context 131072]
 
 Prints two tables; with $OUT set, writes fp8_error.csv and fp8_speed.csv there.
@@ -337,6 +337,144 @@ def sweep_ahead_rows(shapes) -> list[dict]:
     return rows
 
 
+def head_major(pool: torch.Tensor) -> torch.Tensor:
+    """The same [blocks, block_size, KV heads, D] values stored head-major (each block's
+    tokens of one KV head contiguous, as FlashInfer's "HND"): a strided view of that copy."""
+    return pool.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+
+
+def layout_rows(shapes) -> list[dict]:
+    """Decode over pools stored token-major (the pools' layout: a token's KV heads side by
+    side, so one KV head's token row is D elements between other heads') against the same
+    values stored head-major (a block's tokens of one KV head contiguous), through the
+    kernel's strides: whether FP8's 128-byte rows, half of bf16's 256, cost read speed."""
+    from nanoserve.kernels import triton_decode
+
+    rows = []
+    for batch, ctx, hq, hkv in shapes:
+        fp8_bytes = batch * ctx * hkv * DIM * 2
+        torch.cuda.empty_cache()
+        sets = [make_set(batch, ctx, hq, hkv) for _ in range(num_input_sets(fp8_bytes, 8))]
+        for s in sets:
+            for name in ("kc", "vc", "k8", "v8"):
+                s[name + "_hnd"] = head_major(s[name])
+            del s["ki"], s["vi"], s["kis"], s["vis"]
+        s0, n = sets[0], min(4, batch)
+        fp8_scales = dict(k_scale=s0["ks"], v_scale=s0["vs"])
+        refs = {}
+        for kind, k, v in (("bf16", "kc", "vc"), ("fp8", "k8", "v8")):
+            refs[kind] = paged_decode_attention_ref(
+                s0["q"][:n].float(), s0[k], s0[v], s0["bt"][:n], s0["sl"][:n],
+                **(fp8_scales if kind == "fp8" else {}),
+            )  # fmt: skip
+        t_read = ceiling(fp8_bytes, len(sets), graph=True).median
+        for kind, k, v in (("bf16", "kc", "vc"), ("fp8", "k8", "v8")):
+            for layout in ("", "_hnd"):
+                for config in (None, (64, 4, 2)) if kind == "fp8" else (None,):
+
+                    def fn(s, kind=kind, k=k + layout, v=v + layout, config=config):
+                        scales = dict(k_scale=s["ks"], v_scale=s["vs"]) if kind == "fp8" else {}
+                        return lambda: triton_decode.paged_decode_attention_triton(
+                            s["q"], s[k], s[v], s["bt"], s["sl"], scale=DIM**-0.5,
+                            sliding_window=None, softcap=None, config=config, **scales,
+                        )  # fmt: skip
+
+                    err = rel_err(fn(sets[0])()[:n], refs[kind])
+                    us = time_graph([fn(s) for s in sets]).median
+                    rows.append(dict(shape=f"{batch}x{ctx} {hq}/{hkv}", kv=kind,
+                                     layout="head-major" if layout else "token-major",
+                                     config=config or "default", us=round(us, 1),
+                                     read_fp8_us=round(t_read, 1),
+                                     x_read_fp8=round(us / t_read, 2),
+                                     err=f"{err:.1e}"))  # fmt: skip
+                    print(rows[-1], flush=True)
+        del sets
+    return rows
+
+
+INT8_PLAN_SHAPES = [  # (batch, context, query heads, KV heads, head dim)
+    (128, 2048, 32, 8, 128),
+    (256, 512, 28, 4, 128),
+    (8, 4096, 32, 8, 128),
+    (1, 32768, 32, 8, 128),
+    (32, 8192, 32, 8, 128),
+    (64, 1024, 32, 8, 64),
+    (1, 16384, 32, 8, 64),
+    (16, 2048, 32, 8, 80),
+]
+
+
+def int8_set(batch: int, ctx: int, hq: int, hkv: int, dim: int) -> dict:
+    """INT8 pools (key scales per 16 channels, one value scale a slot) of ``batch`` rows of
+    ``ctx`` tokens over blocks scattered at random, and a bf16 query."""
+    used = batch * ctx // BS
+    kc = torch.randn(used + 64, BS, hkv, dim, device="cuda", dtype=BF16)
+    ki, kis = quantize_int8(kc)
+    vi, vis = quantize_int8(torch.randn_like(kc), group=None)
+    bt = torch.randperm(used + 64, device="cuda")[:used].view(batch, -1).int().contiguous()
+    sl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, hq, dim, device="cuda", dtype=BF16)
+    return dict(q=q, ki=ki, vi=vi, kis=kis, vis=vis, bt=bt, sl=sl)
+
+
+def int8_plan_rows(shapes) -> list[dict]:
+    """INT8 decode by the launcher's plan against the plan before block ids ahead (same
+    tile, ids loaded in the loop, two stages for split launches), same process."""
+    from nanoserve.kernels import triton_decode
+
+    planned = triton_decode.decode_plan
+
+    def previous(query, key_cache, *args, **kwargs):
+        plan = planned(query, key_cache, *args, **kwargs)
+        if not plan.table_ahead:
+            return plan
+        stages = triton_decode.decode_config(query.shape[2], key_cache.shape[1], query.dtype)[2]
+        stages = min(stages, 2) if plan.num_splits > 1 else stages
+        return plan._replace(table_ahead=False, num_stages=stages)
+
+    rows = []
+    for batch, ctx, hq, hkv, dim in shapes:
+        int8_bytes = batch * ctx * hkv * (2 * dim + 2 * (-(-dim // 16) + 1))
+        torch.cuda.empty_cache()
+
+        sets = [int8_set(batch, ctx, hq, hkv, dim) for _ in range(num_input_sets(int8_bytes, 8))]
+        s0, n = sets[0], min(4, batch)
+        ref = paged_decode_attention_ref(
+            s0["q"][:n].float(), s0["ki"], s0["vi"], s0["bt"][:n], s0["sl"][:n],
+            k_scale=s0["kis"], v_scale=s0["vis"],
+        )  # fmt: skip
+
+        def fn(s, dim=dim):
+            return lambda: triton_decode.paged_decode_attention_triton(
+                s["q"], s["ki"], s["vi"], s["bt"], s["sl"], scale=dim**-0.5,
+                sliding_window=None, softcap=None, k_scale=s["kis"], v_scale=s["vis"],
+            )  # fmt: skip
+
+        found = {}
+        for name, plan in (("now", planned), ("before", previous), ("now again", planned)):
+            triton_decode.decode_plan = plan
+            try:
+                err = rel_err(fn(s0)()[:n], ref)
+                us = time_graph([fn(s) for s in sets]).median
+                chosen = plan(s0["q"], s0["ki"], s0["bt"])
+            finally:
+                triton_decode.decode_plan = planned
+            found[name] = (us, err, chosen)
+        t_read = ceiling(int8_bytes, len(sets), graph=True).median
+        now = min(found["now"][0], found["now again"][0])
+        rows.append(dict(shape=f"{batch}x{ctx} {hq}/{hkv} d{dim}",
+                         now_us=f"{found['now'][0]:.1f} / {found['now again'][0]:.1f}",
+                         before_us=round(found["before"][0], 1),
+                         now_x_before=round(now / found["before"][0], 3),
+                         read_us=round(t_read, 1), now_x_read=round(now / t_read, 2),
+                         err=f"{found['now'][1]:.1e} / {found['before'][1]:.1e}",
+                         plan=f"{tuple(found['now'][2])} / {tuple(found['before'][2])}",
+                         ))  # fmt: skip
+        print(rows[-1], flush=True)
+        del sets
+    return rows
+
+
 def sweep_int8_rows(shapes) -> list[dict]:
     """INT8 decode over (BLOCK_N, num_warps, num_stages) and split counts."""
     rows = []
@@ -366,8 +504,18 @@ def main() -> None:
     parser.add_argument("--sweep-int8", action="store_true", help="only INT8 decode configs")
     parser.add_argument("--sweep-ahead", action="store_true",
                         help="only FP8 / INT8 decode with the block ids a step ahead")  # fmt: skip
+    parser.add_argument("--layout", action="store_true",
+                        help="only decode over token-major against head-major pools")  # fmt: skip
+    parser.add_argument("--int8-plan", action="store_true",
+                        help="only INT8 decode: the plan against the one before")  # fmt: skip
     args = parser.parse_args()
     print(versions())
+    if args.int8_plan:
+        show_table(int8_plan_rows(INT8_PLAN_SHAPES), "int8_plan.csv")
+        return
+    if args.layout:
+        show_table(layout_rows(SPEED_SHAPES + [(8, 4096, 32, 8)]), "decode_layout.csv")
+        return
     if args.sweep_ahead:
         show_table(sweep_ahead_rows(SPEED_SHAPES + [(8, 4096, 32, 8)]), "fp8_sweep_ahead.csv")
         return

@@ -497,11 +497,22 @@ def decode_plan(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, block_n, query.device)
         if many_long:
             num_splits = max(num_splits, 2)
-    if config is None and not fp8_tiles and (balanced or num_splits > 1):
+    # INT8 tiles (more work a byte than 16-bit ones) under 16-bit queries in fixed splits:
+    # block ids a step ahead, so that three stages hold a second K/V buffer (see
+    # benchmarks/RESULTS.md; FP8 tiles and the balanced launch ran slower so).
+    table_ahead = (
+        config is None
+        and not balanced
+        and key_cache.dtype == INT8_DTYPE
+        and query.dtype != torch.float32
+    )
+    if table_ahead:
+        num_stages = 3
+    elif config is None and not fp8_tiles and (balanced or num_splits > 1):
         # A split launch pipelines two stages deep: a third stage costs this grid's split
         # kernel registers, hence occupancy, and ran slower (see RESULTS.md).
         num_stages = min(num_stages, 2)
-    return DecodePlan(block_n, num_warps, num_stages, num_splits, items, max_registers)
+    return DecodePlan(block_n, num_warps, num_stages, num_splits, items, max_registers, table_ahead)
 
 
 def paged_decode_attention_triton(

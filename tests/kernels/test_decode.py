@@ -276,6 +276,32 @@ def test_decode_plan_split_launch_takes_two_stages():
     assert given == (64, 4, 3, 4, 0, 0, False)
 
 
+def test_decode_plan_int8_fixed_splits_load_block_ids_ahead():
+    """INT8 pools under 16-bit queries in fixed splits: block ids a step ahead and three
+    stages (a second K/V buffer); the balanced launch, float32 queries, 16-bit and FP8 pools
+    and a caller's config keep the ids in the loop. Planted, reverted: the rule on for the
+    balanced launch too: failed."""
+    from nanoserve.kernels.quant import FP8_DTYPE, INT8_DTYPE
+    from nanoserve.kernels.triton_decode import BALANCE_ABOVE_TOKENS, decode_plan
+
+    wide = BALANCE_ABOVE_TOKENS // 16 + 1 - 7
+    pool, _, tables, _ = make_paged_kv([100, 3], 2, 128, 16, torch.float16, extra_columns=wide)
+    int8_pool = pool.to(INT8_DTYPE)
+    query = torch.randn(2, 8, 128).to(torch.float16)
+    for splits in (1, 2, 4):
+        plan = decode_plan(query, int8_pool, tables, num_splits=splits)
+        assert plan.table_ahead and plan.num_stages == 3 and plan.num_splits == splits
+    short = decode_plan(query, int8_pool, tables[:, : BALANCE_ABOVE_TOKENS // 16])
+    assert short.work_items == 0 and short.table_ahead and short.num_stages == 3
+    balanced = decode_plan(query, int8_pool, tables)
+    assert balanced.work_items > 0 and not balanced.table_ahead and balanced.num_stages == 2
+    assert not decode_plan(query.float(), int8_pool, tables, num_splits=2).table_ahead
+    assert not decode_plan(query, pool, tables, num_splits=2).table_ahead
+    assert not decode_plan(query, pool.to(FP8_DTYPE), tables, num_splits=2).table_ahead
+    given = decode_plan(query, int8_pool, tables, config=(64, 4, 2), num_splits=2)
+    assert given == (64, 4, 2, 2, 0, 0, False)
+
+
 def test_decode_plan_rows_of_one_length_take_the_fixed_splits():
     """Where the balanced launch would run, rows the caller says are of one length take the
     fixed splits with ``choose_num_splits``' count; a given ``work_items`` or ``num_splits``

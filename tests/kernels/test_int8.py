@@ -212,6 +212,8 @@ DECODE_CASES = {
     "mha-d96-softcap-3splits": (3, 1, 96, 16, [200, 33], None, 30.0, 3),
     "gqa4-d128-nosplit": (4, 4, 128, 32, [31, 33], None, None, 1),
     "gqa2-d24-block1": (2, 2, 24, 1, [1, 5], None, None, None),
+    # several tiles a split: fixed splits load the next tile's block ids a step ahead
+    "gqa4-long-2splits": (2, 4, 64, 4, [300, 250, 64], None, None, 2),
     # many splits: the merge cuts head-dim lanes across programs
     "gqa4-64splits": (1, 4, 64, 16, [700, 1100], None, None, 64),
 }

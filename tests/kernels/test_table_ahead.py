@@ -1,5 +1,6 @@
-"""The extend kernel with its block ids loaded a step ahead (``TABLE_AHEAD``, and the
-"tiles-ahead" routes that turn it on): Triton (interpreter) against the float64 reference.
+"""The extend and decode kernels with their block ids loaded a step ahead (extend's
+``TABLE_AHEAD`` and the "tiles-ahead" routes that turn it on; decode's
+``DecodePlan.table_ahead``): Triton (interpreter) against the float64 reference.
 The flag moves each tile's table load one step earlier in the loop, so what these guard is
 the tile whose ids are used: the first one (loaded before the loop), each next one, and the
 last one (whose look-ahead reaches past the run and must be masked)."""
@@ -8,9 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import TOLERANCE, make_paged_kv, needs_interpreter, rel_err
+from kernel_inputs import (
+    TOLERANCE,
+    check_decode_planted,
+    make_paged_kv,
+    needs_interpreter,
+    rel_err,
+)
 
-from nanoserve.kernels import paged_extend_attention_ref, triton_extend
+from nanoserve.kernels import (
+    paged_decode_attention_ref,
+    paged_extend_attention_ref,
+    triton_decode,
+    triton_extend,
+)
 from nanoserve.kernels.triton_extend import paged_extend_attention_triton
 
 pytestmark = needs_interpreter
@@ -19,6 +31,64 @@ pytestmark = needs_interpreter
 @pytest.fixture
 def table_ahead(monkeypatch):
     monkeypatch.setattr(triton_extend, "TABLE_AHEAD", True)
+
+
+@pytest.fixture
+def decode_ahead(monkeypatch):
+    """Every decode launch plans its block ids a step ahead (the launcher's own tile, stages
+    and splits otherwise)."""
+    planned = triton_decode.decode_plan
+
+    def ahead(*args, **kwargs):
+        return planned(*args, **kwargs)._replace(table_ahead=True)
+
+    monkeypatch.setattr(triton_decode, "decode_plan", ahead)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(
+    ("window", "splits", "items"),
+    [(None, 1, None), (None, 4, None), (300, 3, None), (None, None, 10**6), (150, None, 5)],
+    ids=["nowin-1split", "nowin-4splits", "win300-3splits", "balanced-every-tile",
+         "win150-balanced-5items"],
+)  # fmt: skip
+def test_decode_planted_key_dominates_with_ids_ahead(
+    window, splits, items, block_size, decode_ahead, poison_outputs
+):
+    """One key per (sequence, KV head) dominates, at the newest and oldest visible
+    positions and on both sides of every split or item boundary (``check_decode_planted``),
+    with pages of 4 tokens (several pages a tile) and 16; the rows' splits run over several
+    tiles, except the balanced launch's items of one tile each, where only the load before
+    the loop is used.
+
+    Planted bug: the look-ahead reading the tile after next (``pos + 2 * BLOCK_N``) failed
+    every case but "balanced-every-tile"."""
+    check_decode_planted(
+        [700, 77, 300], 2, 2, 64, block_size, torch.float32,
+        window=window, num_splits=splits, work_items=items, row_tol=1e-4,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_decode_with_ids_ahead_matches_reference(splits, dtype, decode_ahead, poison_outputs):
+    """Rows of 1, a page - 1, a page, a page + 1 and several tiles, a window and a soft-cap,
+    with the fixed-split and balanced launches.
+
+    Planted bug: the look-ahead reading the tile after next: every case failed."""
+    lens = [1, 15, 16, 17, 300]
+    key_cache, value_cache, tables, seq_lens = make_paged_kv(lens, 2, 80, 16, dtype)
+    query = torch.randn(len(lens), 8, 80).to(dtype)
+    for window, softcap in ((None, None), (40, 30.0)):
+        ref = paged_decode_attention_ref(
+            query.double(), key_cache.double(), value_cache.double(), tables, seq_lens,
+            sliding_window=window, softcap=softcap,
+        )  # fmt: skip
+        out = triton_decode.paged_decode_attention_triton(
+            query, key_cache, value_cache, tables, seq_lens, scale=80**-0.5,
+            sliding_window=window, softcap=softcap, num_splits=splits,
+        )  # fmt: skip
+        assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the lengths below never line up with them, so
