@@ -18,7 +18,7 @@ scales), int8_speedup = bf16 / int8, int8_x_read. Goals: speedup >= 1.8 at >= 1 
 bf16-equivalent K/V, x_read <= 1.15, 1 x 32k speedup >= 1.6.
 
     python3 benchmarks/bench_fp8.py [--errors-only | --speed-only | --sweep | --sweep-int8
-        | --sweep-ahead | --layout | --int8-plan]
+        | --sweep-ahead | --sweep-two-warps | --layout | --int8-plan]
         [--max-context 131072]
 
 Prints two tables; with $OUT set, writes fp8_error.csv and fp8_speed.csv there.
@@ -280,11 +280,27 @@ AHEAD_CANDIDATES = [
 ]
 
 
-def sweep_ahead_rows(shapes) -> list[dict]:
-    """FP8 and INT8 decode with the block ids a loop step ahead (``DecodePlan.table_ahead``)
-    over tiles, stages and register caps, each checked against the float32 reference of the
-    quantized pools: the one-byte kernels compute longer per byte than bf16's, so a second
-    K/V buffer in flight may pay there where it did not for bf16."""
+# Two-warp programs: twice the programs an SM for the same registers, more of them to hide
+# each one's chain of dependent steps (conversion, product, softmax, product).
+TWO_WARP_CANDIDATES = [
+    ("fp8 default", "fp8", None, None, False),
+    ("fp8 64/2/2", "fp8", (64, 2, 2), 0, False),
+    ("fp8 64/2/2 cap128", "fp8", (64, 2, 2), 128, False),
+    ("fp8 64/2/3 ahead", "fp8", (64, 2, 3), 0, True),
+    ("fp8 128/2/2", "fp8", (128, 2, 2), 0, False),
+    ("fp8 32/2/2", "fp8", (32, 2, 2), 0, False),
+    ("int8 default", "int8", None, None, False),
+    ("int8 64/2/2", "int8", (64, 2, 2), 0, False),
+    ("int8 64/2/3 ahead", "int8", (64, 2, 3), 0, True),
+]
+
+
+def sweep_ahead_rows(shapes, candidates=AHEAD_CANDIDATES) -> list[dict]:
+    """FP8 and INT8 decode over ``candidates``: by default with the block ids a loop step
+    ahead (``DecodePlan.table_ahead``) over tiles, stages and register caps, each checked
+    against the float32 reference of the quantized pools: the one-byte kernels compute
+    longer per byte than bf16's, so a second K/V buffer in flight may pay there where it did
+    not for bf16."""
     from nanoserve.kernels import triton_decode
 
     planned = triton_decode.decode_plan
@@ -302,7 +318,7 @@ def sweep_ahead_rows(shapes) -> list[dict]:
                 k_scale=s0[ks], v_scale=s0[vs],
             )  # fmt: skip
         base = {}
-        for label, kind, config, registers, ahead in AHEAD_CANDIDATES:
+        for label, kind, config, registers, ahead in candidates:
             k, v, ks, vs = pools[kind]
 
             def plan(*args, registers=registers, ahead=ahead, **kwargs):
@@ -363,8 +379,9 @@ def layout_rows(shapes) -> list[dict]:
         fp8_scales = dict(k_scale=s0["ks"], v_scale=s0["vs"])
         refs = {}
         for kind, k, v in (("bf16", "kc", "vc"), ("fp8", "k8", "v8")):
+            k_pool, v_pool = (s0[k], s0[v]) if kind == "fp8" else (s0[k].float(), s0[v].float())
             refs[kind] = paged_decode_attention_ref(
-                s0["q"][:n].float(), s0[k], s0[v], s0["bt"][:n], s0["sl"][:n],
+                s0["q"][:n].float(), k_pool, v_pool, s0["bt"][:n], s0["sl"][:n],
                 **(fp8_scales if kind == "fp8" else {}),
             )  # fmt: skip
         t_read = ceiling(fp8_bytes, len(sets), graph=True).median
@@ -504,6 +521,8 @@ def main() -> None:
     parser.add_argument("--sweep-int8", action="store_true", help="only INT8 decode configs")
     parser.add_argument("--sweep-ahead", action="store_true",
                         help="only FP8 / INT8 decode with the block ids a step ahead")  # fmt: skip
+    parser.add_argument("--sweep-two-warps", action="store_true",
+                        help="only FP8 / INT8 decode in two-warp programs")  # fmt: skip
     parser.add_argument("--layout", action="store_true",
                         help="only decode over token-major against head-major pools")  # fmt: skip
     parser.add_argument("--int8-plan", action="store_true",
@@ -515,6 +534,10 @@ def main() -> None:
         return
     if args.layout:
         show_table(layout_rows(SPEED_SHAPES + [(8, 4096, 32, 8)]), "decode_layout.csv")
+        return
+    if args.sweep_two_warps:
+        rows = sweep_ahead_rows(SPEED_SHAPES + [(8, 4096, 32, 8)], TWO_WARP_CANDIDATES)
+        show_table(rows, "fp8_sweep_two_warps.csv")
         return
     if args.sweep_ahead:
         show_table(sweep_ahead_rows(SPEED_SHAPES + [(8, 4096, 32, 8)]), "fp8_sweep_ahead.csv")
