@@ -263,9 +263,10 @@ def sweep_rows(shapes) -> list[dict]:
     return rows
 
 
-# (label, kind, (BLOCK_N, num_warps, num_stages) or None, register cap, ids ahead)
+# (label, kind, (BLOCK_N, num_warps, num_stages) or None, register cap or None, ids ahead or
+# None): None keeps the launcher's own choice
 AHEAD_CANDIDATES = [
-    ("fp8 default", "fp8", None, None, False),
+    ("fp8 default", "fp8", None, None, None),
     ("fp8 128/4/3 cap128 ahead", "fp8", (128, 4, 3), 128, True),
     ("fp8 128/4/3 ahead", "fp8", (128, 4, 3), 0, True),
     ("fp8 128/4/4 cap128 ahead", "fp8", (128, 4, 4), 128, True),
@@ -273,7 +274,7 @@ AHEAD_CANDIDATES = [
     ("fp8 64/4/3 ahead", "fp8", (64, 4, 3), 0, True),
     ("fp8 64/4/4 cap128 ahead", "fp8", (64, 4, 4), 128, True),
     ("fp8 128/8/3 ahead", "fp8", (128, 8, 3), 0, True),
-    ("int8 default", "int8", None, None, False),
+    ("int8 default", "int8", None, None, None),
     ("int8 64/4/3 ahead", "int8", (64, 4, 3), 0, True),
     ("int8 64/4/3 cap128 ahead", "int8", (64, 4, 3), 128, True),
     ("int8 32/4/3 ahead", "int8", (32, 4, 3), 0, True),
@@ -283,13 +284,13 @@ AHEAD_CANDIDATES = [
 # Two-warp programs: twice the programs an SM for the same registers, more of them to hide
 # each one's chain of dependent steps (conversion, product, softmax, product).
 TWO_WARP_CANDIDATES = [
-    ("fp8 default", "fp8", None, None, False),
+    ("fp8 default", "fp8", None, None, None),
     ("fp8 64/2/2", "fp8", (64, 2, 2), 0, False),
     ("fp8 64/2/2 cap128", "fp8", (64, 2, 2), 128, False),
     ("fp8 64/2/3 ahead", "fp8", (64, 2, 3), 0, True),
     ("fp8 128/2/2", "fp8", (128, 2, 2), 0, False),
     ("fp8 32/2/2", "fp8", (32, 2, 2), 0, False),
-    ("int8 default", "int8", None, None, False),
+    ("int8 default", "int8", None, None, None),
     ("int8 64/2/2", "int8", (64, 2, 2), 0, False),
     ("int8 64/2/3 ahead", "int8", (64, 2, 3), 0, True),
 ]
@@ -325,7 +326,7 @@ def sweep_ahead_rows(shapes, candidates=AHEAD_CANDIDATES) -> list[dict]:
                 chosen = planned(*args, **kwargs)
                 if registers is not None:
                     chosen = chosen._replace(max_registers=registers)
-                return chosen._replace(table_ahead=ahead)
+                return chosen if ahead is None else chosen._replace(table_ahead=ahead)
 
             def fn(s, config=config, k=k, v=v, ks=ks, vs=vs):
                 return lambda: triton_decode.paged_decode_attention_triton(
