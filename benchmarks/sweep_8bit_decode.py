@@ -1,6 +1,7 @@
-"""Plans of the one-byte decode kernels (FP8 and INT8 pools) on the GPU, each candidate
-checked against the float32 reference of the quantized pools and timed under CUDA-graph
-replay with input sets rotated past the L2 (the shapes of ``bench_fp8.py``):
+"""Launch plans of FP8 and INT8 decode on the GPU, each checked and timed.
+
+Each candidate is checked against the float32 reference of the quantized pools and timed
+under CUDA-graph replay with input sets rotated past the L2 (the shapes of ``bench_fp8.py``):
 
 - ``--ahead``: block ids loaded a loop step ahead (``DecodePlan.table_ahead``) over tiles,
   stages and register caps;
