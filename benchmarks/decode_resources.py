@@ -7,10 +7,12 @@ The installed Triton compiles: its code generation may differ from the device's 
 H200 has triton 3.6; ``pip install --target DIR triton==3.6.0`` and ``PYTHONPATH=DIR``
 match it). Usage:
     python benchmarks/decode_resources.py [--pools bf16,fp8,int8] [--head-dim 128]
-        [--group 4] [--config 128,4,2] [--maxnreg 128] [--arch 90] [--top 12]
+        [--group 4] [--config 128,4,2] [--maxnreg 128] [--table-ahead 0|1] [--arch 90]
+        [--top 12]
 Prints one row per pool dtype: the tile config, registers a thread, local memory (spills),
 instructions in the kernel and in its longest loop, and the loop's most frequent opcodes.
-``--config`` and ``--maxnreg`` default to ``decode_plan``'s choice for a long split row.
+``--config``, ``--maxnreg`` and ``--table-ahead`` default to ``decode_plan``'s choice for a
+long split row.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ def default_plan(pool: str, head_dim: int, group: int) -> triton_decode.DecodePl
     return triton_decode.decode_plan(query, key_cache, tables, num_splits=4)
 
 
-def compile_decode(pool: str, head_dim: int, group: int, config, maxnreg: int, arch: int):
+def compile_decode(
+    pool: str, head_dim: int, group: int, config, maxnreg: int, arch: int, table_ahead: bool
+):
     """The compiled ``_decode_kernel`` (fixed splits, bf16 query, block size 16)."""
     fn = triton_decode._decode_kernel
     block_n, warps, stages = config
@@ -61,6 +65,7 @@ def compile_decode(pool: str, head_dim: int, group: int, config, maxnreg: int, a
         BALANCED=False, S_PAD=1, HAS_WINDOW=False, HAS_SOFTCAP=False, FP32=False, PDL=True,
         FP8=pool == "fp8", INT8=pool == "int8", K_GROUPS=int8_groups(head_dim, INT8_K_GROUP),
         K_GW=INT8_K_GROUP, prefix_lens=None, prefix_o=None, prefix_lse=None, PREFIX_SPLITS=0,
+        TABLE_AHEAD=table_ahead,
     )  # fmt: skip
     if quantized:
         pointers.update(k_scale=SCALE_TYPES[pool], v_scale=SCALE_TYPES[pool])
@@ -95,25 +100,29 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4, help="query heads per KV head")
     parser.add_argument("--config", default="", help="BLOCK_N,num_warps,num_stages")
     parser.add_argument("--maxnreg", type=int, default=None, help="0: the compiler's choice")
+    parser.add_argument("--table-ahead", type=int, choices=[0, 1], default=None,
+                        help="block ids a step ahead (default: the plan's)")  # fmt: skip
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
     parser.add_argument("--top", type=int, default=12, help="opcodes shown per loop")
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_{args.arch}")
     print(
-        "| pool | config | maxnreg | registers | spill bytes | instructions | loop | top opcodes |"
+        "| pool | config | maxnreg | ids ahead | registers | spill bytes | instructions | loop "
+        "| top opcodes |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for pool in args.pools.split(","):
         plan = default_plan(pool, args.head_dim, args.group)
         config = tuple(int(x) for x in args.config.split(",")) if args.config else plan[:3]
         maxnreg = plan.max_registers if args.maxnreg is None else args.maxnreg
-        kernel = compile_decode(pool, args.head_dim, args.group, config, maxnreg, args.arch)
+        ahead = plan.table_ahead if args.table_ahead is None else bool(args.table_ahead)
+        kernel = compile_decode(pool, args.head_dim, args.group, config, maxnreg, args.arch, ahead)
         used = resources(kernel)
         total, loop, opcodes = loop_mix(cuobjdump(kernel, "-sass"))
         top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(args.top))
         print(
-            f"| {pool} | {config} | {maxnreg} | {used['registers']} | {used['local']} | {total} | "
-            f"{loop} | {top} |"
+            f"| {pool} | {config} | {maxnreg} | {ahead} | {used['registers']} | {used['local']} | "
+            f"{total} | {loop} | {top} |"
         )
 
 
