@@ -108,10 +108,10 @@ def make_set(batch: int, ctx: int, hq: int, hkv: int) -> dict:
                 ki=ki, vi=vi, kis=kis, vis=vis)  # fmt: skip
 
 
-def int8_pool_bytes(batch: int, ctx: int, hkv: int) -> int:
-    """Bytes of INT8 K/V for ``batch`` rows of ``ctx`` tokens: the values, and float16 scales
-    per 16 key channels and one per value head."""
-    return batch * ctx * hkv * (2 * DIM + 2 * (-(-DIM // 16) + 1))
+def int8_pool_bytes(batch: int, ctx: int, hkv: int, dim: int = DIM) -> int:
+    """Bytes of INT8 K/V for ``batch`` rows of ``ctx`` tokens of head dim ``dim``: the values,
+    and float16 scales per 16 key channels and one per value head."""
+    return batch * ctx * hkv * (2 * dim + 2 * (-(-dim // 16) + 1))
 
 
 def int8_decode(s: dict, config=None, splits=None):

@@ -30,7 +30,7 @@ from harness import require_cuda  # noqa: E402
 
 require_cuda("sweep_8bit_decode")
 
-from bench_fp8 import BF16, BS, DIM, SPEED_SHAPES, make_set  # noqa: E402
+from bench_fp8 import BF16, BS, DIM, SPEED_SHAPES, int8_pool_bytes, make_set  # noqa: E402
 from harness import ceiling, num_input_sets, rel_err, show_table, time_graph, versions  # noqa: E402
 
 from nanoserve.kernels import paged_decode_attention_ref  # noqa: E402
@@ -225,9 +225,8 @@ def int8_plan_rows(shapes) -> list[dict]:
 
     rows = []
     for batch, ctx, hq, hkv, dim in shapes:
-        int8_bytes = batch * ctx * hkv * (2 * dim + 2 * (-(-dim // 16) + 1))
+        int8_bytes = int8_pool_bytes(batch, ctx, hkv, dim)
         torch.cuda.empty_cache()
-
         sets = [int8_set(batch, ctx, hq, hkv, dim) for _ in range(num_input_sets(int8_bytes, 8))]
         s0, n = sets[0], min(4, batch)
         ref = paged_decode_attention_ref(
