@@ -18,6 +18,7 @@ Prints a table; with $OUT set, writes its csv there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -69,6 +70,19 @@ TWO_WARP_CANDIDATES = [
 ]
 
 
+@contextlib.contextmanager
+def launched_by(plan):
+    """The decode launcher plans with ``plan`` (``decode_plan``'s signature) inside."""
+    from nanoserve.kernels import triton_decode
+
+    planned = triton_decode.decode_plan
+    triton_decode.decode_plan = plan
+    try:
+        yield
+    finally:
+        triton_decode.decode_plan = planned
+
+
 def sweep_ahead_rows(shapes, candidates=AHEAD_CANDIDATES) -> list[dict]:
     """FP8 and INT8 decode over ``candidates``: by default with the block ids a loop step
     ahead (``DecodePlan.table_ahead``) over tiles, stages and register caps, each checked
@@ -108,15 +122,13 @@ def sweep_ahead_rows(shapes, candidates=AHEAD_CANDIDATES) -> list[dict]:
                     k_scale=s[ks], v_scale=s[vs],
                 )  # fmt: skip
 
-            triton_decode.decode_plan = plan
             try:
-                chosen = str(plan(s0["q"], s0[k], s0["bt"], config))
-                err = rel_err(fn(s0)()[:n], refs[kind])
-                us = time_graph([fn(s) for s in sets]).median
+                with launched_by(plan):
+                    chosen = str(plan(s0["q"], s0[k], s0["bt"], config))
+                    err = rel_err(fn(s0)()[:n], refs[kind])
+                    us = time_graph([fn(s) for s in sets]).median
             except Exception as e:  # a tile that does not fit: say so, go on
                 chosen, err, us = f"{type(e).__name__}: {str(e)[:60]}", float("nan"), float("nan")
-            finally:
-                triton_decode.decode_plan = planned
             base.setdefault(kind, us)
             rows.append(dict(shape=f"{batch}x{ctx} {hq}/{hkv}", candidate=label,
                              us=round(us, 1), x_default=round(us / base[kind], 3),
@@ -242,13 +254,10 @@ def int8_plan_rows(shapes) -> list[dict]:
 
         found = {}
         for name, plan in (("now", planned), ("before", previous), ("now again", planned)):
-            triton_decode.decode_plan = plan
-            try:
+            with launched_by(plan):
                 err = rel_err(fn(s0)()[:n], ref)
                 us = time_graph([fn(s) for s in sets]).median
                 chosen = plan(s0["q"], s0["ki"], s0["bt"])
-            finally:
-                triton_decode.decode_plan = planned
             found[name] = (us, err, chosen)
         t_read = ceiling(int8_bytes, len(sets), graph=True).median
         now = min(found["now"][0], found["now again"][0])
