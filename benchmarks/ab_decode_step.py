@@ -1,5 +1,7 @@
 """A/B of a batch-1 decode step's launch changes in one process: programmatic dependent
-launch (``NANOSERVE_PDL``) and the residual adds run with their norms (``fused_residual``).
+launch (``NANOSERVE_PDL``), the residual adds run with their norms (``fused_residual``) and
+the gated MLP in one launch (``fused_decode.FUSED_MLP_MAX_ROWS``; off: two launches and
+the K shares' sum, as before).
 
 Random-weight Llama-3.2-1B shape (``bench_generate.build_model``), bf16, greedy, 256 new
 tokens. Per configuration and round (two rounds, interleaved): tokens/s at batch 1 (prompt
@@ -8,11 +10,13 @@ salted warm-ups of the same length (the pool grows and the graphs are captured b
 timing); in the first round also the GPU time of one batch-1 graph replay and the kernels a
 step launches. The residual fusion is switched off by watching no add
 (``fused_residual._ADDS`` emptied for the configuration); every configuration must draw the
-first one's tokens. Usage: cd benchmarks && python3 ab_decode_step.py
+first one's tokens, but for the MLP switch, which sums down's products in another order.
+Usage: cd benchmarks && python3 ab_decode_step.py [--configs NAME,NAME]
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import sys
@@ -27,21 +31,23 @@ from bench_generate import build_model, make_batches, run_generate, timed, warm_
 from profile_decode_step import kernels_per_step, replay_gpu_us  # noqa: E402
 
 import nanoserve  # noqa: E402
-from nanoserve.adapters import fused_residual  # noqa: E402
+from nanoserve.adapters import fused_decode, fused_residual  # noqa: E402
 
-CONFIGS = {  # name: (PDL on, residual adds run with their norms)
-    "default (PDL + residual)": (True, True),
-    "PDL, adds apart": (True, False),
-    "neither": (False, False),
+CONFIGS = {  # name: (PDL on, residual adds run with their norms, MLP in one launch)
+    "default": (True, True, True),
+    "MLP in two launches": (True, True, False),
+    "PDL, adds apart": (True, False, True),
+    "neither": (False, False, True),
 }
 BATCHES = ("batch1_prompt512", "ragged32_128to2048")
 
 
 def measure(model, batches, name: str, first_round: bool, reference: dict) -> list[tuple]:
-    pdl, residual = CONFIGS[name]
-    adds = fused_residual._ADDS
+    pdl, residual, one_launch_mlp = CONFIGS[name]
+    adds, mlp_rows = fused_residual._ADDS, fused_decode.FUSED_MLP_MAX_ROWS
     os.environ["NANOSERVE_PDL"] = "1" if pdl else "0"
     fused_residual._ADDS = adds if residual else set()
+    fused_decode.FUSED_MLP_MAX_ROWS = mlp_rows if one_launch_mlp else 0
     nanoserve.patch_model(model)
     rows = []
     try:
@@ -61,17 +67,24 @@ def measure(model, batches, name: str, first_round: bool, reference: dict) -> li
     finally:
         nanoserve.unpatch_model(model)
         fused_residual._ADDS = adds
+        fused_decode.FUSED_MLP_MAX_ROWS = mlp_rows
         os.environ.pop("NANOSERVE_PDL")
     return rows
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="names from CONFIGS")
+    configs = parser.parse_args().configs.split(",")
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        parser.error(f"--configs: unknown {sorted(unknown)}; choose from {list(CONFIGS)}")
     model = build_model(False, "cuda")
     batches = make_batches(False, "cuda", model.config.vocab_size)
     reference: dict = {}
     rows = []
     for round_ in range(2):
-        for name in CONFIGS:
+        for name in configs:
             rows += [(round_, *r) for r in measure(model, batches, name, round_ == 0, reference)]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print("| round | config | batch | tok/s | replay µs | kernels/step | same tokens | residual |")

@@ -44,6 +44,8 @@ from nanoserve.adapters import fused_rotary
 from nanoserve.adapters.fused_inputs import fusable, plain_linear, records_grad
 from nanoserve.adapters.fused_residual import ResidualNorms
 from nanoserve.kernels.dispatch import interpreted_bfloat16, use_triton
+from nanoserve.kernels.fused_mlp import barrier_size, fused_mlp, new_barrier, one_launch_pays
+from nanoserve.kernels.fused_mlp import input_problem as fused_mlp_problem
 from nanoserve.kernels.gated_act import silu_mul
 from nanoserve.kernels.rms_norm import input_problem as norm_problem
 from nanoserve.kernels.rms_norm import rms_norm
@@ -54,6 +56,8 @@ FUSED_KINDS = ("attention", "mlp", "norm", "rotary", "residual")
 # past this many rows cuBLAS reads a down projection's long K as fast as the kernel, whose
 # programs each re-read the whole x tile
 DOWN_MAX_ROWS = 16
+# up to this many rows a bias-free MLP runs as one ``fused_mlp`` launch (0: never)
+FUSED_MLP_MAX_ROWS = 16
 _SILU_TYPES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers' (both F.silu)
 
 
@@ -96,6 +100,18 @@ class _Siblings:
 
 
 def _gated_mlp_forward(mlp, classes: Sequence[str], backend: str, ran: set, note=None):
+    barriers: dict[torch.device, torch.Tensor] = {}  # the one-launch MLP's grid barrier
+
+    def barrier(device: torch.device, out_width: int) -> torch.Tensor | None:
+        """This MLP's barrier state on ``device``, made outside a capture (one made while
+        capturing would be zeroed only at replay: the launch then makes its graph its own)."""
+        held = barriers.get(device)
+        if (held is None or held.numel() < barrier_size(out_width)) and device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            barriers[device] = new_barrier(device, out_width)
+        return barriers.get(device)
+
     def stock_forward(x: torch.Tensor) -> torch.Tensor:
         return type(mlp).forward(mlp, x)  # (the class's forward now, as stock would call it)
 
@@ -112,6 +128,15 @@ def _gated_mlp_forward(mlp, classes: Sequence[str], backend: str, ran: set, note
             hidden = silu_mul(gated, F.linear(x, up.weight, up.bias), backend=backend)
             out = F.linear(hidden, down.weight, down.bias)
             ran.add(("mlp", id(mlp)))
+            if note is not None:
+                note(mlp, out)
+            return out
+        if one_launch_fits(flat, (gate, up, down)):
+            state = barrier(flat.device, down.out_features)
+            out = fused_mlp(flat, gate.weight, up.weight, down.weight, backend=backend,
+                            barrier=state, weights_ready=True)  # fmt: skip
+            ran.add(("mlp", id(mlp)))
+            out = out.view(*x.shape[:-1], out.shape[-1])
             if note is not None:
                 note(mlp, out)
             return out
@@ -151,6 +176,25 @@ def fits(
         and linear_problem(x, weights, biases, gated) is None
         and use_triton(backend, x)
         and not interpreted_bfloat16(x)
+    )
+
+
+def one_launch_fits(x: torch.Tensor, linears: Sequence[torch.nn.Linear]) -> bool:
+    """True when the gated MLP of ``x`` [M, K] through ``linears`` (gate, up, down; the
+    kernels' other conditions already met) runs as one ``fused_mlp`` launch: up to
+    ``FUSED_MLP_MAX_ROWS`` rows, no bias, and on a GPU weights of the sizes where it pays
+    (``one_launch_pays``; the CPU's interpreted form serves the tests)."""
+    gate, up, down = linears
+    return (
+        x.shape[0] <= FUSED_MLP_MAX_ROWS
+        and all(m.bias is None for m in linears)
+        and fused_mlp_problem(x, gate.weight, up.weight, down.weight) is None
+        and (
+            x.device.type != "cuda"
+            or one_launch_pays(
+                x.shape[1], gate.out_features, down.out_features, x.dtype, x.device
+            )  # fmt: skip
+        )
     )
 
 

@@ -166,7 +166,7 @@ def choose_config(
     return LinearConfig(block_n, block_k, split, num_warps=4, num_stages=4)
 
 
-def _fits_offsets(weight: torch.Tensor) -> bool:
+def fits_offsets(weight: torch.Tensor) -> bool:
     """True when every element offset a program computes in ``weight`` [N, K] (its last tile
     of columns included) fits in 32 bits."""
     return (weight.shape[0] + 64) * weight.shape[1] < _MAX_OFFSET
@@ -201,7 +201,7 @@ def input_problem(
                 f"weights[{i}]: expected a contiguous [N, {x.shape[1]}] tensor, got "
                 f"{tuple(w.shape)} (contiguous: {w.is_contiguous()})"
             )
-        if not _fits_offsets(w):
+        if not fits_offsets(w):
             return f"weights[{i}]: {tuple(w.shape)} is too large for the kernel's 32-bit offsets"
         if w.dtype != x.dtype or w.device != x.device:
             return f"weights[{i}]: dtype/device {w.dtype}/{w.device} differ from x's"

@@ -84,29 +84,44 @@ def assert_follows(plain, fused, tol=2e-2):
 @NEEDS_INTERPRETER
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases
 def test_fused_steps_match_unfused(name, monkeypatch):
-    """The fused steps run the Triton kernels themselves (interpreted), q/k/v and down by the
-    linear kernel, gate and up by its gated form. Planted: k and v handed each other's
-    outputs, and the norms' weights dropped: each failed every case; the backend not handed
-    to the linear kernel (which then ran its torch reference on the CPU): failed."""
+    """The fused steps run the Triton kernels themselves (interpreted): q/k/v by the linear
+    kernel; the MLP of the decode steps (3 rows, a bucket of 4) by ``fused_mlp`` (its
+    two-launch form), of
+    the prefill's 27 token rows by the linear kernel's gated form and then down. Planted: k
+    and v handed each other's outputs, and the norms' weights dropped: each failed every
+    case; the backend not handed to the linear kernel (which then ran its torch reference on
+    the CPU): failed; the one-launch MLP's row limit dropped to 0: failed."""
+    import nanoserve.kernels.triton_fused_mlp as triton_fused_mlp
     import nanoserve.kernels.triton_linear as triton_linear
 
-    kernel, launched = triton_linear._linear_kernel, []
+    launched = []
 
     class Recorded:
+        def __init__(self, kernel, what):
+            self.kernel, self.what = kernel, what
+
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launched.append(kwargs["GATED"])
-                return kernel[grid](*args, **kwargs)
+                launched.append(self.what(args, kwargs))
+                return self.kernel[grid](*args, **kwargs)
 
             return launch
 
-    monkeypatch.setattr(triton_linear, "_linear_kernel", Recorded())
+    linear = Recorded(triton_linear._linear_kernel, lambda a, k: ("gated", k["GATED"], a[2]))
+    mlp = Recorded(triton_fused_mlp._fused_mlp_kernel, lambda a, k: ("mlp", k["PHASES"], a[2]))
+    monkeypatch.setattr(triton_linear, "_linear_kernel", linear)
+    monkeypatch.setattr(triton_fused_mlp, "_fused_mlp_kernel", mlp)
     model = fp16_model(name)
     inputs = padded_batch([9, 4, 7], 9)
     plain, plain_stats = run(model, inputs, fuse=False)
     assert launched == []
     fused, stats = run(model, inputs, fuse=True)
-    assert set(launched) == {False, True}
+    # (kind, GATED or PHASES, rows): both layers, the prefill then 5 decode steps
+    assert set(launched) == {
+        ("gated", False, 27), ("gated", True, 27), ("gated", False, 4), ("mlp", 1, 4),
+        ("mlp", 2, 4),
+    }  # fmt: skip
+    assert launched.count(("mlp", 1, 4)) == 2 * 5
     assert plain_stats["fused_decode"] == counts()
     assert stats["fused_decode"] == counts(2, 2, NORMS[name], rotary=2, residual=4)
     assert stats["replays"] == plain_stats["replays"] == 5
@@ -127,6 +142,27 @@ def test_interpreted_bfloat16_projections_run_stock():
         linear.to(dtype)
         with torch.no_grad():
             assert fits(torch.randn(3, 64).to(dtype), [linear], "triton") is taken
+
+
+def test_the_mlp_runs_in_one_launch_up_to_16_rows_without_biases():
+    """``fused_mlp`` takes up to 16 rows and no bias; past that (or with a bias) the MLP
+    runs as the gated linear kernel and then down, as before. Planted: the bias check
+    dropped: failed."""
+    from nanoserve.adapters.fused_decode import one_launch_fits
+
+    def linears(bias):
+        return [
+            torch.nn.Linear(32, 48, bias=bias).half(),
+            torch.nn.Linear(32, 48, bias=bias).half(),
+            torch.nn.Linear(48, 32, bias=bias).half(),
+        ]
+
+    plain, biased = linears(False), linears(True)
+    assert one_launch_fits(torch.randn(16, 32).half(), plain)
+    assert not one_launch_fits(torch.randn(17, 32).half(), plain)
+    assert not one_launch_fits(torch.randn(4, 32).half(), biased)
+    mixed = plain[:2] + biased[2:]  # (a bias on down alone)
+    assert not one_launch_fits(torch.randn(4, 32).half(), mixed)
 
 
 def test_float32_and_torch_backend_are_not_fused():
