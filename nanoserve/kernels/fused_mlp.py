@@ -229,7 +229,13 @@ def choose_config(width: int, out_width: int, device: torch.device) -> MlpConfig
     the activation's column tiles (``TILE_WIDTHS``' order among equals) and the down
     product's K shares of its narrowest tiles (the fewest among equals, up to
     ``MAX_SHARES``, each at least one K step) that spread the work most evenly."""
-    programs = PROGRAMS_PER_SM * sm_count(device)
+    one_launch = device.type == "cuda" and not _interpreting()
+    return _config(width, out_width, sm_count(device), one_launch)
+
+
+@functools.cache  # (a decode step's eager forwards ask at every MLP)
+def _config(width: int, out_width: int, sms: int, one_launch: bool) -> MlpConfig:
+    programs = PROGRAMS_PER_SM * sms
     up_n = min(TILE_WIDTHS, key=lambda n: _spread(_cdiv(width, n), programs))
     down_n, down_k = min(TILE_WIDTHS), 256
     most = 1
@@ -246,7 +252,7 @@ def choose_config(width: int, out_width: int, device: torch.device) -> MlpConfig
         shares=shares,
         num_warps=4,
         num_stages=4,
-        one_launch=device.type == "cuda" and not _interpreting(),
+        one_launch=one_launch,
     )
 
 
