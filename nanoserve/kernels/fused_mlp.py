@@ -34,7 +34,9 @@ TILE_WIDTHS = (32, 16, 64)
 # programs an SM: two keep two tiles' loads in flight, as the separate launches' do
 PROGRAMS_PER_SM = 2
 MAX_SHARES = 8
-# the one launch as a cooperative launch (the driver holds it until every program fits)
+# the one launch as a cooperative launch: the driver has every program resident at once or
+# refuses the launch, where a plain one could leave programs waiting at the barrier for
+# programs that cannot start (it ran as fast as a plain launch: benchmarks/RESULTS.md)
 COOPERATIVE = True
 
 
