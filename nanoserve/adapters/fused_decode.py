@@ -181,13 +181,15 @@ def fits(
 
 def one_launch_fits(x: torch.Tensor, linears: Sequence[torch.nn.Linear]) -> bool:
     """True when the gated MLP of ``x`` [M, K] through ``linears`` (gate, up, down; the
-    kernels' other conditions already met) runs as one ``fused_mlp`` launch: up to
-    ``FUSED_MLP_MAX_ROWS`` rows, no bias, and on a GPU weights of the sizes where it pays
-    (``one_launch_pays``; the CPU's interpreted form serves the tests)."""
+    kernels' conditions for gate and up already met) runs as one ``fused_mlp`` launch: up
+    to ``FUSED_MLP_MAX_ROWS`` rows, no bias, no gradient to record for down, and on a GPU
+    weights of the sizes where it pays (``one_launch_pays``; the CPU's interpreted form
+    serves the tests)."""
     gate, up, down = linears
     return (
         x.shape[0] <= FUSED_MLP_MAX_ROWS
         and all(m.bias is None for m in linears)
+        and not records_grad(x, down.weight)
         and fused_mlp_problem(x, gate.weight, up.weight, down.weight) is None
         and (
             x.device.type != "cuda"

@@ -145,17 +145,15 @@ def test_interpreted_bfloat16_projections_run_stock():
 
 
 def test_the_mlp_runs_in_one_launch_up_to_16_rows_without_biases():
-    """``fused_mlp`` takes up to 16 rows and no bias; past that (or with a bias) the MLP
-    runs as the gated linear kernel and then down, as before. Planted: the bias check
-    dropped: failed."""
+    """``fused_mlp`` takes up to 16 rows, no bias and no gradient to record; past that (or
+    with a bias, or a down weight autograd would track) the MLP runs as the gated linear
+    kernel and then down, as before (which refuse the gradient too). Planted: the bias
+    check dropped, the gradient check dropped: each failed."""
     from nanoserve.adapters.fused_decode import one_launch_fits
 
     def linears(bias):
-        return [
-            torch.nn.Linear(32, 48, bias=bias).half(),
-            torch.nn.Linear(32, 48, bias=bias).half(),
-            torch.nn.Linear(48, 32, bias=bias).half(),
-        ]
+        shapes = ((32, 48), (32, 48), (48, 32))
+        return [torch.nn.Linear(*s, bias=bias).half().requires_grad_(False) for s in shapes]
 
     plain, biased = linears(False), linears(True)
     assert one_launch_fits(torch.randn(16, 32).half(), plain)
@@ -163,6 +161,11 @@ def test_the_mlp_runs_in_one_launch_up_to_16_rows_without_biases():
     assert not one_launch_fits(torch.randn(4, 32).half(), biased)
     mixed = plain[:2] + biased[2:]  # (a bias on down alone)
     assert not one_launch_fits(torch.randn(4, 32).half(), mixed)
+    plain[2].weight.requires_grad_(True)
+    with torch.enable_grad():
+        assert not one_launch_fits(torch.randn(4, 32).half(), plain)
+    with torch.no_grad():
+        assert one_launch_fits(torch.randn(4, 32).half(), plain)
 
 
 def test_float32_and_torch_backend_are_not_fused():
