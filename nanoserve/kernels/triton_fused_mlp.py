@@ -27,9 +27,9 @@ from nanoserve.kernels.triton_linear import _gate, _tile_product, _w_tile
 @triton.jit
 def _grid_barrier(state, programs):
     """Returns once every one of ``programs`` programs has called it; each program's stores
-    before the call are visible to every program after it. ``state`` int32 [2]: the arrivals
-    and a flag, kept between launches (the last arrival sets the count back to 0 and flips
-    the flag that the others wait on), so a launch needs no reset."""
+    before the call are visible to every program after it. ``state``'s first two int32
+    words: the arrivals and a flag, kept between launches (the last arrival sets the count
+    back to 0 and flips the flag that the others wait on), so a launch needs no reset."""
     sense = tl.atomic_add(state + 1, 0, sem="relaxed", scope="gpu")
     tl.debug_barrier()  # the whole program's stores come before its arrival's release
     arrived = tl.atomic_add(state, 1, sem="acq_rel", scope="gpu")
