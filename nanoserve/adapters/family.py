@@ -72,6 +72,9 @@ class Family:
     (``fuse_decode`` runs them as one launch); ``rotary_attention_classes``: its attention
     classes whose forward calls its modeling module's ``apply_rotary_pos_emb(q, k, cos,
     sin)`` with Llama's formula (``fuse_decode`` runs it as one launch);
+    ``rotary_embedding_classes``: its rotary embedding classes whose forward ``(x,
+    position_ids)`` returns Llama's cos and sin tables (``fuse_decode`` computes them in one
+    launch);
     ``pre_norm_layer_classes``: its decoder layer classes whose forward adds ``self_attn``'s
     output (its ``o_proj``'s) to the layer's input and normalizes the sum with
     ``post_attention_layernorm``, then adds ``mlp``'s output and hands the sum to the next
@@ -89,6 +92,7 @@ class Family:
     gated_mlp_classes: tuple[str, ...] = ()
     rms_norm_classes: tuple[str, ...] = ()
     rotary_attention_classes: tuple[str, ...] = ()
+    rotary_embedding_classes: tuple[str, ...] = ()
     pre_norm_layer_classes: tuple[str, ...] = ()
 
     def layout(self, config) -> KVLayout:

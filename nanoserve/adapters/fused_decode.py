@@ -20,8 +20,9 @@ called on another input (or a step of more rows than the kernel takes) computes 
 family names (``Family.gated_mlp_classes``), whose forward is that formula, and only when
 none of its projections carries a hook (the fused forward does not call them). The rotary
 embedding of the family's attention classes (``Family.rotary_attention_classes``) runs as
-one launch for q and k (``fused_rotary.py``; not under ``compile_decode``, whose compiler
-fuses it already).
+one launch for q and k (``fused_rotary.py``), and the step's cos and sin tables, computed by
+the model's rotary embedding module of the family's classes, as one more
+(``rotary_tables.py``); neither under ``compile_decode``, whose compiler fuses them already.
 
 Outputs accumulate in float32 and round where eager PyTorch rounds; the summation order
 differs, so 16-bit results can differ from stock's in the last bit (the MLP's by a few units,
@@ -43,6 +44,8 @@ import torch.nn.functional as F
 from nanoserve.adapters import fused_rotary
 from nanoserve.adapters.fused_inputs import fusable, plain_linear, records_grad
 from nanoserve.adapters.fused_residual import ResidualNorms
+from nanoserve.adapters.modeling_classes import modeling_forward
+from nanoserve.adapters.rotary_tables import rotary_table_forward, rotary_table_module
 from nanoserve.kernels.dispatch import interpreted_bfloat16, use_triton
 from nanoserve.kernels.fused_mlp import barrier_size, fused_mlp, new_barrier, one_launch_pays
 from nanoserve.kernels.fused_mlp import input_problem as fused_mlp_problem
@@ -52,7 +55,7 @@ from nanoserve.kernels.rms_norm import rms_norm
 from nanoserve.kernels.small_batch_linear import MAX_ROWS, small_batch_linear
 from nanoserve.kernels.small_batch_linear import input_problem as linear_problem
 
-FUSED_KINDS = ("attention", "mlp", "norm", "rotary", "residual")
+FUSED_KINDS = ("attention", "mlp", "norm", "rotary", "residual", "rotary_table")
 # past this many rows cuBLAS reads a down projection's long K as fast as the kernel, whose
 # programs each re-read the whole x tile
 DOWN_MAX_ROWS = 16
@@ -259,21 +262,6 @@ def _rms_norm(module, classes: Sequence[str]) -> bool:
     )
 
 
-def modeling_forward(module: torch.nn.Module) -> bool:
-    """The module's class runs the forward a transformers modeling file defines for it (or
-    for the class it inherits from), not one a caller or another library set on the class
-    since: the family trusts a class by its name to compute its formula, and a forward
-    set on the class may compute something else."""
-    owner = next((c for c in type(module).__mro__ if "forward" in c.__dict__), None)
-    if owner is None or not owner.__module__.startswith("transformers."):
-        return False
-    forward = owner.__dict__["forward"]
-    return (
-        getattr(forward, "__module__", None) == owner.__module__
-        and getattr(forward, "__qualname__", None) == f"{owner.__qualname__}.forward"
-    )
-
-
 def _version(x: torch.Tensor) -> int | None:
     """x's version counter (bumped by every in-place write), or None for an inference
     tensor, which keeps none."""
@@ -333,7 +321,8 @@ class FusedDecode:
         self.swaps: list[tuple[torch.nn.Module, object, str]] = []
         self.siblings: list[_Siblings] = []
         # ("attention" | "mlp" | "norm", id of the module) for each that has run fused, and
-        # ("rotary" | "residual", n) for the n-th rotary call or fused add of a step
+        # ("rotary" | "residual" | "rotary_table", n) for the n-th rotary call, fused add or
+        # cos and sin tables of a step
         self.ran: set[tuple[str, int]] = set()
         attentions = [getattr(layer, "self_attn", None) for layer in layers]
         self.rotary_attentions = [a for a in attentions if a is not None] if rotary else []
@@ -359,6 +348,11 @@ class FusedDecode:
         for module in norms:
             forward = _norm_forward(module, backend, self.ran, self.residual)
             swap([module], [forward], "norm")
+        self.table_calls = itertools.count()
+        tables = family.rotary_embedding_classes if rotary else ()
+        for module in root.modules():
+            if rotary_table_module(module, tables):
+                swap([module], [rotary_table_forward(module, backend, self._table_fused)], "table")
         note = self.residual.note if self.residual is not None else None
         for layer in layers:
             attention = getattr(layer, "self_attn", None)
@@ -378,6 +372,9 @@ class FusedDecode:
                 fused = _gated_mlp_forward(mlp, classes, backend, self.ran, note)
                 swap([mlp], [fused], "mlp")
 
+    def _table_fused(self) -> None:
+        self.ran.add(("rotary_table", next(self.table_calls)))
+
     @property
     def rotary_modules(self) -> tuple:
         """The modeling modules whose rotary embedding runs fused, looked up at each call
@@ -386,9 +383,9 @@ class FusedDecode:
 
     def counts(self) -> dict[str, int]:
         """Modules that have run fused in some step so far: {"attention": q/k/v groups,
-        "mlp": gated MLPs, "norm": RMSNorms, "rotary": rotary calls and "residual": residual
-        adds run with their norm, both of the step that ran the most} (a step the kernels do
-        not take runs stock's)."""
+        "mlp": gated MLPs, "norm": RMSNorms, "rotary": rotary calls, "residual": residual
+        adds run with their norm and "rotary_table": cos and sin tables, the last three of
+        the step that ran the most} (a step the kernels do not take runs stock's)."""
         kinds = [kind for kind, _ in self.ran]
         return {kind: kinds.count(kind) for kind in FUSED_KINDS}
 
@@ -404,13 +401,14 @@ class FusedDecode:
         def serves(kind: str) -> bool:
             if kind == "attention":
                 return rows <= MAX_ROWS
-            return kind == "norm" or rows <= MAX_ROWS or not self.compiled
+            return kind in ("norm", "table") or rows <= MAX_ROWS or not self.compiled
 
         # a module whose forward another library wrapped since keeps that wrapper
         swapped = [
             (m, f) for m, f, kind in self.swaps if "forward" not in m.__dict__ and serves(kind)
         ]
         calls = itertools.count()
+        self.table_calls = itertools.count()
 
         def rotary_fused() -> None:
             self.ran.add(("rotary", next(calls)))

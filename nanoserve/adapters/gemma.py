@@ -38,4 +38,6 @@ GEMMA = Family(
     check=check,
     cache_groups=window_groups,
     rotary_attention_classes=("GemmaAttention", "Gemma2Attention", "Gemma3Attention"),
+    # (Gemma 3's module takes a layer type and holds a table of frequencies per type)
+    rotary_embedding_classes=("GemmaRotaryEmbedding", "Gemma2RotaryEmbedding"),
 )

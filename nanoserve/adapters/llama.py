@@ -36,6 +36,12 @@ LLAMA = Family(
         "Qwen2Attention",
         "Qwen3Attention",
     ),
+    rotary_embedding_classes=(
+        "LlamaRotaryEmbedding",
+        "MistralRotaryEmbedding",
+        "Qwen2RotaryEmbedding",
+        "Qwen3RotaryEmbedding",
+    ),
     pre_norm_layer_classes=(
         "LlamaDecoderLayer",
         "MistralDecoderLayer",

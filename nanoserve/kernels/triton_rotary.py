@@ -1,10 +1,12 @@
-"""Triton kernel of Llama's rotary embedding (``rotary.py`` holds the launcher and the
-reference): one program per (token, block of heads), q's heads and k's in one launch."""
+"""Triton kernels of Llama's rotary embedding (``rotary.py`` holds the launchers and the
+references): the rotation, one program per (token, block of heads), q's heads and k's in one
+launch; and a step's cos and sin tables, one program per token."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from nanoserve.kernels.triton_common import pdl_enter
 
@@ -52,3 +54,32 @@ def _rotary_kernel(q, k, cos, sin, q_out, k_out,
     else:
         _rotate_heads(k, k_out, stride_kb, stride_kh, stride_ks, b, s, S, HK,
                       (block - Q_BLOCKS) * HEADS, c1, c2, s1, s2, HALF, HEADS, BLOCK)  # fmt: skip
+
+
+@triton.jit
+def _cos_sin_kernel(positions, inv_freq, cos, sin, stride_pb, stride_ps, S, HALF, scaling,
+                    BLOCK: tl.constexpr, ACCURATE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_enter(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    b = token // S
+    s = token % S
+    dims = tl.arange(0, BLOCK)
+    ok = dims < HALF
+    # the position rounded to float32, times each frequency: one rounded product, as eager's
+    position = tl.load(positions + b * stride_pb + s * stride_ps).to(tl.float32)
+    freqs = position * tl.load(inv_freq + dims, mask=ok, other=0.0).to(tl.float32)
+    if ACCURATE:
+        # CUDA's cosf and sinf, which PyTorch's CUDA cos and sin call
+        c = libdevice.cos(freqs)
+        n = libdevice.sin(freqs)
+    else:  # (the interpreter: numpy's float32 cos and sin)
+        c = tl.cos(freqs)
+        n = tl.sin(freqs)
+    kind = cos.dtype.element_ty
+    c = (c * scaling).to(kind)
+    n = (n * scaling).to(kind)
+    out = token * (2 * HALF) + dims
+    tl.store(cos + out, c, mask=ok)
+    tl.store(cos + out + HALF, c, mask=ok)
+    tl.store(sin + out, n, mask=ok)
+    tl.store(sin + out + HALF, n, mask=ok)

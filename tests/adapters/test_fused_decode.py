@@ -48,13 +48,16 @@ def fp16_model(name="llama"):
     return model
 
 
-def counts(attention=0, mlp=0, norm=0, rotary=0, residual=0):
+def counts(attention=0, mlp=0, norm=0, rotary=0, residual=0, table=None):
+    """The expected ``fused_decode`` counts; the step's cos and sin tables run fused where
+    the rotary embedding does unless ``table`` says otherwise."""
     return {
         "attention": attention,
         "mlp": mlp,
         "norm": norm,
         "rotary": rotary,
         "residual": residual,
+        "rotary_table": int(rotary > 0) if table is None else table,
     }
 
 
