@@ -1,7 +1,8 @@
 """A/B of a batch-1 decode step's launch changes in one process: programmatic dependent
 launch (``NANOSERVE_PDL``), the residual adds run with their norms (``fused_residual``) and
 the gated MLP in one launch (``fused_decode.FUSED_MLP_MAX_ROWS``; off: two launches and
-the K shares' sum, as before).
+the K shares' sum, as before) and the step's rotary cos and sin in one launch (off: the rotary
+embedding module's own forward, ``rotary_tables.fits`` refusing every call).
 
 Random-weight Llama-3.2-1B shape (``bench_generate.build_model``), bf16, greedy, 256 new
 tokens. Per configuration and round (two rounds, interleaved): tokens/s at batch 1 (prompt
@@ -10,7 +11,8 @@ salted warm-ups of the same length (the pool grows and the graphs are captured b
 timing); in the first round also the GPU time of one batch-1 graph replay and the kernels a
 step launches. The residual fusion is switched off by watching no add
 (``fused_residual._ADDS`` emptied for the configuration); every configuration must draw the
-first one's tokens, but for the MLP switch, which sums down's products in another order.
+first one's tokens, but for the MLP switch, which sums down's products in another order
+(the tables are bit-equal to the module's: the same tokens).
 Usage: cd benchmarks && python3 ab_decode_step.py [--configs NAME,NAME]
 """
 
@@ -31,23 +33,29 @@ from bench_generate import build_model, make_batches, run_generate, timed, warm_
 from profile_decode_step import kernels_per_step, replay_gpu_us  # noqa: E402
 
 import nanoserve  # noqa: E402
-from nanoserve.adapters import fused_decode, fused_residual  # noqa: E402
+from nanoserve.adapters import fused_decode, fused_residual, rotary_tables  # noqa: E402
 
-CONFIGS = {  # name: (PDL on, residual adds run with their norms, MLP in one launch)
-    "default": (True, True, True),
-    "MLP in two launches": (True, True, False),
-    "PDL, adds apart": (True, False, True),
-    "neither": (False, False, True),
+CONFIGS = {  # name: (PDL on, adds run with their norms, MLP in one launch, tables in one)
+    "default": (True, True, True, True),
+    "MLP in two launches": (True, True, False, True),
+    "rotary tables eager": (True, True, True, False),
+    "PDL, adds apart": (True, False, True, True),
+    "neither": (False, False, True, True),
 }
 BATCHES = ("batch1_prompt512", "ragged32_128to2048")
 
 
 def measure(model, batches, name: str, first_round: bool, reference: dict) -> list[tuple]:
-    pdl, residual, one_launch_mlp = CONFIGS[name]
-    adds, mlp_rows = fused_residual._ADDS, fused_decode.FUSED_MLP_MAX_ROWS
+    pdl, residual, one_launch_mlp, tables = CONFIGS[name]
+    adds, mlp_rows, table_fits = (
+        fused_residual._ADDS,
+        fused_decode.FUSED_MLP_MAX_ROWS,
+        rotary_tables.fits,
+    )
     os.environ["NANOSERVE_PDL"] = "1" if pdl else "0"
     fused_residual._ADDS = adds if residual else set()
     fused_decode.FUSED_MLP_MAX_ROWS = mlp_rows if one_launch_mlp else 0
+    rotary_tables.fits = table_fits if tables else lambda *args: False
     nanoserve.patch_model(model)
     rows = []
     try:
@@ -68,6 +76,7 @@ def measure(model, batches, name: str, first_round: bool, reference: dict) -> li
         nanoserve.unpatch_model(model)
         fused_residual._ADDS = adds
         fused_decode.FUSED_MLP_MAX_ROWS = mlp_rows
+        rotary_tables.fits = table_fits
         os.environ.pop("NANOSERVE_PDL")
     return rows
 

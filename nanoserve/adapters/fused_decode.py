@@ -45,6 +45,7 @@ from nanoserve.adapters import fused_rotary
 from nanoserve.adapters.fused_inputs import fusable, plain_linear, records_grad
 from nanoserve.adapters.fused_residual import ResidualNorms
 from nanoserve.adapters.modeling_classes import modeling_forward
+from nanoserve.adapters.qkv_rotary import QKVRotary
 from nanoserve.adapters.rotary_tables import rotary_table_forward, rotary_table_module
 from nanoserve.kernels.dispatch import interpreted_bfloat16, use_triton
 from nanoserve.kernels.fused_mlp import barrier_size, fused_mlp, new_barrier, one_launch_pays
@@ -52,10 +53,14 @@ from nanoserve.kernels.fused_mlp import input_problem as fused_mlp_problem
 from nanoserve.kernels.gated_act import silu_mul
 from nanoserve.kernels.rms_norm import input_problem as norm_problem
 from nanoserve.kernels.rms_norm import rms_norm
-from nanoserve.kernels.small_batch_linear import MAX_ROWS, small_batch_linear
+from nanoserve.kernels.small_batch_linear import (
+    MAX_ROWS,
+    small_batch_linear,
+    small_batch_linear_rotary,
+)
 from nanoserve.kernels.small_batch_linear import input_problem as linear_problem
 
-FUSED_KINDS = ("attention", "mlp", "norm", "rotary", "residual", "rotary_table")
+FUSED_KINDS = ("attention", "mlp", "norm", "rotary", "residual", "rotary_table", "rotary_qkv")
 # past this many rows cuBLAS reads a down projection's long K as fast as the kernel, whose
 # programs each re-read the whole x tile
 DOWN_MAX_ROWS = 16
@@ -67,10 +72,14 @@ _SILU_TYPES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers' (both F
 class _Siblings:
     """Linear layers reading one input: the first called computes all of them at once."""
 
-    def __init__(self, linears: Sequence[torch.nn.Linear], backend: str, ran: set):
+    def __init__(
+        self, linears: Sequence[torch.nn.Linear], backend: str, ran: set,
+        rotary: QKVRotary | None = None,
+    ):  # fmt: skip
         self.linears = list(linears)
         self.backend = backend
         self.ran = ran
+        self.rotary = rotary  # q, k and v of an attention module: q and k rotated ahead
         # sibling index -> (the input, its version counter then, the sibling's output)
         self.pending: dict[int, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
 
@@ -89,12 +98,20 @@ class _Siblings:
                 return F.linear(x, linear.weight, linear.bias)
             weights = [m.weight for m in self.linears]
             biases = [m.bias for m in self.linears] if linear.bias is not None else None
+            tables = self.rotary.tables_for(x, weights) if self.rotary is not None else None
             # (weights_ready: no kernel of a decode step writes a parameter)
-            out = small_batch_linear(
-                flat, weights, biases, backend=self.backend, weights_ready=True
-            )
+            if tables is not None:
+                out, *rotated = small_batch_linear_rotary(
+                    flat, weights, biases, *tables, backend=self.backend, weights_ready=True
+                )
+            else:
+                out = small_batch_linear(
+                    flat, weights, biases, backend=self.backend, weights_ready=True
+                )
             sizes = [w.shape[0] for w in weights]
             outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in out.split(sizes, dim=-1)]
+            if tables is not None:
+                self.rotary.keep(outs[0], outs[1], *rotated, out)
             self.pending = {i: (x, _version(x), y) for i, y in enumerate(outs) if i != index}
             self.ran.add(("attention", id(self)))
             return outs[index]
@@ -349,16 +366,21 @@ class FusedDecode:
             forward = _norm_forward(module, backend, self.ran, self.residual)
             swap([module], [forward], "norm")
         self.table_calls = itertools.count()
+        self.qkv_rotary = QKVRotary()
         tables = family.rotary_embedding_classes if rotary else ()
         for module in root.modules():
             if rotary_table_module(module, tables):
-                swap([module], [rotary_table_forward(module, backend, self._table_fused)], "table")
+                forward = rotary_table_forward(
+                    module, backend, self._table_fused, self.qkv_rotary.note_tables
+                )
+                swap([module], [forward], "table")
         note = self.residual.note if self.residual is not None else None
         for layer in layers:
             attention = getattr(layer, "self_attn", None)
             linears = _attention_siblings(attention) if attention is not None else None
             if linears is not None and not taken & {id(m) for m in linears}:
-                group = _Siblings(linears, backend, self.ran)
+                # (an attention module whose rotary embedding may run fused)
+                group = _Siblings(linears, backend, self.ran, self.qkv_rotary if rotary else None)
                 self.siblings.append(group)
                 swap(linears, [group.forward_of(i) for i in range(len(linears))], "attention")
             mlp = getattr(layer, "mlp", None)
@@ -384,8 +406,9 @@ class FusedDecode:
     def counts(self) -> dict[str, int]:
         """Modules that have run fused in some step so far: {"attention": q/k/v groups,
         "mlp": gated MLPs, "norm": RMSNorms, "rotary": rotary calls, "residual": residual
-        adds run with their norm and "rotary_table": cos and sin tables, the last three of
-        the step that ran the most} (a step the kernels do not take runs stock's)."""
+        adds run with their norm, "rotary_table": cos and sin tables and "rotary_qkv": rotary
+        calls the q/k/v launch had computed, the last four of the step that ran the most}
+        (a step the kernels do not take runs stock's)."""
         kinds = [kind for kind, _ in self.ran]
         return {kind: kinds.count(kind) for kind in FUSED_KINDS}
 
@@ -413,10 +436,18 @@ class FusedDecode:
         def rotary_fused() -> None:
             self.ran.add(("rotary", next(calls)))
 
+        def rotated_ahead(q, k, cos, sin):
+            held = self.qkv_rotary.take(q, k, cos, sin)
+            if held is not None:
+                self.ran.add(("rotary_qkv", next(ahead)))
+            return held
+
+        ahead = itertools.count()
         rotary = contextlib.nullcontext()
         modules = self.rotary_modules
+        self.qkv_rotary.reset(enabled=bool(modules))
         if modules:
-            rotary = fused_rotary.swapped(modules, self.backend, rotary_fused)
+            rotary = fused_rotary.swapped(modules, self.backend, rotary_fused, rotated_ahead)
         residual = self.residual.active() if self.residual is not None and residual else None
         for module, forward in swapped:
             module.forward = forward
@@ -424,6 +455,7 @@ class FusedDecode:
             with rotary, residual or contextlib.nullcontext():
                 yield
         finally:
+            self.qkv_rotary.reset()
             for group in self.siblings:
                 group.pending = {}
             for module, forward in swapped:

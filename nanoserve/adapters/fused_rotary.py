@@ -33,7 +33,8 @@ NAME = "apply_rotary_pos_emb"
 _lock = threading.Lock()
 # module name -> [original, stand-in, users]
 _installed: dict[str, list] = {}
-_local = threading.local()  # .users: a stack of (module names, backend, on_fused) per thread
+# .users: a stack of (module names, backend, on_fused, ahead) per thread
+_local = threading.local()
 
 
 def _own_function(module: ModuleType) -> bool:
@@ -104,9 +105,12 @@ def _stand_in(original: Callable, module_name: str) -> Callable:
             (u for u in reversed(getattr(_local, "users", ())) if module_name in u[0]), None
         )
         if user is not None and not args and set(kwargs) <= {"unsqueeze_dim"}:
-            _, backend, on_fused = user
+            _, backend, on_fused, ahead = user
             if kwargs.get("unsqueeze_dim", 1) == 1 and _fits(q, k, cos, sin, backend):
                 on_fused()
+                held = ahead(q, k, cos, sin) if ahead is not None else None
+                if held is not None:
+                    return held
                 return apply_rotary(q, k, cos, sin, backend=backend)
         return original(q, k, cos, sin, *args, **kwargs)
 
@@ -127,10 +131,14 @@ def _fits(q, k, cos, sin, backend: str) -> bool:
 
 @contextlib.contextmanager
 def swapped(
-    modules: Sequence[ModuleType], backend: str, on_fused: Callable[[], None]
+    modules: Sequence[ModuleType],
+    backend: str,
+    on_fused: Callable[[], None],
+    ahead: Callable | None = None,
 ) -> Iterator[None]:
     """The stand-in in ``modules`` for this thread's calls while open (``on_fused()`` is
-    called for each call it runs fused); other threads' calls run the original. A module
+    called for each call it runs fused; ``ahead(q, k, cos, sin)`` may give the rotated pair
+    already computed, else None); other threads' calls run the original. A module
     whose global is no longer its own function (another library replaced it since) is
     left as it is. The global is the process's: while it is swapped, code compiled by
     ``torch.compile`` in another thread that calls it is compiled again."""
@@ -146,7 +154,7 @@ def swapped(
                 setattr(module, NAME, entry[1])
             entry[2] += 1
     users = _local.__dict__.setdefault("users", [])
-    users.append(({m.__name__ for m in modules}, backend, on_fused))
+    users.append(({m.__name__ for m in modules}, backend, on_fused, ahead))
     try:
         yield
     finally:

@@ -59,17 +59,27 @@ def fits(module: torch.nn.Module, x, position_ids, backend: str) -> bool:
 
 
 def rotary_table_forward(
-    module: torch.nn.Module, backend: str, on_fused: Callable[[], None]
+    module: torch.nn.Module,
+    backend: str,
+    on_fused: Callable[[], None],
+    note: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> Callable:
     """The forward that computes ``module``'s (cos, sin) in one launch where ``fits``, calling
-    ``on_fused()`` each time; the class's forward otherwise."""
+    ``on_fused()`` each time; the class's forward otherwise. ``note(cos, sin)`` gets the
+    tables of every call made with (x, position_ids) alone."""
 
     def forward(x, position_ids, *args, **kwargs):
-        if not args and not kwargs and fits(module, x, position_ids, backend):
+        if args or kwargs:
+            return type(module).forward(module, x, position_ids, *args, **kwargs)
+        if fits(module, x, position_ids, backend):
             on_fused()
-            return rotary_cos_sin(
+            tables = rotary_cos_sin(
                 position_ids, module.inv_freq, module.attention_scaling, x.dtype, backend=backend
             )
-        return type(module).forward(module, x, position_ids, *args, **kwargs)
+        else:
+            tables = type(module).forward(module, x, position_ids)
+        if note is not None:
+            note(*tables)
+        return tables
 
     return forward

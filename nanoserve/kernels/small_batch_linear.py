@@ -7,6 +7,10 @@ rounded to x's dtype where eager PyTorch rounds it (the layer's output, silu's o
 product). Summation order differs from cuBLAS's, so 16-bit outputs can differ from
 ``torch.nn.functional.linear`` in the last bit, as they differ between cuBLAS's own kernels
 (a gated output by a few units: silu and the product carry gate's or up's last bit).
+
+``small_batch_linear_rotary`` runs a layer's q, k and v projections and writes, beside them,
+q and k with Llama's rotary embedding applied (``rotary.apply_rotary``'s bits), so that a
+decode step needs no launch of its own for the rotation.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from nanoserve.kernels.dispatch import (
     sm_count,
     use_triton,
 )
+from nanoserve.kernels.rotary import apply_rotary
 
 MAX_ROWS = 64
 MAX_WEIGHTS = 3
@@ -96,19 +101,46 @@ def small_batch_linear(
         raise ValueError(problem)
     rows, k = x.shape
     sizes = [w.shape[0] for w in weights]
-    width = sizes[0] if gated else sum(sizes)
     if not use_triton(backend, x) or k == 0:  # (K = 0: the bias alone, no tile to load)
         return small_batch_linear_ref(x, weights, biases, gated=gated)
     refuse_interpreted_bfloat16(x)
+    cfg = config or choose_config(rows, k, sizes, gated, x.device)
+    return _launch(x, weights, biases, gated, cfg, weights_ready)[0]
+
+
+def _shares(k: int, cfg: LinearConfig) -> tuple[int, int]:
+    """(K a share covers, shares): every share but the last is whole ``block_k`` tiles."""
+    share = -(-k // cfg.split)
+    share = -(-share // cfg.block_k) * cfg.block_k
+    return share, -(-k // share)
+
+
+def _launch(x, weights, biases, gated: bool, cfg: LinearConfig, weights_ready: bool,
+            cos=None, sin=None) -> tuple:  # fmt: skip
+    """(out,) or with ``cos`` and ``sin`` (q, k and v weights, K in one share) (out, q
+    rotated [M, N_q], k rotated [M, N_k]): the kernel's launches for checked arguments; with
+    the rotation q and k's tiles are halves of heads."""
     from nanoserve.kernels.triton_linear import _linear_kernel, _sum_shares_kernel
 
-    cfg = config or choose_config(rows, k, sizes, gated, x.device)
+    rows, k = x.shape
+    sizes = [w.shape[0] for w in weights]
+    width = sizes[0] if gated else sum(sizes)
     block_m = row_block(rows)
-    tiles = [-(-n // cfg.block_n) for n in (sizes[:1] if gated else sizes)]
-    share = -(-k // cfg.split)
-    share = -(-share // cfg.block_k) * cfg.block_k  # every share but the last is whole tiles
-    split = -(-k // share)
+    rotary = cos is not None
+    half = cos.shape[-1] // 2 if rotary else 1
+    if rotary:  # a head's columns in tiles of two matching halves
+        per_head = -(-half // (cfg.block_n // 2))
+        heads = [n // (2 * half) for n in sizes[:2]]
+        tiles = [h * per_head for h in heads] + [-(-sizes[2] // cfg.block_n)]
+    else:
+        tiles = [-(-n // cfg.block_n) for n in (sizes[:1] if gated else sizes)]
+    share, split = _shares(k, cfg)
     out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    rot_q = rot_k = cos_ = sin_ = out
+    if rotary:
+        rot_q = torch.empty(rows, sizes[0], dtype=x.dtype, device=x.device)
+        rot_k = torch.empty(rows, sizes[1], dtype=x.dtype, device=x.device)
+        cos_, sin_ = cos, sin
     partial = out
     if split > 1:
         partial = torch.empty(split, block_m, 2 * width if gated else width,
@@ -125,10 +157,14 @@ def small_batch_linear(
         w0, w1, w2, b0, b1, b2, n0, n1, n2,
         tiles[0], tiles[1] if len(tiles) > 1 else 0,
         out, out.stride(0), partial, share,
+        rot_q, rot_k, rot_q.stride(0), rot_k.stride(0),
+        cos_, cos_.stride(0), sin_, sin_.stride(0), half,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=split, GATED=gated, HAS_BIAS=has_bias, EVEN_K=k % cfg.block_k == 0,
         FP32=fp32, PDL=bool(launch), WEIGHTS_FIRST=weights_ready and bool(launch),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        ROTARY=rotary, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        # (with the rotation: a product fused into its sum would skip eager's rounding)
+        **({"enable_fp_fusion": False} if rotary else {}), **launch,
     )  # fmt: skip
     if split > 1:
         sum_block = 64
@@ -138,7 +174,87 @@ def small_batch_linear(
             SPLIT=split, GATED=gated, HAS_BIAS=has_bias, PDL=bool(launch),
             num_warps=4, **launch,
         )  # fmt: skip
-    return out
+    return (out, rot_q, rot_k) if rotary else (out,)
+
+
+def small_batch_linear_rotary_ref(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None] | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference: (``small_batch_linear_ref(x, weights, biases)`` [M, N_q + N_k + N_v], its
+    q [M, N_q] and k [M, N_k] with eager's rotary embedding applied); weights q, k, v; cos
+    and sin [M, D], each row's angles."""
+    out = small_batch_linear_ref(x, weights, biases)
+    return (out, *_rotated(out, weights, cos, sin))
+
+
+def _rotated(out, weights, cos, sin, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """out's q [M, N_q] and k [M, N_k] rotated by ``apply_rotary`` on ``backend``."""
+    rows, dim = cos.shape
+    n_q, n_k = weights[0].shape[0], weights[1].shape[0]
+    q = out[:, :n_q].view(rows, 1, n_q // dim, dim).transpose(1, 2)
+    k = out[:, n_q : n_q + n_k].view(rows, 1, n_k // dim, dim).transpose(1, 2)
+    q, k = apply_rotary(q, k, cos.view(rows, 1, dim), sin.view(rows, 1, dim), backend=backend)
+    return q.reshape(rows, n_q), k.reshape(rows, n_k)
+
+
+def small_batch_linear_rotary(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None] | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    backend: str = "auto",
+    config: LinearConfig | None = None,
+    weights_ready: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``small_batch_linear_rotary_ref``'s result: (q, k and v's outputs [M, N_q + N_k +
+    N_v], q rotated [M, N_q], k rotated [M, N_k]), new tensors of x's dtype.
+
+    x and the weights as ``small_batch_linear`` takes three (q, k, v; N_q and N_k whole heads
+    of D); cos and sin [M, D] with unit stride in D, x's dtype and device. Where K runs in one
+    share the rotation is the projection's epilogue (one launch); else, or on the reference
+    backend, it follows as ``apply_rotary`` computes it. The rotated outputs are bit-equal
+    to eager's rotary embedding of the first output's q and k.
+    """
+    weights = list(weights)
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    problem = input_problem(x, weights, biases) or rotary_problem(x, weights, cos, sin)
+    if problem is not None:
+        raise ValueError(problem)
+    rows, k = x.shape
+    sizes = [w.shape[0] for w in weights]
+    cfg = None
+    if use_triton(backend, x) and k > 0:
+        refuse_interpreted_bfloat16(x)
+        cfg = config or choose_config(rows, k, sizes, False, x.device)
+    if cfg is None or _shares(k, cfg)[1] > 1:
+        out = small_batch_linear(x, weights, biases, backend=backend, config=config,
+                                 weights_ready=weights_ready)  # fmt: skip
+        return (out, *_rotated(out, weights, cos, sin, backend))
+    return _launch(x, weights, biases, False, cfg, weights_ready, cos, sin)
+
+
+def rotary_problem(x, weights, cos, sin) -> str | None:
+    """Why ``small_batch_linear_rotary`` refuses these cos and sin (or weights), or None."""
+    if len(weights) != 3:
+        return f"weights: expected q, k and v, got {len(weights)}"
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != x.shape[0]:
+            return f"{name}: expected [{x.shape[0]}, D], got {getattr(t, 'shape', t)}"
+        if t.stride(1) != 1 or t.dtype != x.dtype or t.device != x.device:
+            return f"{name}: expected unit stride in D and x's dtype and device"
+    dim = cos.shape[1]
+    if sin.shape != cos.shape or dim < 2 or dim % 2:
+        return f"cos: expected an even D of at least 2, like sin's, got {tuple(cos.shape)}"
+    for i in (0, 1):
+        if weights[i].shape[0] % dim:
+            return f"weights[{i}]: {weights[i].shape[0]} outputs are not whole heads of {dim}"
+    return None
 
 
 def row_block(rows: int) -> int:

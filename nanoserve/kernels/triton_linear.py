@@ -9,7 +9,10 @@ are written (``silu(x @ Wg.T) * (x @ Wu.T)``, rounded where eager PyTorch rounds
 Each program computes a ``BLOCK_N``-column tile of one weight's output over a ``1 / SPLIT``
 share of K with float32 accumulation; with ``SPLIT > 1`` the shares go to a float32
 workspace that a second kernel sums in a fixed order (no atomics: the result does not change
-from run to run). ``small_batch_linear.py`` holds the launcher and the reference.
+from run to run). With ``ROTARY`` (q, k and v, unsplit) a tile of q or k holds matching
+columns of the two halves of one head, so that the rotary embedding of the rounded outputs
+is written to two more outputs as Llama applies it. ``small_batch_linear.py`` holds the launcher and
+the reference.
 """
 
 from __future__ import annotations
@@ -73,6 +76,41 @@ def _finish(acc, bias, cols, n, HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr)
 
 
 @triton.jit
+def _rotary_cols(tile, n, HALF, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] columns of one head: ``BLOCK_N // 2`` of its first half, then the same
+    positions of its second half (``HALF``: half the head dimension); n where past the half."""
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    per_head = tl.cdiv(HALF, HALF_N)
+    c = tl.arange(0, BLOCK_N)
+    j = (tile % per_head) * HALF_N + c % HALF_N
+    col = (tile // per_head) * 2 * HALF + (c // HALF_N) * HALF + j
+    return tl.where(j < HALF, col, n)
+
+
+@triton.jit
+def _rotary_store(y, cols, n, rows, M, rot, stride_rot, cos, stride_cos, sin, stride_sin,
+                  HALF, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Writes to ``rot`` [M, n] ``q * cos + rotate_half(q) * sin`` of a rounded tile ``y``
+    [BLOCK_M, BLOCK_N] whose columns ``cols`` come from ``_rotary_cols``, with eager's
+    roundings (each product, then the sum); cos and sin [M, 2 * HALF]: each row's angles."""
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    x1, x2 = tl.split(tl.permute(tl.reshape(y.to(tl.float32), [BLOCK_M, 2, HALF_N]), [0, 2, 1]))
+    lo_cols, hi_cols = tl.split(tl.permute(tl.reshape(cols, [2, HALF_N]), [1, 0]))
+    ok = (rows[:, None] < M) & (lo_cols[None, :] < n)
+    j = (lo_cols % (2 * HALF))[None, :]
+    c1 = tl.load(cos + rows[:, None] * stride_cos + j, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos + rows[:, None] * stride_cos + j + HALF, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sin + rows[:, None] * stride_sin + j, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin + rows[:, None] * stride_sin + j + HALF, mask=ok, other=0.0).to(tl.float32)
+    kind = rot.dtype.element_ty
+    lo = (x1 * c1).to(kind).to(tl.float32) + (-x2 * s1).to(kind).to(tl.float32)
+    hi = (x2 * c2).to(kind).to(tl.float32) + (x1 * s2).to(kind).to(tl.float32)
+    at = rot + rows[:, None] * stride_rot
+    tl.store(at + lo_cols[None, :], lo.to(kind), mask=ok)
+    tl.store(at + hi_cols[None, :], hi.to(kind), mask=ok)
+
+
+@triton.jit
 def _gate(g, u, OUT_DTYPE: tl.constexpr):
     """silu(g) * u from rounded g and u, rounding silu's result as eager PyTorch does."""
     g = g.to(tl.float32)
@@ -85,9 +123,11 @@ def _linear_kernel(
     x, stride_x, M, K,
     w0, w1, w2, b0, b1, b2, n0, n1, n2, tiles0, tiles1,
     out, stride_out, partial, k_share,
+    rot_q, rot_k, stride_rq, stride_rk, cos, stride_cos, sin, stride_sin, HALF,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
+    ROTARY: tl.constexpr,
 ):  # fmt: skip
     # WEIGHTS_FIRST: the weights' first tiles are loaded before the wait for the kernel ahead
     # (under PDL this program may start while that one runs): only x depends on it.
@@ -127,7 +167,11 @@ def _linear_kernel(
         bias = _pick(index, b0, b1, b2)
         n = _pick(index, n0, n1, n2)
         first_col = _pick(index, 0, n0, n0 + n1)
-        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        if ROTARY:  # (q's and k's tiles: halves of a head; v's as without)
+            cols = tl.where(index < 2, _rotary_cols(tile, n, HALF, BLOCK_N),
+                            tile * BLOCK_N + tl.arange(0, BLOCK_N))  # fmt: skip
+        else:
+            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if not WEIGHTS_FIRST:
             pdl_enter(PDL)
         w_first = _w_tile(w, cols, n, k_lo, k_hi, K, BLOCK_K, EVEN_K)
@@ -139,6 +183,11 @@ def _linear_kernel(
         if SPLIT == 1:
             y = _finish(acc, bias, cols, n, HAS_BIAS, out_dtype)
             tl.store(out + rows[:, None] * stride_out + first_col + cols[None, :], y, mask=ok)
+            if ROTARY:  # noqa: SIM102 (a constexpr branch around a runtime one)
+                if index < 2:
+                    _rotary_store(y, cols, n, rows, M, _pick(index, rot_q, rot_k, rot_k),
+                                  _pick(index, stride_rq, stride_rk, stride_rk), cos,
+                                  stride_cos, sin, stride_sin, HALF, BLOCK_M, BLOCK_N)  # fmt: skip
         else:
             width = n0 + n1 + n2
             base = partial + split * BLOCK_M * width + rows[:, None] * width

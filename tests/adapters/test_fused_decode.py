@@ -24,6 +24,7 @@ from nanoserve.adapters.decode_graphs import DecodeGraphs
 from nanoserve.adapters.fused_decode import FusedDecode, fits
 from nanoserve.adapters.hf_cache import cache_kwarg
 from nanoserve.adapters.llama import LLAMA
+from nanoserve.adapters.qkv_rotary import QKVRotary
 from nanoserve.adapters.step import state_of
 
 GREEDY = dict(do_sample=False, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
@@ -48,9 +49,10 @@ def fp16_model(name="llama"):
     return model
 
 
-def counts(attention=0, mlp=0, norm=0, rotary=0, residual=0, table=None):
+def counts(attention=0, mlp=0, norm=0, rotary=0, residual=0, table=None, ahead=None):
     """The expected ``fused_decode`` counts; the step's cos and sin tables run fused where
-    the rotary embedding does unless ``table`` says otherwise."""
+    the rotary embedding does, and every rotary call takes what the q/k/v launch rotated
+    ahead, unless ``table`` or ``ahead`` say otherwise."""
     return {
         "attention": attention,
         "mlp": mlp,
@@ -58,6 +60,7 @@ def counts(attention=0, mlp=0, norm=0, rotary=0, residual=0, table=None):
         "rotary": rotary,
         "residual": residual,
         "rotary_table": int(rotary > 0) if table is None else table,
+        "rotary_qkv": rotary if ahead is None else ahead,
     }
 
 
@@ -126,7 +129,9 @@ def test_fused_steps_match_unfused(name, monkeypatch):
     }  # fmt: skip
     assert launched.count(("mlp", 1, 4)) == 2 * 5
     assert plain_stats["fused_decode"] == counts()
-    assert stats["fused_decode"] == counts(2, 2, NORMS[name], rotary=2, residual=4)
+    # (Qwen3 normalizes q and k before the rotation: no rotation ahead)
+    ahead = 0 if name == "qwen3" else None
+    assert stats["fused_decode"] == counts(2, 2, NORMS[name], rotary=2, residual=4, ahead=ahead)
     assert stats["replays"] == plain_stats["replays"] == 5
     assert_follows(plain, fused)
     for layer in model.model.layers:  # nothing of the fused forwards is left behind
@@ -193,6 +198,13 @@ def test_a_bucket_of_32_rows_runs_fused(monkeypatch):
         return kernel(x, weights, *args, **kwargs)
 
     monkeypatch.setattr(fused_decode, "small_batch_linear", counted)
+    rotary_kernel = fused_decode.small_batch_linear_rotary
+
+    def counted_rotary(x, weights, *args, **kwargs):
+        launched.append((x.shape[0], len(weights)))
+        return rotary_kernel(x, weights, *args, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "small_batch_linear_rotary", counted_rotary)
     model = fp16_model()
     inputs = padded_batch([5, 3, 4, 2, 5] * 4, 5)  # 20 rows: bucket of 32
     plain, _ = run(model, inputs, fuse=False, steps=3)
@@ -221,7 +233,7 @@ def test_more_rows_than_the_kernel_takes_run_stock_projections(monkeypatch):
     )
     inputs = padded_batch([5] * 65, 5)  # bucket of 128 rows; the prefill's 325 token rows
     _, stats = run(fp16_model(), inputs, steps=3)
-    assert stats["fused_decode"] == counts(mlp=2, norm=5, rotary=2, residual=4)
+    assert stats["fused_decode"] == counts(mlp=2, norm=5, rotary=2, residual=4, ahead=0)
     assert stats["replays"] == 2
     assert launched == []
 
@@ -245,8 +257,8 @@ def test_subclassed_projections_keep_their_forwards():
     inputs = padded_batch([6, 2], 6)
     plain, _ = run(model, inputs, fuse=False)
     fused, stats = run(model, inputs)
-    # layer 0's attention: k is a subclass
-    assert stats["fused_decode"] == counts(1, 2, 5, 2, residual=4)
+    # layer 0's attention: k is a subclass (its rotation by a launch of its own)
+    assert stats["fused_decode"] == counts(1, 2, 5, 2, residual=4, ahead=1)
     assert_follows(plain, fused)
 
 
@@ -392,8 +404,9 @@ def test_modules_shared_between_layers_are_swapped_once():
     inputs = padded_batch([6, 2], 6)
     plain, _ = run(model, inputs, fuse=False)
     fused, stats = run(model, inputs)
-    # the shared MLP is followed by two norms: its adds stay apart
-    assert stats["fused_decode"] == counts(1, 1, 5, 2, residual=2)
+    # the shared MLP is followed by two norms: its adds stay apart; the second layer's
+    # rotation by a launch of its own
+    assert stats["fused_decode"] == counts(1, 1, 5, 2, residual=2, ahead=1)
     for a, b in zip(plain.logits, fused.logits, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
     for module in model.modules():
@@ -428,6 +441,16 @@ def test_fused_rotary_is_stock_bit_for_bit(name, monkeypatch):
         return out
 
     monkeypatch.setattr(fused_rotary, "apply_rotary", checked)
+    take = QKVRotary.take
+
+    def checked_ahead(self, q, k, cos, sin):
+        out = take(self, q, k, cos, sin)
+        if out is not None:
+            expected = original(q, k, cos, sin)
+            compared.append(all(torch.equal(a, b) for a, b in zip(out, expected, strict=True)))
+        return out
+
+    monkeypatch.setattr(QKVRotary, "take", checked_ahead)
     _, stats = run(model, padded_batch([7, 3, 5], 7), steps=4)
     assert stats["fused_decode"]["rotary"] == 2
     # two layers, the prefill and three decode steps
@@ -701,7 +724,7 @@ def test_prefill_steps_run_fused(lengths, small, monkeypatch):
 
         return call
 
-    for name in ("silu_mul", "small_batch_linear", "rms_norm"):
+    for name in ("silu_mul", "small_batch_linear", "small_batch_linear_rotary", "rms_norm"):
         monkeypatch.setattr(fused_decode, name, recorded(name, getattr(fused_decode, name)))
     model = fp16_model()
     width = max(lengths)
@@ -710,10 +733,14 @@ def test_prefill_steps_run_fused(lengths, small, monkeypatch):
     assert seen == []
     fused, stats = run(model, inputs, steps=1)  # the prefill only
     tokens = len(lengths) * width
-    kind = "small_batch_linear" if small else "silu_mul"
-    assert seen.count((kind, tokens)) == (4 if small else 2)  # (q/k/v and gate/up) per layer
+    if small:  # q/k/v (with the rotation) and gate/up per layer
+        assert seen.count(("small_batch_linear_rotary", tokens)) == 2
+        assert seen.count(("small_batch_linear", tokens)) == 2
+    else:
+        assert seen.count(("silu_mul", tokens)) == 2
     assert seen.count(("rms_norm", tokens)) == 5
-    assert stats["fused_decode"] == counts(2 if small else 0, 2, 5, 2, residual=0)
+    expected = counts(2 if small else 0, 2, 5, 2, residual=0, ahead=2 if small else 0)
+    assert stats["fused_decode"] == expected
     assert_follows(plain, fused)
     seen.clear()
     monkeypatch.setattr(graph_forward, "FUSE_PREFILL", False)

@@ -51,3 +51,50 @@ def test_within_one_rounding_of_the_reference(k, sizes, gated, bias, rows, dtype
     if biases is None:
         stock = torch.cat([torch.nn.functional.linear(x, w) for w in weights], dim=-1)
         assert ((stock.double() - ref.double()).abs() <= bound).all()
+
+
+ROTARY_CASES = [  # (K, q heads, KV heads, head dim, bias)
+    (2048, 32, 8, 64, False),  # 1B
+    (4096, 32, 8, 128, False),  # 8B
+    (896, 14, 2, 64, True),  # Qwen2-0.5B, biases
+    (576, 9, 3, 64, False),  # SmolLM2-135M
+    (3072, 32, 32, 96, False),  # head dim 96 (Phi-3-mini)
+    (2560, 32, 8, 80, False),  # head dim 80: halves not whole tiles
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+@pytest.mark.parametrize(("k", "q_heads", "kv_heads", "dim", "bias"), ROTARY_CASES)
+def test_rotary_epilogue_is_the_rotary_kernel_bit_for_bit(k, q_heads, kv_heads, dim, bias,
+                                                         rows, dtype):  # fmt: skip
+    """q, k and v with the rotation written beside them: the projections bit-equal to
+    ``small_batch_linear``'s, the rotated q and k bit-equal to ``apply_rotary`` of them (and
+    so to eager's rotary embedding), with ``torch.empty`` poisoned."""
+    from nanoserve.kernels.rotary import apply_rotary, rotary_cos_sin
+    from nanoserve.kernels.small_batch_linear import small_batch_linear_rotary
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * k + dim)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
+    sizes = (q_heads * dim, kv_heads * dim, kv_heads * dim)
+    weights = [(torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype) for n in sizes]
+    biases = None
+    if bias:
+        biases = [torch.randn(n, device="cuda", generator=gen).to(dtype) for n in sizes]
+    positions = torch.randint(0, 131072, (rows, 1), device="cuda", generator=gen)
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, dim, 2, device="cuda").float() / dim)
+    cos, sin = rotary_cos_sin(positions, inv_freq, 1.0, dtype)
+    cos, sin = cos.view(rows, dim), sin.view(rows, dim)
+    real_empty = torch.empty
+    torch.empty = lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))
+    try:
+        out, rotated_q, rotated_k = small_batch_linear_rotary(x, weights, biases, cos, sin)
+    finally:
+        torch.empty = real_empty
+    assert torch.equal(out, small_batch_linear(x, weights, biases))
+    n_q, n_k = sizes[:2]
+    q = out[:, :n_q].view(rows, 1, q_heads, dim).transpose(1, 2)
+    k_ = out[:, n_q : n_q + n_k].view(rows, 1, kv_heads, dim).transpose(1, 2)
+    ref_q, ref_k = apply_rotary(q, k_, cos.view(rows, 1, dim), sin.view(rows, 1, dim))
+    assert torch.equal(rotated_q, ref_q.reshape(rows, n_q))
+    assert torch.equal(rotated_k, ref_k.reshape(rows, n_k))

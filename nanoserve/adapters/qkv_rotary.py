@@ -1,0 +1,112 @@
+"""Llama's rotary embedding computed by the q/k/v projections' launch in a fused step.
+
+A Llama-family attention module projects q, k and v, views q and k as heads
+(``.view(B, S, -1, D).transpose(1, 2)``) and calls ``apply_rotary_pos_emb(q, k, cos, sin)``
+with the cos and sin its model's rotary embedding module made for the step. Inside
+``FusedDecode.active()`` the step's tables are noted when that module returns them, the
+projections' one launch (``small_batch_linear_rotary``) also writes q and k rotated with
+them, and the rotary stand-in (``fused_rotary.py``) returns those instead of launching the
+rotation, but only when it is handed exactly what the launch made: q and k the head views of
+the projections' outputs as the module forms them, unchanged since (their version counter),
+and the very cos and sin tensors, unchanged. Anything else (a q or k normalized first, as
+Qwen3's, or written in place; other tables) is rotated by its own launch as before. The
+rotated values are bit-equal to that launch's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from nanoserve.kernels.small_batch_linear import rotary_problem
+
+
+class _Launch(NamedTuple):
+    q: torch.Tensor  # the q projection's output [B, S, N_q], as returned to the module
+    k: torch.Tensor
+    q_rotated: torch.Tensor  # [M, N_q]
+    k_rotated: torch.Tensor
+    cos: torch.Tensor  # the step's tables [B, S, D], as the rotary embedding returned them
+    sin: torch.Tensor
+    versions: tuple  # of the projections' output, cos and sin at the launch
+
+
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version
+
+
+def _heads(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[B, S, N] viewed as the attention module views it: [B, N / dim, S, dim]."""
+    return t.view(*t.shape[:-1], -1, dim).transpose(1, 2)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are the same elements of the same memory (the same view, maybe two objects)."""
+    return (
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+    )
+
+
+class QKVRotary:
+    """The step's rotary tables and the latest projections' launch that rotated q and k.
+    ``enabled``: the rotary stand-in runs this step (else nothing is rotated ahead)."""
+
+    def __init__(self):
+        self.enabled = False
+        self.tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.launch: _Launch | None = None
+
+    def reset(self, enabled: bool = False) -> None:
+        self.enabled, self.tables, self.launch = enabled, None, None
+
+    def note_tables(self, cos, sin) -> None:
+        """The rotary embedding module returned (cos, sin) for this step."""
+        self.tables = (cos, sin) if self.enabled else None
+
+    def tables_for(self, x: torch.Tensor, weights) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's (cos, sin) as [M, D] views for the projections of ``x`` [B, S, K] by
+        ``weights`` (q, k, v), or None when they do not serve them."""
+        if self.tables is None or x.dim() != 3:
+            return None
+        cos, sin = self.tables
+        if not isinstance(cos, torch.Tensor) or not isinstance(sin, torch.Tensor):
+            return None
+        if cos.dim() != 3 or cos.shape[:2] != x.shape[:2] or sin.shape != cos.shape:
+            return None
+        rows = x.shape[0] * x.shape[1]
+        try:
+            flat = cos.view(rows, cos.shape[-1]), sin.view(rows, sin.shape[-1])
+        except RuntimeError:  # (not viewable as rows: a copy would cost the launch it saves)
+            return None
+        if rotary_problem(x.view(rows, x.shape[-1]), weights, *flat) is not None:
+            return None
+        return flat
+
+    def keep(self, q, k, q_rotated, k_rotated, out) -> None:
+        """A launch made q and k (views of ``out``) and rotated them with the step's tables."""
+        cos, sin = self.tables
+        versions = (_version(out), _version(cos), _version(sin))
+        self.launch = _Launch(q, k, q_rotated, k_rotated, cos, sin, versions)
+
+    def take(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """q and k rotated, [B, H, S, D] as the rotation returns them, when (q, k, cos, sin)
+        are what the latest launch rotated (each launch's at most once); else None."""
+        launch, self.launch = self.launch, None
+        if launch is None or cos is not launch.cos or sin is not launch.sin:
+            return None
+        dim = cos.shape[-1]
+        versions = (_version(launch.q), _version(cos), _version(sin))
+        if versions != launch.versions:
+            return None
+        if not (_same_view(q, _heads(launch.q, dim)) and _same_view(k, _heads(launch.k, dim))):
+            return None
+        shape = launch.q.shape[:-1]
+        q_rotated = _heads(launch.q_rotated.view(*shape, -1), dim)
+        k_rotated = _heads(launch.k_rotated.view(*shape, -1), dim)
+        return q_rotated, k_rotated
