@@ -159,3 +159,80 @@ def test_no_input_features_give_the_bias(gated):
     biases = None if gated else [torch.randn(8)]
     out = small_batch_linear(x, weights, biases, gated=gated, backend="triton")
     assert torch.equal(out, small_batch_linear_ref(x, weights, biases, gated=gated))
+
+
+def _rotary_inputs(rows, k, q_heads, kv_heads, dim, dtype, bias, seed):
+    from nanoserve.kernels.rotary import rotary_cos_sin
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    sizes = (q_heads * dim, kv_heads * dim, kv_heads * dim)
+    weights = [(torch.randn(n, k, generator=gen) / k**0.5).to(dtype) for n in sizes]
+    biases = [torch.randn(n, generator=gen).to(dtype) for n in sizes] if bias else None
+    positions = torch.randint(0, 40000, (rows, 1), generator=gen)
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, dim, 2).float() / dim)
+    cos, sin = rotary_cos_sin(positions, inv_freq, 1.0, dtype, backend="torch")
+    return x, weights, biases, cos.view(rows, dim), sin.view(rows, dim)
+
+
+@needs_interpreter
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("rows", "k", "q_heads", "kv_heads", "dim", "bias", "config"),
+    [
+        (1, 64, 4, 4, 64, False, None),  # GQA 1
+        (3, 96, 8, 2, 80, True, None),  # GQA 4, half-heads not whole tiles, biases
+        (5, 128, 8, 1, 96, False, None),  # GQA 8
+        (2, 64, 2, 1, 128, False, None),
+        (17, 64, 2, 2, 2, False, None),  # the narrowest head; 32-row program
+        (2, 512, 2, 1, 64, False, LinearConfig(32, 64, 4, 4, 2)),  # K in shares: rotated apart
+        (1, 64, 4, 2, 64, False, LinearConfig(16, 64, 1, 4, 2)),  # 8-column halves
+    ],
+)
+def test_rotary_epilogue_matches_reference(rows, k, q_heads, kv_heads, dim, bias, config, dtype):
+    """The projections as ``small_batch_linear`` computes them, and q and k rotated as
+    ``apply_rotary`` rotates those outputs (eager's bits; float16 bit for bit), within the
+    rounding of the float64 reference. Planted: the second half's columns taken from the
+    first (HALF dropped in ``_rotary_cols``), the sine's sign flipped, and the tail of a
+    head half not masked: each failed."""
+    from nanoserve.kernels.small_batch_linear import (
+        _rotated,
+        small_batch_linear_rotary,
+        small_batch_linear_rotary_ref,
+    )
+
+    x, weights, biases, cos, sin = _rotary_inputs(rows, k, q_heads, kv_heads, dim, dtype,
+                                                  bias, seed=rows * dim + k)  # fmt: skip
+    out, q_rot, k_rot = small_batch_linear_rotary(
+        x, weights, biases, cos, sin, backend="triton", config=config
+    )
+    assert torch.equal(out, small_batch_linear(x, weights, biases, backend="triton", config=config))
+    eager_q, eager_k = _rotated(out, weights, cos, sin)
+    assert torch.equal(q_rot, eager_q) and torch.equal(k_rot, eager_k)
+    _, ref_q, ref_k = small_batch_linear_rotary_ref(x, weights, biases, cos, sin)
+    for got, ref in ((q_rot, ref_q), (k_rot, ref_k)):
+        assert rel_err(got, ref) < (1e-5 if dtype == torch.float32 else 4e-3)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"weights": 2}, "weights: expected q, k and v"),
+        ({"cos": torch.zeros(3, 16)}, "cos: expected"),
+        ({"sin": torch.zeros(2, 16, dtype=torch.float16)}, "sin: expected unit stride"),
+        ({"cos": torch.zeros(2, 15), "sin": torch.zeros(2, 15)}, "cos: expected an even D"),
+        ({"cos": torch.zeros(2, 12), "sin": torch.zeros(2, 12)}, "weights\\[0\\]: 32 outputs"),
+    ],
+)
+def test_rotary_bad_input_names_the_argument(change, message):
+    from nanoserve.kernels.small_batch_linear import small_batch_linear_rotary
+
+    x = torch.zeros(2, 8)
+    weights = [torch.zeros(32, 8), torch.zeros(16, 8), torch.zeros(16, 8)][
+        : change.get("weights", 3)
+    ]
+    cos = change.get("cos", torch.zeros(2, 16))
+    sin = change.get("sin", torch.zeros(2, 16))
+    with pytest.raises(ValueError, match=message):
+        small_batch_linear_rotary(x, weights, None, cos, sin)
