@@ -98,7 +98,9 @@ class _Siblings:
                 return F.linear(x, linear.weight, linear.bias)
             weights = [m.weight for m in self.linears]
             biases = [m.bias for m in self.linears] if linear.bias is not None else None
-            tables = self.rotary.tables_for(x, weights) if self.rotary is not None else None
+            tables = None
+            if self.rotary is not None:
+                tables = self.rotary.tables_for(x, flat, weights)
             # (weights_ready: no kernel of a decode step writes a parameter)
             if tables is not None:
                 out, *rotated = small_batch_linear_rotary(
@@ -338,8 +340,8 @@ class FusedDecode:
         self.swaps: list[tuple[torch.nn.Module, object, str]] = []
         self.siblings: list[_Siblings] = []
         # ("attention" | "mlp" | "norm", id of the module) for each that has run fused, and
-        # ("rotary" | "residual" | "rotary_table", n) for the n-th rotary call, fused add or
-        # cos and sin tables of a step
+        # ("rotary" | "residual" | "rotary_table" | "rotary_qkv", n) for the n-th rotary call,
+        # fused add, cos and sin tables or rotation done by the q/k/v launch of a step
         self.ran: set[tuple[str, int]] = set()
         attentions = [getattr(layer, "self_attn", None) for layer in layers]
         self.rotary_attentions = [a for a in attentions if a is not None] if rotary else []
@@ -436,13 +438,14 @@ class FusedDecode:
         def rotary_fused() -> None:
             self.ran.add(("rotary", next(calls)))
 
+        ahead = itertools.count()
+
         def rotated_ahead(q, k, cos, sin):
             held = self.qkv_rotary.take(q, k, cos, sin)
             if held is not None:
                 self.ran.add(("rotary_qkv", next(ahead)))
             return held
 
-        ahead = itertools.count()
         rotary = contextlib.nullcontext()
         modules = self.rotary_modules
         self.qkv_rotary.reset(enabled=bool(modules))

@@ -69,9 +69,12 @@ class QKVRotary:
         """The rotary embedding module returned (cos, sin) for this step."""
         self.tables = (cos, sin) if self.enabled else None
 
-    def tables_for(self, x: torch.Tensor, weights) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The step's (cos, sin) as [M, D] views for the projections of ``x`` [B, S, K] by
-        ``weights`` (q, k, v), or None when they do not serve them."""
+    def tables_for(
+        self, x: torch.Tensor, flat_x: torch.Tensor, weights
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's (cos, sin) as [M, D] views for the projections of ``x`` [B, S, K]
+        (``flat_x``: its rows [M, K]) by ``weights`` (q, k, v), or None when they do not serve
+        them."""
         if self.tables is None or x.dim() != 3:
             return None
         cos, sin = self.tables
@@ -81,12 +84,12 @@ class QKVRotary:
             return None
         rows = x.shape[0] * x.shape[1]
         try:
-            flat = cos.view(rows, cos.shape[-1]), sin.view(rows, sin.shape[-1])
+            tables = cos.view(rows, cos.shape[-1]), sin.view(rows, sin.shape[-1])
         except RuntimeError:  # (not viewable as rows: a copy would cost the launch it saves)
             return None
-        if rotary_problem(x.view(rows, x.shape[-1]), weights, *flat) is not None:
+        if rotary_problem(flat_x, weights, *tables) is not None:
             return None
-        return flat
+        return tables
 
     def keep(self, q, k, q_rotated, k_rotated, out) -> None:
         """A launch made q and k (views of ``out``) and rotated them with the step's tables."""

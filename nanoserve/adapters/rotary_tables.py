@@ -9,8 +9,8 @@ sin, the scaling, the casts). Inside ``FusedDecode.active()`` a module of the fa
 and rounding, so the tables are bit-equal to eager's. Anything else runs the module's own
 forward: a RoPE type that moves its frequencies with the positions ("dynamic", "longrope"),
 extra arguments (Gemma 3's layer type), positions that are not integers, autocast, and TF32
-matrix products (transformers 5.17 forms the product as
-a matrix product, which TF32 would round).
+matrix products (transformers 5.17 forms the angles as a matrix product, which TF32 would
+round).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def rotary_table_forward(
             )
         else:
             tables = type(module).forward(module, x, position_ids)
-        if note is not None:
+        if note is not None and isinstance(tables, tuple) and len(tables) == 2:
             note(*tables)
         return tables
 

@@ -28,9 +28,9 @@ def _step(gen_seed: int = 0):
     holder = QKVRotary()
     holder.reset(enabled=True)
     holder.note_tables(cos, sin)
-    tables = holder.tables_for(x, weights)
-    assert tables is not None
     flat = x.view(-1, HIDDEN)
+    tables = holder.tables_for(x, flat, weights)
+    assert tables is not None
     out, q_rot, k_rot = small_batch_linear_rotary(flat, weights, None, *tables, backend="triton")
     outs = [y.view(BATCH, SEQ, -1) for y in out.split(sizes, dim=-1)]
     holder.keep(outs[0], outs[1], q_rot, k_rot, out)
@@ -95,4 +95,5 @@ def test_no_tables_without_the_rotation_running():
     holder = QKVRotary()
     holder.reset(enabled=False)
     holder.note_tables(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
-    assert holder.tables_for(torch.zeros(1, 1, 8), [torch.zeros(4, 8)] * 3) is None
+    x = torch.zeros(1, 1, 8)
+    assert holder.tables_for(x, x.view(1, 8), [torch.zeros(4, 8)] * 3) is None
