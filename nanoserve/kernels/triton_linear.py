@@ -11,8 +11,8 @@ share of K with float32 accumulation; with ``SPLIT > 1`` the shares go to a floa
 workspace that a second kernel sums in a fixed order (no atomics: the result does not change
 from run to run). With ``ROTARY`` (q, k and v, unsplit) a tile of q or k holds matching
 columns of the two halves of one head, so that the rotary embedding of the rounded outputs
-is written to two more outputs as Llama applies it. ``small_batch_linear.py`` holds the launcher and
-the reference.
+is written to two more outputs as Llama applies it. ``small_batch_linear.py`` holds the
+launcher and the reference.
 """
 
 from __future__ import annotations
