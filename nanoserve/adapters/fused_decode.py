@@ -7,7 +7,8 @@ the activations again and again. Inside ``FusedDecode.active()`` (entered while 
 CUDA-graph runner warms up and captures a decode or extend step, and around an eager step on
 the GPU) every RMSNorm of the family's classes (``Family.rms_norm_classes``) runs as one
 ``rms_norm`` launch, and, in steps of up to 64 token rows, each decoder layer's q, k and v
-projections run as one ``small_batch_linear`` launch and a gated MLP of the form
+projections run as one ``small_batch_linear`` launch (which also writes q and k rotated
+where the rotation runs fused: ``qkv_rotary.py``) and a gated MLP of the form
 ``down(silu(gate(x)) * up(x))`` as two (gate and up with the activation and product, then
 down; past 16 rows down runs on cuBLAS). Past 64 rows the MLP runs cuBLAS's three products
 with the activation and product between them as one ``silu_mul`` launch (bit-equal to
@@ -74,12 +75,13 @@ class _Siblings:
 
     def __init__(
         self, linears: Sequence[torch.nn.Linear], backend: str, ran: set,
-        rotary: QKVRotary | None = None,
+        rotary: QKVRotary | None = None, attention: torch.nn.Module | None = None,
     ):  # fmt: skip
         self.linears = list(linears)
         self.backend = backend
         self.ran = ran
-        self.rotary = rotary  # q, k and v of an attention module: q and k rotated ahead
+        # q, k and v of ``attention``: q and k rotated ahead with ``rotary``'s tables
+        self.rotary, self.attention = rotary, attention
         # sibling index -> (the input, its version counter then, the sibling's output)
         self.pending: dict[int, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
 
@@ -99,7 +101,7 @@ class _Siblings:
             weights = [m.weight for m in self.linears]
             biases = [m.bias for m in self.linears] if linear.bias is not None else None
             tables = None
-            if self.rotary is not None:
+            if self.rotary is not None and self._rotates_ahead():
                 tables = self.rotary.tables_for(x, flat, weights)
             # (weights_ready: no kernel of a decode step writes a parameter)
             if tables is not None:
@@ -119,6 +121,17 @@ class _Siblings:
             return outs[index]
 
         return forward
+
+    def _rotates_ahead(self) -> bool:
+        """The rotation may be computed with the projections: the attention module runs
+        transformers' own forward (nothing between the projections and the rotation writes
+        q or k) and no hook could change the projections' outputs (inference tensors keep
+        no version counter, and a ``.data`` write moves none)."""
+        return (
+            self.attention is not None
+            and modeling_forward(self.attention)
+            and not _hooks_skipped(self.linears)
+        )
 
 
 def _gated_mlp_forward(mlp, classes: Sequence[str], backend: str, ran: set, note=None):
@@ -334,9 +347,9 @@ class FusedDecode:
     ):
         self.backend = backend
         self.compiled = compiled
-        # (module, its fused forward, "norm" | "attention" | "mlp"): q/k/v groups only serve
-        # steps of up to MAX_ROWS rows, and so does the MLP under compile_decode, whose
-        # compiled layers call them uncompiled
+        # (module, its fused forward, "norm" | "attention" | "mlp" | "table"): q/k/v groups
+        # only serve steps of up to MAX_ROWS rows, and so does the MLP under compile_decode,
+        # whose compiled layers call them uncompiled
         self.swaps: list[tuple[torch.nn.Module, object, str]] = []
         self.siblings: list[_Siblings] = []
         # ("attention" | "mlp" | "norm", id of the module) for each that has run fused, and
@@ -382,7 +395,9 @@ class FusedDecode:
             linears = _attention_siblings(attention) if attention is not None else None
             if linears is not None and not taken & {id(m) for m in linears}:
                 # (an attention module whose rotary embedding may run fused)
-                group = _Siblings(linears, backend, self.ran, self.qkv_rotary if rotary else None)
+                group = _Siblings(
+                    linears, backend, self.ran, self.qkv_rotary if rotary else None, attention
+                )
                 self.siblings.append(group)
                 swap(linears, [group.forward_of(i) for i in range(len(linears))], "attention")
             mlp = getattr(layer, "mlp", None)

@@ -7,10 +7,14 @@ with the cos and sin its model's rotary embedding module made for the step. Insi
 projections' one launch (``small_batch_linear_rotary``) also writes q and k rotated with
 them, and the rotary stand-in (``fused_rotary.py``) returns those instead of launching the
 rotation, but only when it is handed exactly what the launch made: q and k the head views of
-the projections' outputs as the module forms them, unchanged since (their version counter),
-and the very cos and sin tensors, unchanged. Anything else (a q or k normalized first, as
-Qwen3's, or written in place; other tables) is rotated by its own launch as before. The
-rotated values are bit-equal to that launch's.
+the projections' outputs as the module forms them, and the very cos and sin tensors, their
+version counters unmoved. Anything else (a q or k normalized first, as Qwen3's; one written
+in place where autograd counts it; other tables) is rotated by its own launch as before.
+The launch rotates ahead only for an attention module that runs transformers' own forward,
+which writes neither between the projections and the rotation, and only while no hook could
+(``_Siblings._rotates_ahead``): a version counter does not see every write (an inference
+tensor keeps none; a ``.data`` write moves none). The rotated values are bit-equal to that
+launch's.
 """
 
 from __future__ import annotations

@@ -49,13 +49,22 @@ def fits(module: torch.nn.Module, x, position_ids, backend: str) -> bool:
         and isinstance(x, torch.Tensor)
         and isinstance(inv_freq, torch.Tensor)
         and fusable(x)
-        and not torch.backends.cuda.matmul.allow_tf32
+        and not _tf32_products()
         and isinstance(position_ids, torch.Tensor)
         and position_ids.device == x.device
         and cos_sin_problem(position_ids, inv_freq, scaling, x.dtype) is None
         and not inv_freq.requires_grad
         and use_triton(backend, x)
     )
+
+
+def _tf32_products() -> bool:
+    """Float32 matrix products on CUDA may round through TF32: the legacy flag says so, or
+    torch refuses to read it (it does once the per-backend ``fp32_precision`` says TF32)."""
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    except RuntimeError:
+        return True
 
 
 def rotary_table_forward(

@@ -97,3 +97,60 @@ def test_no_tables_without_the_rotation_running():
     holder.note_tables(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
     x = torch.zeros(1, 1, 8)
     assert holder.tables_for(x, x.view(1, 8), [torch.zeros(4, 8)] * 3) is None
+
+
+@NEEDS_INTERPRETER
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_hook_on_a_projection_keeps_the_rotation_apart(mode):
+    """A forward hook that writes k_proj's output in place: the rotation must see the
+    written k. Under ``inference_mode`` no version counter moves, so the launch must not
+    rotate ahead at all for that layer (found by a review: it handed back the rotation of
+    the k from before the hook). Planted: ``_rotates_ahead``'s hook check dropped: the
+    inference-mode case failed."""
+    from test_families import tiny_model
+
+    from nanoserve.adapters.fused_decode import FusedDecode
+    from nanoserve.adapters.llama import LLAMA
+
+    model = tiny_model("llama").to(torch.float16)
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+    handle = model.model.layers[0].self_attn.k_proj.register_forward_hook(
+        lambda module, args, out: out.mul_(0.5)
+    )
+    fused_decode = FusedDecode(model.model, LLAMA.decoder_layers(model), LLAMA, "triton",
+                               residual=False)  # fmt: skip
+    try:
+        with mode():
+            stock = model(ids).logits.float()
+            with fused_decode.active(rows=ids.numel(), residual=False):
+                fused = model(ids).logits.float()
+    finally:
+        handle.remove()
+    assert fused_decode.counts()["rotary_qkv"] == 1  # layer 1 only
+    torch.testing.assert_close(fused, stock, rtol=0, atol=1e-3)
+
+
+def test_only_transformers_own_attention_forward_without_hooks_rotates_ahead(monkeypatch):
+    """A forward set on the attention class (which may write q or k between the projections
+    and the rotation) or a hook on a projection keeps the rotation apart. Planted: the
+    class check dropped from ``_rotates_ahead``: failed."""
+    from test_families import tiny_model
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from nanoserve.adapters.fused_decode import FusedDecode
+    from nanoserve.adapters.llama import LLAMA
+
+    model = tiny_model("llama").to(torch.float16)
+    fused_decode = FusedDecode(model.model, LLAMA.decoder_layers(model), LLAMA, "triton")
+    group = fused_decode.siblings[0]
+    assert group.attention is model.model.layers[0].self_attn and group._rotates_ahead()
+    handle = group.linears[2].register_forward_hook(lambda *args: None)
+    assert not group._rotates_ahead()
+    handle.remove()
+    original = LlamaAttention.forward
+
+    def forward(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaAttention, "forward", forward)
+    assert not group._rotates_ahead()

@@ -106,3 +106,23 @@ def test_float_positions_tf32_and_a_replaced_class_forward_run_the_module(monkey
     cos, _ = forward(x, positions)
     assert torch.equal(cos, module(x, positions)[0])
     assert calls == []
+
+
+@NEEDS_INTERPRETER
+def test_tf32_set_through_fp32_precision_runs_the_module():
+    """torch refuses to read ``allow_tf32`` once ``matmul.fp32_precision`` says TF32: the
+    stand-in must fall back, not raise (found by a review: every fused step raised).
+    Planted: the flag read unguarded: raised."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this torch has no per-backend float32 precision")
+    module = _module()
+    forward, calls = _stand_in(module)
+    x = torch.zeros(3, 2, 4, dtype=torch.float16)
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        assert _same(forward(x, _positions()), module(x, _positions()))
+    finally:
+        matmul.fp32_precision = before
+    assert calls == []
