@@ -124,11 +124,13 @@ class _Siblings:
 
     def _rotates_ahead(self) -> bool:
         """The rotation may be computed with the projections: the attention module runs
-        transformers' own forward (nothing between the projections and the rotation writes
-        q or k) and no hook could change the projections' outputs (inference tensors keep
-        no version counter, and a ``.data`` write moves none)."""
+        transformers' own forward, not one set on it or its class (nothing between the
+        projections and the rotation writes q or k), and no hook could change the
+        projections' outputs (inference tensors keep no version counter, and a ``.data``
+        write moves none)."""
         return (
             self.attention is not None
+            and "forward" not in self.attention.__dict__
             and modeling_forward(self.attention)
             and not _hooks_skipped(self.linears)
         )

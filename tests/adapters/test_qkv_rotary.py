@@ -4,6 +4,8 @@ interpreter)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from helpers import NEEDS_INTERPRETER
@@ -131,9 +133,10 @@ def test_a_hook_on_a_projection_keeps_the_rotation_apart(mode):
 
 
 def test_only_transformers_own_attention_forward_without_hooks_rotates_ahead(monkeypatch):
-    """A forward set on the attention class (which may write q or k between the projections
-    and the rotation) or a hook on a projection keeps the rotation apart. Planted: the
-    class check dropped from ``_rotates_ahead``: failed."""
+    """A forward set on the attention module or its class (either may write q or k between
+    the projections and the rotation) or a hook on a projection keeps the rotation apart.
+    Planted: the instance check and the class check dropped from ``_rotates_ahead``: each
+    failed."""
     from test_families import tiny_model
     from transformers.models.llama.modeling_llama import LlamaAttention
 
@@ -152,5 +155,9 @@ def test_only_transformers_own_attention_forward_without_hooks_rotates_ahead(mon
     def forward(self, *args, **kwargs):
         return original(self, *args, **kwargs)
 
+    group.attention.forward = functools.partial(forward, group.attention)
+    assert not group._rotates_ahead()
+    del group.attention.forward
+    assert group._rotates_ahead()
     monkeypatch.setattr(LlamaAttention, "forward", forward)
     assert not group._rotates_ahead()
