@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from nanoserve.adapters import fused_rotary
 from nanoserve.adapters.fused_inputs import fusable, plain_linear, records_grad
+from nanoserve.adapters.fused_inputs import version_counter as _version
 from nanoserve.adapters.fused_residual import ResidualNorms
 from nanoserve.adapters.modeling_classes import modeling_forward
 from nanoserve.adapters.qkv_rotary import QKVRotary
@@ -294,12 +295,6 @@ def _rms_norm(module, classes: Sequence[str]) -> bool:
         and isinstance(getattr(module, "weight", None), torch.Tensor)
         and hasattr(module, "variance_epsilon")
     )
-
-
-def _version(x: torch.Tensor) -> int | None:
-    """x's version counter (bumped by every in-place write), or None for an inference
-    tensor, which keeps none."""
-    return None if x.is_inference() else x._version
 
 
 def _attention_siblings(attention) -> tuple[torch.nn.Linear, ...] | None:

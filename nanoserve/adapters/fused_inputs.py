@@ -29,3 +29,9 @@ def _autocast(x: torch.Tensor) -> bool:
         return torch.is_autocast_enabled(x.device.type)
     except TypeError:  # torch before 2.4 takes no device type
         return torch.is_autocast_enabled()
+
+
+def version_counter(x: torch.Tensor) -> int | None:
+    """x's version counter (bumped by every in-place write autograd sees), or None for an
+    inference tensor, which keeps none."""
+    return None if x.is_inference() else x._version

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from nanoserve.adapters.fused_inputs import version_counter as _version
 from nanoserve.kernels.small_batch_linear import rotary_problem
 
 
@@ -34,10 +35,6 @@ class _Launch(NamedTuple):
     cos: torch.Tensor  # the step's tables [B, S, D], as the rotary embedding returned them
     sin: torch.Tensor
     versions: tuple  # of the projections' output, cos and sin at the launch
-
-
-def _version(t: torch.Tensor) -> int | None:
-    return None if t.is_inference() else t._version
 
 
 def _heads(t: torch.Tensor, dim: int) -> torch.Tensor:
