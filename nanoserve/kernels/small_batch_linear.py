@@ -227,14 +227,13 @@ def small_batch_linear_rotary(
     if problem is not None:
         raise ValueError(problem)
     rows, k = x.shape
-    sizes = [w.shape[0] for w in weights]
-    cfg = None
-    if use_triton(backend, x) and k > 0:
-        refuse_interpreted_bfloat16(x)
-        cfg = config or choose_config(rows, k, sizes, False, x.device)
-    if cfg is None or _shares(k, cfg)[1] > 1:
-        out = small_batch_linear(x, weights, biases, backend=backend, config=config,
-                                 weights_ready=weights_ready)  # fmt: skip
+    if not use_triton(backend, x) or k == 0:  # (as small_batch_linear: the reference)
+        out = small_batch_linear_ref(x, weights, biases)
+        return (out, *_rotated(out, weights, cos, sin, backend))
+    refuse_interpreted_bfloat16(x)
+    cfg = config or choose_config(rows, k, [w.shape[0] for w in weights], False, x.device)
+    if _shares(k, cfg)[1] > 1:
+        out = _launch(x, weights, biases, False, cfg, weights_ready)[0]
         return (out, *_rotated(out, weights, cos, sin, backend))
     return _launch(x, weights, biases, False, cfg, weights_ready, cos, sin)
 
