@@ -62,7 +62,9 @@ from nanoserve.kernels.small_batch_linear import (
 )
 from nanoserve.kernels.small_batch_linear import input_problem as linear_problem
 
-FUSED_KINDS = ("attention", "mlp", "norm", "rotary", "residual", "rotary_table", "rotary_qkv")
+FUSED_KINDS = (
+    "attention", "mlp", "norm", "rotary", "residual", "rotary_table", "rotary_qkv", "kv_store",
+)  # fmt: skip
 # past this many rows cuBLAS reads a down projection's long K as fast as the kernel, whose
 # programs each re-read the whole x tile
 DOWN_MAX_ROWS = 16
@@ -101,14 +103,18 @@ class _Siblings:
                 return F.linear(x, linear.weight, linear.bias)
             weights = [m.weight for m in self.linears]
             biases = [m.bias for m in self.linears] if linear.bias is not None else None
-            tables = None
+            tables = store = None
             if self.rotary is not None and self._rotates_ahead():
                 tables = self.rotary.tables_for(x, flat, weights)
-            # (weights_ready: no kernel of a decode step writes a parameter)
+            if tables is not None:
+                store = self.rotary.store_target(self.attention, x, weights)
+            # (weights_ready: no kernel of a decode step writes a parameter; check=False: the
+            # cache built the slots, and the step may be a graph's capture)
             if tables is not None:
                 out, *rotated = small_batch_linear_rotary(
-                    flat, weights, biases, *tables, backend=self.backend, weights_ready=True
-                )
+                    flat, weights, biases, *tables, backend=self.backend, weights_ready=True,
+                    kv_store=store, check=False,
+                )  # fmt: skip
             else:
                 out = small_batch_linear(
                     flat, weights, biases, backend=self.backend, weights_ready=True
@@ -116,7 +122,8 @@ class _Siblings:
             sizes = [w.shape[0] for w in weights]
             outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in out.split(sizes, dim=-1)]
             if tables is not None:
-                self.rotary.keep(outs[0], outs[1], *rotated, out)
+                layer = getattr(self.attention, "layer_idx", None)
+                self.rotary.keep(outs[0], outs[1], *rotated, out, outs[2], store, layer)
             self.pending = {i: (x, _version(x), y) for i, y in enumerate(outs) if i != index}
             self.ran.add(("attention", id(self)))
             return outs[index]
@@ -350,8 +357,9 @@ class FusedDecode:
         self.swaps: list[tuple[torch.nn.Module, object, str]] = []
         self.siblings: list[_Siblings] = []
         # ("attention" | "mlp" | "norm", id of the module) for each that has run fused, and
-        # ("rotary" | "residual" | "rotary_table" | "rotary_qkv", n) for the n-th rotary call,
-        # fused add, cos and sin tables or rotation done by the q/k/v launch of a step
+        # ("rotary" | "residual" | "rotary_table" | "rotary_qkv" | "kv_store", n) for the n-th
+        # rotary call, fused add, cos and sin tables, rotation done by the q/k/v launch or K/V
+        # rows it stored, of a step
         self.ran: set[tuple[str, int]] = set()
         attentions = [getattr(layer, "self_attn", None) for layer in layers]
         self.rotary_attentions = [a for a in attentions if a is not None] if rotary else []
@@ -420,8 +428,9 @@ class FusedDecode:
     def counts(self) -> dict[str, int]:
         """Modules that have run fused in some step so far: {"attention": q/k/v groups,
         "mlp": gated MLPs, "norm": RMSNorms, "rotary": rotary calls, "residual": residual
-        adds run with their norm, "rotary_table": cos and sin tables and "rotary_qkv": rotary
-        calls the q/k/v launch had computed, the last four of the step that ran the most}
+        adds run with their norm, "rotary_table": cos and sin tables, "rotary_qkv": rotary
+        calls the q/k/v launch had computed and "kv_store": layers whose K/V rows that launch
+        stored in the pools (no scatter), the last five of the step that ran the most}
         (a step the kernels do not take runs stock's)."""
         kinds = [kind for kind, _ in self.ran]
         return {kind: kinds.count(kind) for kind in FUSED_KINDS}
@@ -458,9 +467,14 @@ class FusedDecode:
                 self.ran.add(("rotary_qkv", next(ahead)))
             return held
 
+        stores = itertools.count()
+
+        def kv_stored() -> None:
+            self.ran.add(("kv_store", next(stores)))
+
         rotary = contextlib.nullcontext()
         modules = self.rotary_modules
-        self.qkv_rotary.reset(enabled=bool(modules))
+        self.qkv_rotary.reset(enabled=bool(modules), on_stored=kv_stored)
         if modules:
             rotary = fused_rotary.swapped(modules, self.backend, rotary_fused, rotated_ahead)
         residual = self.residual.active() if self.residual is not None and residual else None

@@ -176,7 +176,10 @@ class PagedCache(Cache):
         # so does a layer whose K/V autograd records though the step's inputs and weights do
         # not: a hook added a tensor that requires grad)
         backend = "torch" if step.backend == "torch" or records_grad(key, value) else None
-        return self.paged.write(layer_idx, key, value, check=False, backend=backend)
+        # (rows the layer's q/k/v launch stored already, when these are they: no scatter)
+        stored = step.stored_rows.pop(layer_idx, None)
+        target = stored.target_for(key_states, value_states) if stored is not None else None
+        return self.paged.write(layer_idx, key, value, check=False, backend=backend, stored=target)
 
     # -- what generate and the mask code call ------------------------------------------------
 

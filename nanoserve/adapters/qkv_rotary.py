@@ -15,16 +15,26 @@ which writes neither between the projections and the rotation, and only while no
 (``_Siblings._rotates_ahead``): a version counter does not see every write (an inference
 tensor keeps none; a ``.data`` write moves none). The rotated values are bit-equal to that
 launch's.
+
+Where the step's paged cache offers the layer's pools (``PagedKVCache.store_target``), the
+same launch stores k rotated and v at the step's slots too. When the rotation is taken, the
+step notes the rows (``Stored``), and the cache's ``update`` skips its scatter only if it is
+handed exactly those views, unwritten since; otherwise it scatters what it is given over
+what the launch stored (the step's own slots, which hold nothing read before this layer's
+write).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from nanoserve.adapters.fused_inputs import version_counter as _version
-from nanoserve.kernels.small_batch_linear import rotary_problem
+from nanoserve.cache.grouped_cache import GroupedKVCache
+from nanoserve.cache.paged_cache import PagedKVCache
+from nanoserve.kernels.small_batch_linear import KVStore, rotary_problem
 
 
 class _Launch(NamedTuple):
@@ -35,6 +45,44 @@ class _Launch(NamedTuple):
     cos: torch.Tensor  # the step's tables [B, S, D], as the rotary embedding returned them
     sin: torch.Tensor
     versions: tuple  # of the projections' output, cos and sin at the launch
+    v: torch.Tensor | None = None  # the v projection's output [B, S, N_v]
+    store: KVStore | None = None  # where the launch stored k rotated and v
+    layer: int | None = None  # the attention module's layer index
+
+
+class Stored(NamedTuple):
+    """Rows a q/k/v launch stored in a layer's pools: k rotated and v as the attention
+    module holds them ([B, Hkv, S, D] views), the ``KVStore`` they went to, and the version
+    counters of the launch's outputs (k rotated's, and the projections' that v views) when
+    the rotation was taken."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    target: KVStore
+    versions: tuple
+    on_stored: Callable[[], None] | None = None
+
+    def target_for(self, key: torch.Tensor, value: torch.Tensor) -> KVStore | None:
+        """The target (``write(..., stored=)`` then skips its scatter: ``on_stored()`` is
+        called), when ``key`` and ``value`` are the stored rows' views, unwritten since;
+        else None (the caller scatters them)."""
+        if not (_same_view(key, self.key) and _same_view(value, self.value)):
+            return None
+        if (_version(key), _version(value)) != self.versions:
+            return None
+        if self.on_stored is not None:
+            self.on_stored()
+        return self.target
+
+
+KV_CACHES = (PagedKVCache, GroupedKVCache)
+
+
+def _current_step():
+    """The paged step in flight, or None (imported here: step.py imports this module's user)."""
+    from nanoserve.adapters.step import current_step
+
+    return current_step()
 
 
 def _heads(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -62,9 +110,13 @@ class QKVRotary:
         self.enabled = False
         self.tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self.launch: _Launch | None = None
+        self.on_stored: Callable[[], None] | None = None
 
-    def reset(self, enabled: bool = False) -> None:
+    def reset(self, enabled: bool = False, on_stored: Callable[[], None] | None = None) -> None:
+        """A new step (``enabled``: its rotary stand-in runs); ``on_stored()`` is called
+        each time the cache takes rows a launch stored instead of scattering them."""
         self.enabled, self.tables, self.launch = enabled, None, None
+        self.on_stored = on_stored
 
     def note_tables(self, cos, sin) -> None:
         """The rotary embedding module returned (cos, sin) for this step."""
@@ -92,15 +144,34 @@ class QKVRotary:
             return None
         return tables
 
-    def keep(self, q, k, q_rotated, k_rotated, out) -> None:
-        """A launch made q and k (views of ``out``) and rotated them with the step's tables."""
+    def store_target(self, attention, x: torch.Tensor, weights) -> KVStore | None:
+        """Where the launch for ``attention``'s projections of ``x`` by ``weights`` (q, k,
+        v) may store k rotated and v: its layer's pools in the step's paged cache, if that
+        cache offers them (``PagedKVCache.store_target``); else None."""
+        step = _current_step()
+        layer = getattr(attention, "layer_idx", None)
+        paged = getattr(getattr(step, "cache", None), "paged", None)
+        if step is None or type(layer) is not int or not isinstance(paged, KV_CACHES):
+            return None
+        if step.backend == "torch" or self.tables is None:  # (autograd records the step)
+            return None
+        dim = self.tables[0].shape[-1]
+        heads = weights[1].shape[0] // dim
+        if weights[2].shape[0] != heads * dim:
+            return None
+        return paged.store_target(layer, x.dtype, x.device, heads, dim)
+
+    def keep(self, q, k, q_rotated, k_rotated, out, v=None, store=None, layer=None) -> None:
+        """A launch made q and k (views of ``out``) and rotated them with the step's tables;
+        with ``store`` it also stored k rotated and v (``out``'s view) for layer ``layer``."""
         cos, sin = self.tables
         versions = (_version(out), _version(cos), _version(sin))
-        self.launch = _Launch(q, k, q_rotated, k_rotated, cos, sin, versions)
+        self.launch = _Launch(q, k, q_rotated, k_rotated, cos, sin, versions, v, store, layer)
 
     def take(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor] | None:
         """q and k rotated, [B, H, S, D] as the rotation returns them, when (q, k, cos, sin)
-        are what the latest launch rotated (each launch's at most once); else None."""
+        are what the latest launch rotated (each launch's at most once); else None. Rows the
+        launch stored are noted on the step for the cache's ``update``."""
         launch, self.launch = self.launch, None
         if launch is None or cos is not launch.cos or sin is not launch.sin:
             return None
@@ -113,4 +184,10 @@ class QKVRotary:
         shape = launch.q.shape[:-1]
         q_rotated = _heads(launch.q_rotated.view(*shape, -1), dim)
         k_rotated = _heads(launch.k_rotated.view(*shape, -1), dim)
+        step = _current_step()
+        if launch.store is not None and step is not None:
+            value = _heads(launch.v, dim)
+            versions = (_version(k_rotated), _version(value))
+            stored = Stored(k_rotated, value, launch.store, versions, self.on_stored)
+            step.stored_rows[launch.layer] = stored
         return q_rotated, k_rotated

@@ -250,6 +250,8 @@ class Step:
     cache: object
     meta: StepMetadata
     backend: str
+    # layer index -> rows its q/k/v launch already stored in the pools (``qkv_rotary.Stored``)
+    stored_rows: dict = field(default_factory=dict)
 
 
 _CURRENT: ContextVar[Step | None] = ContextVar("nanoserve_step", default=None)

@@ -33,6 +33,7 @@ from nanoserve.cache.paged_cache import (
     step_device,
 )
 from nanoserve.kernels.quant import QUANTIZED_DTYPES
+from nanoserve.kernels.small_batch_linear import KVStore
 
 
 def check_layer_groups(
@@ -360,6 +361,15 @@ class GroupedKVCache:
         for g, group in enumerate(self._groups):
             group.step = None if meta is None else meta.group_metas[g]
 
+    def store_target(
+        self, layer_idx: int, dtype: torch.dtype, device: torch.device, kv_heads: int, dim: int
+    ) -> KVStore | None:
+        """``PagedKVCache.store_target`` of layer ``layer_idx`` in its group (its slots)."""
+        if type(layer_idx) is not int or not 0 <= layer_idx < len(self._where):
+            return None
+        group, local = self._where[layer_idx]
+        return self._groups[group].store_target(local, dtype, device, kv_heads, dim)
+
     def write(
         self,
         layer_idx: int,
@@ -368,10 +378,13 @@ class GroupedKVCache:
         *,
         check: bool = True,
         backend: str | None = None,
+        stored: KVStore | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``PagedKVCache.write`` into layer ``layer_idx``'s group; returns its pools."""
         group, local = self._where[self._layer(layer_idx)]
-        return self._groups[group].write(local, key, value, check=check, backend=backend)
+        return self._groups[group].write(
+            local, key, value, check=check, backend=backend, stored=stored
+        )
 
     # -- pools and figures -------------------------------------------------------------------
 

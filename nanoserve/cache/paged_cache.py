@@ -68,6 +68,7 @@ from nanoserve.kernels.shared_prefix import (
     takes_shared_prefix,
 )
 from nanoserve.kernels.slot_scatter import slot_scatter
+from nanoserve.kernels.small_batch_linear import KVStore
 from nanoserve.kernels.validation import FLOAT_DTYPES, check_positive
 
 # Calibrated FP8 scales map this many times the first write's per-head amax to e4m3's
@@ -795,6 +796,33 @@ class PagedKVCache:
                 return self.scales(layer)
         raise ValueError("key_pool: not a pool of this cache")
 
+    def store_target(
+        self, layer_idx: int, dtype: torch.dtype, device: torch.device, kv_heads: int, dim: int
+    ) -> KVStore | None:
+        """Where a kernel that makes this step's K/V rows of layer ``layer_idx`` (``dtype``
+        on ``device``, [S * q, ``kv_heads``, ``dim``]) may store them itself: the layer's
+        pools and the step's slots on ``device``. Then ``write(..., stored=)`` with this
+        target and those very rows skips its scatter. None unless a step is begun, the layer
+        not yet written in it, and its pools exist already in ``dtype`` (not FP8 or INT8),
+        on ``device``, of that row shape."""
+        if self.step is None or not isinstance(layer_idx, int):
+            return None
+        if not 0 <= layer_idx < self.num_layers or layer_idx in self._layers_written:
+            return None
+        key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
+        shape = (self.allocator.num_blocks, self.block_size, kv_heads, dim)
+        if key_pool is None or value_pool is None or self.kv_dtype not in (None, dtype):
+            return None
+        if any(
+            (pool.shape, pool.dtype, pool.device) != (shape, dtype, torch.device(device))
+            or not pool.is_contiguous()
+            for pool in (key_pool, value_pool)
+        ):
+            return None
+        if self._written_dtypes[layer_idx] not in (None, dtype):
+            return None
+        return KVStore(key_pool, value_pool, self.step.to(device).slot_mapping)
+
     def write(
         self,
         layer_idx: int,
@@ -803,9 +831,13 @@ class PagedKVCache:
         *,
         check: bool = True,
         backend: str | None = None,
+        stored: KVStore | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scatter this step's K/V [S * q, Hkv, D] (padded layout) into layer ``layer_idx``,
-        through ``backend`` (default: the cache's).
+        through ``backend`` (default: the cache's). ``stored``: a ``store_target`` of this
+        step and layer into which the caller's kernel already stored exactly ``key`` and
+        ``value``; the scatter is skipped when it still names the layer's pools and the
+        step's slots (else it runs as without).
 
         Returns the layer's (key_pool, value_pool).
         """
@@ -842,10 +874,18 @@ class PagedKVCache:
             self.key_scales[layer_idx] = self._first_scales(key, real)
             self.value_scales[layer_idx] = self._first_scales(value, real)
         k_scale, v_scale = self.scales(layer_idx)
-        slot_scatter(
-            key, value, key_pool, value_pool, step.slot_mapping,
-            k_scale=k_scale, v_scale=v_scale, check=check, backend=backend or self.backend,
-        )  # fmt: skip
+        done = (
+            stored is not None
+            and stored.key_pool is key_pool
+            and stored.value_pool is value_pool
+            and stored.slot_mapping is step.slot_mapping
+            and k_scale is None
+        )
+        if not done:
+            slot_scatter(
+                key, value, key_pool, value_pool, step.slot_mapping,
+                k_scale=k_scale, v_scale=v_scale, check=check, backend=backend or self.backend,
+            )  # fmt: skip
         self._written_dtypes[layer_idx] = key.dtype
         self._layers_written.add(layer_idx)
         return key_pool, value_pool

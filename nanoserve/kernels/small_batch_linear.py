@@ -10,7 +10,9 @@ product). Summation order differs from cuBLAS's, so 16-bit outputs can differ fr
 
 ``small_batch_linear_rotary`` runs a layer's q, k and v projections and writes, beside them,
 q and k with Llama's rotary embedding applied (``rotary.apply_rotary``'s bits), so that a
-decode step needs no launch of its own for the rotation.
+decode step needs no launch of its own for the rotation; given a layer's K/V pools and the
+rows' slots (``KVStore``) it stores k rotated and v there too, which spares the step's slot
+scatter.
 """
 
 from __future__ import annotations
@@ -116,10 +118,11 @@ def _shares(k: int, cfg: LinearConfig) -> tuple[int, int]:
 
 
 def _launch(x, weights, biases, gated: bool, cfg: LinearConfig, weights_ready: bool,
-            cos=None, sin=None) -> tuple:  # fmt: skip
+            cos=None, sin=None, kv_store=None) -> tuple:  # fmt: skip
     """(out,) or with ``cos`` and ``sin`` (q, k and v weights, K in one share) (out, q
     rotated [M, N_q], k rotated [M, N_k]): the kernel's launches for checked arguments; with
-    the rotation q and k's tiles are halves of heads."""
+    the rotation q and k's tiles are halves of heads, and ``kv_store`` (key_pool,
+    value_pool, slot_mapping) takes k rotated and v into the pools as well."""
     from nanoserve.kernels.triton_linear import _linear_kernel, _sum_shares_kernel
 
     rows, k = x.shape
@@ -141,6 +144,8 @@ def _launch(x, weights, biases, gated: bool, cfg: LinearConfig, weights_ready: b
         rot_q = torch.empty(rows, sizes[0], dtype=x.dtype, device=x.device)
         rot_k = torch.empty(rows, sizes[1], dtype=x.dtype, device=x.device)
         cos_, sin_ = cos, sin
+    key_pool, value_pool, slot_mapping = kv_store if kv_store is not None else (out,) * 3
+    slot_mapping = slot_mapping.contiguous()  # (the kernel reads it at unit stride)
     partial = out
     if split > 1:
         partial = torch.empty(split, block_m, 2 * width if gated else width,
@@ -159,10 +164,12 @@ def _launch(x, weights, biases, gated: bool, cfg: LinearConfig, weights_ready: b
         out, out.stride(0), partial, share,
         rot_q, rot_k, rot_q.stride(0), rot_k.stride(0),
         cos_, cos_.stride(0), sin_, sin_.stride(0), half,
+        key_pool, value_pool, slot_mapping,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=split, GATED=gated, HAS_BIAS=has_bias, EVEN_K=k % cfg.block_k == 0,
         FP32=fp32, PDL=bool(launch), WEIGHTS_FIRST=weights_ready and bool(launch),
-        ROTARY=rotary, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ROTARY=rotary, STORE_KV=kv_store is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # (with the rotation: a product fused into its sum would skip eager's rounding)
         **({"enable_fp_fusion": False} if rotary else {}), **launch,
     )  # fmt: skip
@@ -183,12 +190,38 @@ def small_batch_linear_rotary_ref(
     biases: Sequence[torch.Tensor | None] | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    kv_store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference: (``small_batch_linear_ref(x, weights, biases)`` [M, N_q + N_k + N_v], its
     q [M, N_q] and k [M, N_k] with eager's rotary embedding applied); weights q, k, v; cos
-    and sin [M, D], each row's angles."""
+    and sin [M, D], each row's angles. ``kv_store``: k rotated and v are also written to
+    their slots of its pools, as ``slot_scatter_ref`` writes rows."""
     out = small_batch_linear_ref(x, weights, biases)
-    return (out, *_rotated(out, weights, cos, sin))
+    q_rot, k_rot = _rotated(out, weights, cos, sin)
+    if kv_store is not None:
+        _scatter(out, k_rot, kv_store, "torch")
+    return out, q_rot, k_rot
+
+
+class KVStore(NamedTuple):
+    """Where ``small_batch_linear_rotary`` also writes k rotated and v: a layer's pools
+    [num_blocks, block_size, Hkv, D] (contiguous, x's dtype; Hkv * D = N_k = N_v) and the
+    pool slot of each row of x, int32/int64 [M] (-1: the row is not stored)."""
+
+    key_pool: torch.Tensor
+    value_pool: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+def _scatter(out: torch.Tensor, k_rot: torch.Tensor, kv_store: KVStore, backend: str) -> None:
+    """k rotated [M, N_k] and out's v columns to ``kv_store``'s pools by ``slot_scatter``."""
+    from nanoserve.kernels.slot_scatter import slot_scatter
+
+    heads, dim = kv_store.key_pool.shape[2:]
+    rows = out.shape[0]
+    value = out[:, out.shape[1] - heads * dim :].reshape(rows, heads, dim)
+    slot_scatter(k_rot.view(rows, heads, dim), value, kv_store.key_pool, kv_store.value_pool,
+                 kv_store.slot_mapping, check=False, backend=backend)  # fmt: skip
 
 
 def _rotated(out, weights, cos, sin, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,6 +244,8 @@ def small_batch_linear_rotary(
     backend: str = "auto",
     config: LinearConfig | None = None,
     weights_ready: bool = False,
+    kv_store: KVStore | None = None,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``small_batch_linear_rotary_ref``'s result: (q, k and v's outputs [M, N_q + N_k +
     N_v], q rotated [M, N_q], k rotated [M, N_k]), new tensors of x's dtype.
@@ -219,23 +254,74 @@ def small_batch_linear_rotary(
     of D); cos and sin [M, D] with unit stride in D, x's dtype and device. Where K runs in one
     share the rotation is the projection's epilogue (one launch); else, or on the reference
     backend, it follows as ``apply_rotary`` computes it. The rotated outputs are bit-equal
-    to eager's rotary embedding of the first output's q and k.
+    to eager's rotary embedding of the first output's q and k. ``kv_store`` (a ``KVStore``):
+    k rotated and v are also written to their slots of its pools, in the same launch where
+    the rotation is (else by ``slot_scatter``); ``check=False`` skips reading its slots
+    (in range, none twice: a sync) for callers that built them, and CUDA-graph capture.
     """
     weights = list(weights)
     biases = list(biases) if biases is not None else [None] * len(weights)
     problem = input_problem(x, weights, biases) or rotary_problem(x, weights, cos, sin)
+    if problem is None and kv_store is not None:
+        problem = kv_store_problem(x, weights, cos, kv_store, check)
     if problem is not None:
         raise ValueError(problem)
     rows, k = x.shape
     if not use_triton(backend, x) or k == 0:  # (as small_batch_linear: the reference)
         out = small_batch_linear_ref(x, weights, biases)
-        return (out, *_rotated(out, weights, cos, sin, backend))
+        return _rotated_and_stored(out, weights, cos, sin, kv_store, backend)
     refuse_interpreted_bfloat16(x)
     cfg = config or choose_config(rows, k, [w.shape[0] for w in weights], False, x.device)
     if _shares(k, cfg)[1] > 1:
         out = _launch(x, weights, biases, False, cfg, weights_ready)[0]
-        return (out, *_rotated(out, weights, cos, sin, backend))
-    return _launch(x, weights, biases, False, cfg, weights_ready, cos, sin)
+        return _rotated_and_stored(out, weights, cos, sin, kv_store, backend)
+    return _launch(x, weights, biases, False, cfg, weights_ready, cos, sin, kv_store)
+
+
+def _rotated_and_stored(out, weights, cos, sin, kv_store, backend) -> tuple:
+    """(out, q rotated, k rotated) by their own launches, k and v stored by ``slot_scatter``."""
+    q_rot, k_rot = _rotated(out, weights, cos, sin, backend)
+    if kv_store is not None:
+        _scatter(out, k_rot, kv_store, backend)
+    return out, q_rot, k_rot
+
+
+def kv_store_problem(x, weights, cos, kv_store, check: bool = True) -> str | None:
+    """Why ``small_batch_linear_rotary`` refuses ``kv_store`` for these arguments, or None;
+    ``check`` also reads the slots (a sync)."""
+    from nanoserve.kernels.validation import check_kv_pools, check_slot_mapping
+
+    if not isinstance(kv_store, KVStore):
+        return f"kv_store: expected a KVStore, got {type(kv_store).__name__}"
+    key_pool, value_pool, slot_mapping = kv_store
+    try:
+        check_kv_pools(key_pool, value_pool)
+    except ValueError as error:
+        return str(error)
+    blocks, block_size, heads, dim = key_pool.shape
+    if key_pool.dtype != x.dtype or key_pool.device != x.device:
+        return (
+            f"key_cache: {key_pool.dtype} on {key_pool.device}; the rows are stored unconverted, "
+            f"so the pools must be x's dtype and device ({x.dtype} on {x.device})"
+        )
+    if dim != cos.shape[1] or any(w.shape[0] != heads * dim for w in weights[1:]):
+        return (
+            f"key_cache: [.., {heads}, {dim}] does not hold k and v's "
+            f"{weights[1].shape[0]} / {weights[2].shape[0]} outputs as heads of {cos.shape[1]}"
+        )
+    try:
+        if check:
+            check_slot_mapping(slot_mapping, x.shape[0], blocks * block_size, x.device)
+        elif not (
+            isinstance(slot_mapping, torch.Tensor)
+            and slot_mapping.shape == (x.shape[0],)
+            and slot_mapping.dtype in (torch.int32, torch.int64)
+            and slot_mapping.device == x.device
+        ):
+            return f"slot_mapping: expected int32/int64 [{x.shape[0]}] on {x.device}"
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def rotary_problem(x, weights, cos, sin) -> str | None:

@@ -11,8 +11,9 @@ share of K with float32 accumulation; with ``SPLIT > 1`` the shares go to a floa
 workspace that a second kernel sums in a fixed order (no atomics: the result does not change
 from run to run). With ``ROTARY`` (q, k and v, unsplit) a tile of q or k holds matching
 columns of the two halves of one head, so that the rotary embedding of the rounded outputs
-is written to two more outputs as Llama applies it. ``small_batch_linear.py`` holds the
-launcher and the reference.
+is written to two more outputs as Llama applies it, and with ``STORE_KV`` k rotated and v
+to their slots of the layer's K/V pools as well (a decode step's slot scatter).
+``small_batch_linear.py`` holds the launcher and the reference.
 """
 
 from __future__ import annotations
@@ -88,11 +89,23 @@ def _rotary_cols(tile, n, HALF, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _pool_store(pool, slots, n, cols, vals, ok, store):
+    """Stores ``vals`` [BLOCK_M, C] (columns ``cols`` [C] of rows of n values) where ``ok``
+    to the rows' slots of ``pool`` (contiguous [blocks, block_size, heads, D] with heads * D
+    = n) if the scalar ``store``; ``slots`` int64 [BLOCK_M], -1: not stored."""
+    # (the scalar joins the mask as a tile: the interpreter refuses a scalar in a tile's mask)
+    keep = (slots >= 0) & ((tl.zeros_like(slots) + store.to(tl.int64)) > 0)
+    tl.store(pool + slots[:, None] * n + cols[None, :], vals, mask=ok & keep[:, None])
+
+
+@triton.jit
 def _rotary_store(y, cols, n, rows, M, rot, stride_rot, cos, stride_cos, sin, stride_sin,
-                  HALF, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+                  HALF, pool, slots, store, STORE_KV: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Writes to ``rot`` [M, n] ``q * cos + rotate_half(q) * sin`` of a rounded tile ``y``
     [BLOCK_M, BLOCK_N] whose columns ``cols`` come from ``_rotary_cols``, with eager's
-    roundings (each product, then the sum); cos and sin [M, 2 * HALF]: each row's angles."""
+    roundings (each product, then the sum); cos and sin [M, 2 * HALF]: each row's angles.
+    With ``STORE_KV`` and ``store`` the rotated rows go to their ``slots`` of ``pool`` too."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     x1, x2 = tl.split(tl.permute(tl.reshape(y.to(tl.float32), [BLOCK_M, 2, HALF_N]), [0, 2, 1]))
     lo_cols, hi_cols = tl.split(tl.permute(tl.reshape(cols, [2, HALF_N]), [1, 0]))
@@ -108,6 +121,9 @@ def _rotary_store(y, cols, n, rows, M, rot, stride_rot, cos, stride_cos, sin, st
     at = rot + rows[:, None] * stride_rot
     tl.store(at + lo_cols[None, :], lo.to(kind), mask=ok)
     tl.store(at + hi_cols[None, :], hi.to(kind), mask=ok)
+    if STORE_KV:
+        _pool_store(pool, slots, n, lo_cols, lo.to(kind), ok, store)
+        _pool_store(pool, slots, n, hi_cols, hi.to(kind), ok, store)
 
 
 @triton.jit
@@ -124,13 +140,15 @@ def _linear_kernel(
     w0, w1, w2, b0, b1, b2, n0, n1, n2, tiles0, tiles1,
     out, stride_out, partial, k_share,
     rot_q, rot_k, stride_rq, stride_rk, cos, stride_cos, sin, stride_sin, HALF,
+    key_pool, value_pool, slot_mapping,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
-    ROTARY: tl.constexpr,
+    ROTARY: tl.constexpr, STORE_KV: tl.constexpr,
 ):  # fmt: skip
     # WEIGHTS_FIRST: the weights' first tiles are loaded before the wait for the kernel ahead
     # (under PDL this program may start while that one runs): only x depends on it.
+    # STORE_KV (with ROTARY): k rotated and v also go to their slots of the layer's pools.
     out_dtype = out.dtype.element_ty
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -183,11 +201,16 @@ def _linear_kernel(
         if SPLIT == 1:
             y = _finish(acc, bias, cols, n, HAS_BIAS, out_dtype)
             tl.store(out + rows[:, None] * stride_out + first_col + cols[None, :], y, mask=ok)
+            slots = tl.zeros([BLOCK_M], tl.int64)
+            if STORE_KV:
+                slots = tl.load(slot_mapping + rows, mask=rows < M, other=-1).to(tl.int64)
+                _pool_store(value_pool, slots, n, cols, y, ok, index == 2)
             if ROTARY:  # noqa: SIM102 (a constexpr branch around a runtime one)
                 if index < 2:
                     _rotary_store(y, cols, n, rows, M, _pick(index, rot_q, rot_k, rot_k),
                                   _pick(index, stride_rq, stride_rk, stride_rk), cos,
-                                  stride_cos, sin, stride_sin, HALF, BLOCK_M, BLOCK_N)  # fmt: skip
+                                  stride_cos, sin, stride_sin, HALF, key_pool, slots,
+                                  index == 1, STORE_KV, BLOCK_M, BLOCK_N)  # fmt: skip
         else:
             width = n0 + n1 + n2
             base = partial + split * BLOCK_M * width + rows[:, None] * width

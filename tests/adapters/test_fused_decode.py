@@ -49,10 +49,13 @@ def fp16_model(name="llama"):
     return model
 
 
-def counts(attention=0, mlp=0, norm=0, rotary=0, residual=0, table=None, ahead=None):
+def counts(attention=0, mlp=0, norm=0, rotary=0, residual=0, table=None, ahead=None,
+           stored=None):  # fmt: skip
     """The expected ``fused_decode`` counts; the step's cos and sin tables run fused where
-    the rotary embedding does, and every rotary call takes what the q/k/v launch rotated
-    ahead, unless ``table`` or ``ahead`` say otherwise."""
+    the rotary embedding does, every rotary call takes what the q/k/v launch rotated ahead,
+    and every layer so rotated takes the K/V rows that launch stored, unless ``table``,
+    ``ahead`` or ``stored`` say otherwise."""
+    ahead = rotary if ahead is None else ahead
     return {
         "attention": attention,
         "mlp": mlp,
@@ -60,7 +63,8 @@ def counts(attention=0, mlp=0, norm=0, rotary=0, residual=0, table=None, ahead=N
         "rotary": rotary,
         "residual": residual,
         "rotary_table": int(rotary > 0) if table is None else table,
-        "rotary_qkv": rotary if ahead is None else ahead,
+        "rotary_qkv": ahead,
+        "kv_store": ahead if stored is None else stored,
     }
 
 
@@ -739,7 +743,8 @@ def test_prefill_steps_run_fused(lengths, small, monkeypatch):
     else:
         assert seen.count(("silu_mul", tokens)) == 2
     assert seen.count(("rms_norm", tokens)) == 5
-    expected = counts(2 if small else 0, 2, 5, 2, residual=0, ahead=2 if small else 0)
+    # (the first step's write makes the pools: no launch before it could store K/V rows)
+    expected = counts(2 if small else 0, 2, 5, 2, residual=0, ahead=2 if small else 0, stored=0)
     assert stats["fused_decode"] == expected
     assert_follows(plain, fused)
     seen.clear()

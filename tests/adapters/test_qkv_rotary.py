@@ -161,3 +161,67 @@ def test_only_transformers_own_attention_forward_without_hooks_rotates_ahead(mon
     assert group._rotates_ahead()
     monkeypatch.setattr(LlamaAttention, "forward", forward)
     assert not group._rotates_ahead()
+
+
+@NEEDS_INTERPRETER
+# mistral: a window over every layer; qwen2-sliding: a grouped cache (windowed and full layers)
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2-sliding"])
+def test_decode_steps_take_the_rows_the_launch_stored(name, monkeypatch):
+    """Decode steps whose q/k/v launch rotated ahead also store k and v in the layer's
+    pools there, and the cache skips its scatter: logits and tokens bit-equal to the same
+    steps with the store off (the scatter writes the same rows), and no scatter launched
+    after the prefill. Planted: the store masked off in the kernel (the scatter still
+    skipped: the pools keep NaN/zeros): failed; the cache skipping the scatter without
+    the store: failed."""
+    from test_fused_decode import fp16_model, padded_batch, run
+
+    import nanoserve.cache.paged_cache as paged_cache
+    from nanoserve.adapters.qkv_rotary import QKVRotary
+
+    scatters = []
+    real_scatter = paged_cache.slot_scatter
+
+    def counted(key, *args, **kwargs):
+        scatters.append(key.shape[0])
+        return real_scatter(key, *args, **kwargs)
+
+    monkeypatch.setattr(paged_cache, "slot_scatter", counted)
+    model = fp16_model(name)
+    inputs = padded_batch([7, 3], 7)
+    with monkeypatch.context() as off:
+        off.setattr(QKVRotary, "store_target", lambda *args: None)
+        plain, plain_stats = run(model, inputs)
+    assert plain_stats["fused_decode"]["kv_store"] == 0
+    plain_scatters, scatters[:] = list(scatters), []
+    stored, stats = run(model, inputs)
+    layers = model.config.num_hidden_layers
+    assert stats["fused_decode"]["kv_store"] == layers
+    assert stats["fused_decode"] == {**plain_stats["fused_decode"], "kv_store": layers}
+    assert len(plain_scatters) == 6 * layers  # the prefill and five decode steps
+    assert len(scatters) == layers  # the prefill's only
+    assert torch.equal(stored.sequences, plain.sequences)
+    for a, b in zip(stored.logits, plain.logits, strict=True):
+        assert torch.equal(a, b)
+
+
+@NEEDS_INTERPRETER
+def test_stored_rows_are_taken_only_as_they_were_stored():
+    """``Stored.target_for`` gives the target for the very views, unwritten since, and
+    None for another view, a copy, or the rows written in place after the launch.
+    Planted: the version check dropped (in place: failed), the view check dropped (the
+    copy and the other view: failed)."""
+    from nanoserve.adapters.qkv_rotary import Stored, _version
+    from nanoserve.kernels.small_batch_linear import KVStore
+
+    key = torch.randn(2, KV_HEADS, 1, DIM).half()
+    value = torch.randn(2, 1, KV_HEADS * DIM).half().view(2, 1, KV_HEADS, DIM).transpose(1, 2)
+    target = KVStore(torch.zeros(1), torch.zeros(1), torch.zeros(1))
+    taken = []
+    stored = Stored(key, value, target, (_version(key), _version(value)), lambda: taken.append(1))
+    assert stored.target_for(key.view(key.shape), value.transpose(1, 2).transpose(1, 2)) is target
+    assert taken == [1]
+    assert stored.target_for(key.clone(), value) is None
+    assert stored.target_for(key, value[:1]) is None
+    value.mul_(2)
+    assert stored.target_for(key, value) is None
+    assert taken == [1]

@@ -98,3 +98,64 @@ def test_rotary_epilogue_is_the_rotary_kernel_bit_for_bit(k, q_heads, kv_heads, 
     ref_q, ref_k = apply_rotary(q, k_, cos.view(rows, 1, dim), sin.view(rows, 1, dim))
     assert torch.equal(rotated_q, ref_q.reshape(rows, n_q))
     assert torch.equal(rotated_k, ref_k.reshape(rows, n_k))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+@pytest.mark.parametrize(("k", "q_heads", "kv_heads", "dim", "bias"), ROTARY_CASES)
+def test_kv_store_is_slot_scatter_bit_for_bit(k, q_heads, kv_heads, dim, bias, rows, dtype):
+    """k rotated and v stored by the q/k/v launch: the pools bit-equal to ``slot_scatter``
+    of the launch's own outputs into pools of NaN (other slots untouched, slot -1 rows
+    unstored), the outputs those of the launch without the store; then the same launch
+    captured in a CUDA graph (``check=False``) and replayed on new x and slots."""
+    from nanoserve.kernels.rotary import rotary_cos_sin
+    from nanoserve.kernels.slot_scatter import slot_scatter
+    from nanoserve.kernels.small_batch_linear import KVStore, small_batch_linear_rotary
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * k + dim + 1)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
+    sizes = (q_heads * dim, kv_heads * dim, kv_heads * dim)
+    weights = [(torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype) for n in sizes]
+    biases = None
+    if bias:
+        biases = [torch.randn(n, device="cuda", generator=gen).to(dtype) for n in sizes]
+    positions = torch.randint(0, 131072, (rows, 1), device="cuda", generator=gen)
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, dim, 2, device="cuda").float() / dim)
+    cos, sin = (t.view(rows, dim) for t in rotary_cos_sin(positions, inv_freq, 1.0, dtype))
+    pool_shape = (rows // 16 + 4, 16, kv_heads, dim)
+
+    def fresh_store(seed):
+        slots = torch.randperm(pool_shape[0] * 16, generator=torch.Generator().manual_seed(seed))
+        slots = slots[:rows].cuda()
+        if rows > 1:
+            slots[rows // 2] = -1
+        nan = float("nan")
+        return KVStore(torch.full(pool_shape, nan, dtype=dtype, device="cuda"),
+                       torch.full(pool_shape, nan, dtype=dtype, device="cuda"), slots)  # fmt: skip
+
+    def check(store, x):
+        out, q_rot, k_rot = small_batch_linear_rotary(x, weights, biases, cos, sin)
+        want = [torch.full(pool_shape, float("nan"), dtype=dtype, device="cuda") for _ in "kv"]
+        value = out[:, -kv_heads * dim :].reshape(rows, kv_heads, dim)
+        slot_scatter(k_rot.view(rows, kv_heads, dim), value, *want, store.slot_mapping)
+        for got, ref in zip((store.key_pool, store.value_pool), want, strict=True):
+            assert torch.equal(got.nan_to_num(3.0), ref.nan_to_num(3.0))
+        return out, q_rot, k_rot
+
+    store = fresh_store(rows)
+    got = small_batch_linear_rotary(x, weights, biases, cos, sin, kv_store=store)
+    for a, b in zip(got, check(store, x), strict=True):
+        assert torch.equal(a, b)
+    if rows not in (1, 16):
+        return
+    store = fresh_store(rows + 1)
+    small_batch_linear_rotary(x, weights, biases, cos, sin, kv_store=store, check=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        small_batch_linear_rotary(x, weights, biases, cos, sin, kv_store=store, check=False)
+    x.copy_(torch.randn(rows, k, device="cuda", generator=gen).to(dtype))
+    store.key_pool.fill_(float("nan"))
+    store.value_pool.fill_(float("nan"))
+    store.slot_mapping.copy_(fresh_store(rows + 2).slot_mapping)
+    graph.replay()
+    check(store, x)

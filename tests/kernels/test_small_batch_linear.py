@@ -236,3 +236,118 @@ def test_rotary_bad_input_names_the_argument(change, message):
     sin = change.get("sin", torch.zeros(2, 16))
     with pytest.raises(ValueError, match=message):
         small_batch_linear_rotary(x, weights, None, cos, sin)
+
+
+def _kv_store(rows, kv_heads, dim, dtype, seed, block_size=16):
+    """Pools of NaN (every slot the launch must not write keeps its NaN) and a slot for
+    each row: distinct, random, the last row's -1 where there are several rows."""
+    from nanoserve.kernels.small_batch_linear import KVStore
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks = rows // block_size + 3
+    key_pool = torch.full((blocks, block_size, kv_heads, dim), float("nan"), dtype=dtype)
+    value_pool = torch.full_like(key_pool, float("nan"))
+    slots = torch.randperm(blocks * block_size, generator=gen)[:rows]
+    if rows > 1:
+        slots[-1] = -1
+    return KVStore(key_pool, value_pool, slots)
+
+
+@needs_interpreter
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("rows", "k", "q_heads", "kv_heads", "dim", "config", "backend"),
+    [
+        (1, 64, 4, 4, 64, None, "triton"),  # GQA 1, one row
+        (3, 96, 8, 2, 80, None, "triton"),  # GQA 4, half-heads not whole tiles
+        (5, 128, 8, 1, 96, None, "triton"),  # GQA 8
+        (17, 64, 2, 2, 2, None, "triton"),  # the narrowest head; 32-row program
+        (1, 64, 4, 2, 64, LinearConfig(16, 64, 1, 4, 2), "triton"),  # 8-column halves
+        (2, 512, 2, 1, 64, LinearConfig(32, 64, 4, 4, 2), "triton"),  # shares: stored apart
+        (3, 64, 4, 2, 64, None, "torch"),  # the reference backend stores too
+    ],
+)
+def test_kv_store_writes_what_slot_scatter_writes(
+    rows, k, q_heads, kv_heads, dim, config, backend, dtype
+):
+    """With a ``KVStore`` the launch also writes k rotated and v (its own outputs) to the
+    rows' slots, bit for bit what ``slot_scatter`` writes from them, leaves every other slot
+    as it was (NaN), and a row of slot -1 unstored; the outputs are those of the launch
+    without it. Planted: the value tile stored into the key pool, the slot -1 check
+    dropped, k stored unrotated: each failed."""
+    from nanoserve.kernels.slot_scatter import slot_scatter_ref
+    from nanoserve.kernels.small_batch_linear import (
+        small_batch_linear_rotary,
+        small_batch_linear_rotary_ref,
+    )
+
+    x, weights, biases, cos, sin = _rotary_inputs(rows, k, q_heads, kv_heads, dim, dtype,
+                                                  False, seed=rows * dim + k + 1)  # fmt: skip
+    store = _kv_store(rows, kv_heads, dim, dtype, seed=rows + dim)
+    expected = [store.key_pool.clone(), store.value_pool.clone()]
+    out, q_rot, k_rot = small_batch_linear_rotary(
+        x, weights, biases, cos, sin, backend=backend, config=config, kv_store=store
+    )
+    plain = small_batch_linear_rotary(x, weights, biases, cos, sin, backend=backend, config=config)
+    for got, want in zip((out, q_rot, k_rot), plain, strict=True):
+        assert torch.equal(got, want)
+    value = out[:, -kv_heads * dim :].reshape(rows, kv_heads, dim)
+    slot_scatter_ref(k_rot.view(rows, kv_heads, dim), value, *expected, store.slot_mapping)
+    for got, want in zip((store.key_pool, store.value_pool), expected, strict=True):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    assert int(store.key_pool.isnan().logical_not().sum()) == (rows - (rows > 1)) * kv_heads * dim
+    # the reference stores its own rows the same way
+    ref_store = _kv_store(rows, kv_heads, dim, dtype, seed=rows + dim)
+    _, _, ref_k = small_batch_linear_rotary_ref(x, weights, biases, cos, sin, ref_store)
+    kept = store.slot_mapping[store.slot_mapping >= 0]
+    ref_rows = ref_store.key_pool.view(-1, kv_heads, dim)[kept]
+    assert torch.equal(ref_rows.reshape(len(kept), -1), ref_k[: len(kept)])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("kv_store", "kv_store: expected a KVStore"),
+        ("dtype", "key_cache: torch.float16 on cpu; the rows are stored unconverted"),
+        ("heads", "key_cache: \\[.., 1, 16\\] does not hold k and v's 16 / 16 outputs"),
+        ("value_pool", "value_cache: shape"),
+        ("length", "slot_mapping: has 3 entries for 2 tokens"),
+        ("range", "slot_mapping: values in \\[0, 64\\] outside \\[-1, 63\\]"),
+        ("twice", "slot_mapping: writes the same slot twice"),
+        ("unchecked", "slot_mapping: expected int32/int64 \\[2\\]"),
+    ],
+)
+def test_kv_store_bad_input_names_the_argument(change, message):
+    """Each bad ``KVStore`` is refused before anything is written (the pools stay zero)."""
+    from nanoserve.kernels.small_batch_linear import KVStore, small_batch_linear_rotary
+
+    x = torch.zeros(2, 8)
+    weights = [torch.zeros(32, 8), torch.zeros(16, 8), torch.zeros(16, 8)]
+    cos, sin = torch.zeros(2, 16), torch.zeros(2, 16)
+    key_pool, value_pool = torch.zeros(4, 16, 1, 16), torch.zeros(4, 16, 1, 16)
+    slots = torch.tensor([3, 5])
+    check = True
+    if change == "dtype":
+        key_pool, value_pool = key_pool.half(), value_pool.half()
+    elif change == "heads":
+        key_pool, value_pool = torch.zeros(4, 16, 1, 16), torch.zeros(4, 16, 1, 16)
+        weights[1] = weights[2] = torch.zeros(16, 8)
+        cos = sin = torch.zeros(2, 8)
+        weights[0] = torch.zeros(32, 8)
+    elif change == "value_pool":
+        value_pool = torch.zeros(4, 16, 2, 8)
+    elif change == "length":
+        slots = torch.tensor([3, 5, 7])
+    elif change == "range":
+        slots = torch.tensor([0, 64])
+    elif change == "twice":
+        slots = torch.tensor([9, 9])
+    elif change == "unchecked":
+        slots, check = torch.tensor([1.0, 2.0]), False
+    store = KVStore(key_pool, value_pool, slots)
+    with pytest.raises(ValueError, match=message):
+        small_batch_linear_rotary(x, weights, None, cos, sin,
+                                  kv_store=store if change != "kv_store" else (1, 2, 3),
+                                  check=check)  # fmt: skip
+    assert not key_pool.any() and not value_pool.any()
