@@ -225,3 +225,56 @@ def test_stored_rows_are_taken_only_as_they_were_stored():
     value.mul_(2)
     assert stored.target_for(key, value) is None
     assert taken == [1]
+
+
+@NEEDS_INTERPRETER
+def test_a_continued_cache_stores_in_its_extend_and_decode_steps(monkeypatch):
+    """A returned cache continued with new prompt tokens: the pools exist, so the extend step
+    (7 token rows) and the decode steps store their K/V rows in the q/k/v launch and no
+    scatter runs; logits and tokens bit-equal to the continuation with the store off."""
+    from test_fused_decode import GREEDY, fp16_model
+
+    import nanoserve
+    import nanoserve.cache.paged_cache as paged_cache
+    from nanoserve.adapters.decode_graphs import DecodeGraphs
+    from nanoserve.adapters.hf_cache import cache_kwarg
+    from nanoserve.adapters.qkv_rotary import QKVRotary
+    from nanoserve.adapters.step import state_of
+
+    scatters = []
+    real_scatter = paged_cache.slot_scatter
+
+    def counted(key, *args, **kwargs):
+        scatters.append(key.shape[0])
+        return real_scatter(key, *args, **kwargs)
+
+    monkeypatch.setattr(paged_cache, "slot_scatter", counted)
+    model = fp16_model()
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(4))
+    extra = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(5))
+    patch = {"block_size": 4, "backend": "triton"}
+
+    def continued():
+        nanoserve.patch_model(model, **patch)
+        state_of(model).graphs = DecodeGraphs(capture=False)
+        try:
+            with torch.no_grad():
+                first = model.generate(input_ids=ids, max_new_tokens=3, **GREEDY)
+                longer = torch.cat([first.sequences, extra], dim=1)
+                scatters.clear()
+                return model.generate(
+                    input_ids=longer, attention_mask=torch.ones_like(longer), max_new_tokens=4,
+                    **{cache_kwarg(type(model)): first.past_key_values}, **GREEDY,
+                )  # fmt: skip
+        finally:
+            nanoserve.unpatch_model(model)
+
+    with monkeypatch.context() as off:
+        off.setattr(QKVRotary, "store_target", lambda *args: None)
+        plain = continued()
+    assert scatters  # (the store off: every step scatters)
+    stored = continued()
+    assert scatters == []
+    assert torch.equal(stored.sequences, plain.sequences)
+    for a, b in zip(stored.logits, plain.logits, strict=True):
+        assert torch.equal(a, b)
