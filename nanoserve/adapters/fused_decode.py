@@ -103,14 +103,16 @@ class _Siblings:
                 return F.linear(x, linear.weight, linear.bias)
             weights = [m.weight for m in self.linears]
             biases = [m.bias for m in self.linears] if linear.bias is not None else None
-            tables = store = None
+            tables = None
             if self.rotary is not None and self._rotates_ahead():
                 tables = self.rotary.tables_for(x, flat, weights)
+            # (weights_ready: no kernel of a decode step writes a parameter)
             if tables is not None:
+                # The launch may store k and v at the step's slots before the cache's write
+                # checks them: slots of this step alone, which its write (or a failed step's
+                # abort) rewrites or drops. check=False: the cache built them, and the step
+                # may be a graph's capture.
                 store = self.rotary.store_target(self.attention, x, weights)
-            # (weights_ready: no kernel of a decode step writes a parameter; check=False: the
-            # cache built the slots, and the step may be a graph's capture)
-            if tables is not None:
                 out, *rotated = small_batch_linear_rotary(
                     flat, weights, biases, *tables, backend=self.backend, weights_ready=True,
                     kv_store=store, check=False,
@@ -123,7 +125,8 @@ class _Siblings:
             outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in out.split(sizes, dim=-1)]
             if tables is not None:
                 layer = getattr(self.attention, "layer_idx", None)
-                self.rotary.keep(outs[0], outs[1], *rotated, out, outs[2], store, layer)
+                self.rotary.keep(outs[0], outs[1], *rotated, out, v=outs[2], store=store,
+                                 layer=layer)  # fmt: skip
             self.pending = {i: (x, _version(x), y) for i, y in enumerate(outs) if i != index}
             self.ran.add(("attention", id(self)))
             return outs[index]
@@ -135,12 +138,16 @@ class _Siblings:
         transformers' own forward, not one set on it or its class (nothing between the
         projections and the rotation writes q or k), and no hook could change the
         projections' outputs (inference tensors keep no version counter, and a ``.data``
-        write moves none)."""
+        write moves none). Not for a module that normalizes q or k before the rotation
+        (Qwen3's ``q_norm`` / ``k_norm``): the rotation of the raw projections would never
+        be taken."""
         return (
             self.attention is not None
             and "forward" not in self.attention.__dict__
             and modeling_forward(self.attention)
             and not _hooks_skipped(self.linears)
+            and getattr(self.attention, "q_norm", None) is None
+            and getattr(self.attention, "k_norm", None) is None
         )
 
 

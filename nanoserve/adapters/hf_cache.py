@@ -179,7 +179,11 @@ class PagedCache(Cache):
         # (rows the layer's q/k/v launch stored already, when these are they: no scatter)
         stored = step.stored_rows.pop(layer_idx, None)
         target = stored.target_for(key_states, value_states) if stored is not None else None
-        return self.paged.write(layer_idx, key, value, check=False, backend=backend, stored=target)
+        taken = self.paged.stores_taken
+        pools = self.paged.write(layer_idx, key, value, check=False, backend=backend, stored=target)
+        if self.paged.stores_taken > taken and stored.on_stored is not None:
+            stored.on_stored()
+        return pools
 
     # -- what generate and the mask code call ------------------------------------------------
 

@@ -32,9 +32,8 @@ from typing import NamedTuple
 import torch
 
 from nanoserve.adapters.fused_inputs import version_counter as _version
-from nanoserve.cache.grouped_cache import GroupedKVCache
-from nanoserve.cache.paged_cache import PagedKVCache
-from nanoserve.kernels.small_batch_linear import KVStore, rotary_problem
+from nanoserve.kernels.slot_scatter import KVStore
+from nanoserve.kernels.small_batch_linear import rotary_problem
 
 
 class _Launch(NamedTuple):
@@ -60,22 +59,16 @@ class Stored(NamedTuple):
     value: torch.Tensor
     target: KVStore
     versions: tuple
-    on_stored: Callable[[], None] | None = None
+    on_stored: Callable[[], None] | None = None  # called when the cache took them
 
     def target_for(self, key: torch.Tensor, value: torch.Tensor) -> KVStore | None:
-        """The target (``write(..., stored=)`` then skips its scatter: ``on_stored()`` is
-        called), when ``key`` and ``value`` are the stored rows' views, unwritten since;
-        else None (the caller scatters them)."""
+        """The target for ``write(..., stored=)`` when ``key`` and ``value`` are the stored
+        rows' views, unwritten since; else None (the caller scatters them)."""
         if not (_same_view(key, self.key) and _same_view(value, self.value)):
             return None
         if (_version(key), _version(value)) != self.versions:
             return None
-        if self.on_stored is not None:
-            self.on_stored()
         return self.target
-
-
-KV_CACHES = (PagedKVCache, GroupedKVCache)
 
 
 def _current_step():
@@ -150,8 +143,9 @@ class QKVRotary:
         cache offers them (``PagedKVCache.store_target``); else None."""
         step = _current_step()
         layer = getattr(attention, "layer_idx", None)
-        paged = getattr(getattr(step, "cache", None), "paged", None)
-        if step is None or type(layer) is not int or not isinstance(paged, KV_CACHES):
+        # (the paged cache's store: ``PagedKVCache`` or ``GroupedKVCache``)
+        offer = getattr(getattr(getattr(step, "cache", None), "paged", None), "store_target", None)
+        if step is None or type(layer) is not int or offer is None:
             return None
         if step.backend == "torch" or self.tables is None:  # (autograd records the step)
             return None
@@ -159,9 +153,10 @@ class QKVRotary:
         heads = weights[1].shape[0] // dim
         if weights[2].shape[0] != heads * dim:
             return None
-        return paged.store_target(layer, x.dtype, x.device, heads, dim)
+        rows = x.shape[0] * x.shape[1]
+        return offer(layer, rows, x.dtype, x.device, heads, dim)
 
-    def keep(self, q, k, q_rotated, k_rotated, out, v=None, store=None, layer=None) -> None:
+    def keep(self, q, k, q_rotated, k_rotated, out, *, v=None, store=None, layer=None) -> None:
         """A launch made q and k (views of ``out``) and rotated them with the step's tables;
         with ``store`` it also stored k rotated and v (``out``'s view) for layer ``layer``."""
         cos, sin = self.tables

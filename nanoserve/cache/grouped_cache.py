@@ -33,7 +33,7 @@ from nanoserve.cache.paged_cache import (
     step_device,
 )
 from nanoserve.kernels.quant import QUANTIZED_DTYPES
-from nanoserve.kernels.small_batch_linear import KVStore
+from nanoserve.kernels.slot_scatter import KVStore
 
 
 def check_layer_groups(
@@ -362,13 +362,24 @@ class GroupedKVCache:
             group.step = None if meta is None else meta.group_metas[g]
 
     def store_target(
-        self, layer_idx: int, dtype: torch.dtype, device: torch.device, kv_heads: int, dim: int
+        self,
+        layer_idx: int,
+        rows: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_heads: int,
+        dim: int,
     ) -> KVStore | None:
         """``PagedKVCache.store_target`` of layer ``layer_idx`` in its group (its slots)."""
         if type(layer_idx) is not int or not 0 <= layer_idx < len(self._where):
             return None
         group, local = self._where[layer_idx]
-        return self._groups[group].store_target(local, dtype, device, kv_heads, dim)
+        return self._groups[group].store_target(local, rows, dtype, device, kv_heads, dim)
+
+    @property
+    def stores_taken(self) -> int:
+        """``PagedKVCache.stores_taken`` over the groups."""
+        return sum(group.stores_taken for group in self._groups)
 
     def write(
         self,

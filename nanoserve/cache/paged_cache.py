@@ -67,8 +67,7 @@ from nanoserve.kernels.shared_prefix import (
     plan_shared_prefix,
     takes_shared_prefix,
 )
-from nanoserve.kernels.slot_scatter import slot_scatter
-from nanoserve.kernels.small_batch_linear import KVStore
+from nanoserve.kernels.slot_scatter import KVStore, slot_scatter
 from nanoserve.kernels.validation import FLOAT_DTYPES, check_positive
 
 # Calibrated FP8 scales map this many times the first write's per-head amax to e4m3's
@@ -302,6 +301,7 @@ class PagedKVCache:
         # FP8/INT8 pools keep theirs whatever the model's dtype, so a write from another
         # (model.half() under a held cache) is caught by this
         self._written_dtypes: list[torch.dtype | None] = [None] * num_layers
+        self.stores_taken = 0  # writes whose rows the caller's kernel had stored (no scatter)
         self._attached = False  # whether a sequence took cached blocks from the allocator
         self.tables: list[BlockTable] = []
         self.step = None  # the current step's metadata (``step``)
@@ -797,17 +797,25 @@ class PagedKVCache:
         raise ValueError("key_pool: not a pool of this cache")
 
     def store_target(
-        self, layer_idx: int, dtype: torch.dtype, device: torch.device, kv_heads: int, dim: int
+        self,
+        layer_idx: int,
+        rows: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_heads: int,
+        dim: int,
     ) -> KVStore | None:
-        """Where a kernel that makes this step's K/V rows of layer ``layer_idx`` (``dtype``
-        on ``device``, [S * q, ``kv_heads``, ``dim``]) may store them itself: the layer's
-        pools and the step's slots on ``device``. Then ``write(..., stored=)`` with this
-        target and those very rows skips its scatter. None unless a step is begun, the layer
-        not yet written in it, and its pools exist already in ``dtype`` (not FP8 or INT8),
-        on ``device``, of that row shape."""
-        if self.step is None or not isinstance(layer_idx, int):
+        """Where a kernel that makes this step's K/V rows of layer ``layer_idx`` (``rows``
+        of [``kv_heads``, ``dim``] in ``dtype`` on ``device``, the padded layout) may store
+        them itself: the layer's pools and the step's slots on ``device``. Then ``write(...,
+        stored=)`` with this target and those very rows skips its scatter. None unless a
+        step of that many rows is begun, the layer not yet written in it, and its pools exist
+        already in ``dtype`` (not FP8 or INT8), on ``device``, of that row shape."""
+        if self.step is None or type(layer_idx) is not int:
             return None
         if not 0 <= layer_idx < self.num_layers or layer_idx in self._layers_written:
+            return None
+        if self.step.slot_mapping.shape[0] != rows:
             return None
         key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
         shape = (self.allocator.num_blocks, self.block_size, kv_heads, dim)
@@ -837,7 +845,7 @@ class PagedKVCache:
         through ``backend`` (default: the cache's). ``stored``: a ``store_target`` of this
         step and layer into which the caller's kernel already stored exactly ``key`` and
         ``value``; the scatter is skipped when it still names the layer's pools and the
-        step's slots (else it runs as without).
+        step's slots (else it runs as without), and ``stores_taken`` counts it.
 
         Returns the layer's (key_pool, value_pool).
         """
@@ -881,7 +889,9 @@ class PagedKVCache:
             and stored.slot_mapping is step.slot_mapping
             and k_scale is None
         )
-        if not done:
+        if done:
+            self.stores_taken += 1
+        else:
             slot_scatter(
                 key, value, key_pool, value_pool, step.slot_mapping,
                 k_scale=k_scale, v_scale=v_scale, check=check, backend=backend or self.backend,

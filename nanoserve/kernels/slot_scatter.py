@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from nanoserve.kernels.dispatch import check_backend, use_triton
 from nanoserve.kernels.quant import INT8_DTYPE, quantize, quantize_int8
 from nanoserve.kernels.validation import check_slot_scatter_args
+
+
+class KVStore(NamedTuple):
+    """Where a kernel that makes new K/V rows stores them itself, as ``slot_scatter`` would:
+    a layer's pools [num_blocks, block_size, Hkv, D] (contiguous) and each row's flat slot,
+    int32/int64 [T] (-1: the row is not stored)."""
+
+    key_pool: torch.Tensor
+    value_pool: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 def slot_scatter_ref(

@@ -31,6 +31,8 @@ from nanoserve.kernels.dispatch import (
     use_triton,
 )
 from nanoserve.kernels.rotary import apply_rotary
+from nanoserve.kernels.slot_scatter import KVStore, slot_scatter
+from nanoserve.kernels.validation import check_kv_pools, check_slot_mapping, check_slot_values
 
 MAX_ROWS = 64
 MAX_WEIGHTS = 3
@@ -203,20 +205,8 @@ def small_batch_linear_rotary_ref(
     return out, q_rot, k_rot
 
 
-class KVStore(NamedTuple):
-    """Where ``small_batch_linear_rotary`` also writes k rotated and v: a layer's pools
-    [num_blocks, block_size, Hkv, D] (contiguous, x's dtype; Hkv * D = N_k = N_v) and the
-    pool slot of each row of x, int32/int64 [M] (-1: the row is not stored)."""
-
-    key_pool: torch.Tensor
-    value_pool: torch.Tensor
-    slot_mapping: torch.Tensor
-
-
 def _scatter(out: torch.Tensor, k_rot: torch.Tensor, kv_store: KVStore, backend: str) -> None:
     """k rotated [M, N_k] and out's v columns to ``kv_store``'s pools by ``slot_scatter``."""
-    from nanoserve.kernels.slot_scatter import slot_scatter
-
     heads, dim = kv_store.key_pool.shape[2:]
     rows = out.shape[0]
     value = out[:, out.shape[1] - heads * dim :].reshape(rows, heads, dim)
@@ -288,39 +278,31 @@ def _rotated_and_stored(out, weights, cos, sin, kv_store, backend) -> tuple:
 
 def kv_store_problem(x, weights, cos, kv_store, check: bool = True) -> str | None:
     """Why ``small_batch_linear_rotary`` refuses ``kv_store`` for these arguments, or None;
-    ``check`` also reads the slots (a sync)."""
-    from nanoserve.kernels.validation import check_kv_pools, check_slot_mapping
-
+    ``check`` also reads the slots (in range, none twice: a sync)."""
     if not isinstance(kv_store, KVStore):
         return f"kv_store: expected a KVStore, got {type(kv_store).__name__}"
     key_pool, value_pool, slot_mapping = kv_store
     try:
         check_kv_pools(key_pool, value_pool)
     except ValueError as error:
-        return str(error)
+        return f"kv_store: {error}"
     blocks, block_size, heads, dim = key_pool.shape
     if key_pool.dtype != x.dtype or key_pool.device != x.device:
         return (
-            f"key_cache: {key_pool.dtype} on {key_pool.device}; the rows are stored unconverted, "
-            f"so the pools must be x's dtype and device ({x.dtype} on {x.device})"
+            f"kv_store: pools of {key_pool.dtype} on {key_pool.device}; the rows are stored "
+            f"unconverted, so the pools must be x's dtype and device ({x.dtype} on {x.device})"
         )
     if dim != cos.shape[1] or any(w.shape[0] != heads * dim for w in weights[1:]):
         return (
-            f"key_cache: [.., {heads}, {dim}] does not hold k and v's "
+            f"kv_store: pools of [.., {heads}, {dim}] do not hold k and v's "
             f"{weights[1].shape[0]} / {weights[2].shape[0]} outputs as heads of {cos.shape[1]}"
         )
     try:
+        check_slot_mapping(slot_mapping, x.shape[0], x.device)
         if check:
-            check_slot_mapping(slot_mapping, x.shape[0], blocks * block_size, x.device)
-        elif not (
-            isinstance(slot_mapping, torch.Tensor)
-            and slot_mapping.shape == (x.shape[0],)
-            and slot_mapping.dtype in (torch.int32, torch.int64)
-            and slot_mapping.device == x.device
-        ):
-            return f"slot_mapping: expected int32/int64 [{x.shape[0]}] on {x.device}"
+            check_slot_values(slot_mapping, blocks * block_size)
     except ValueError as error:
-        return str(error)
+        return f"kv_store: {error}"
     return None
 
 

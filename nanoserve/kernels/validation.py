@@ -186,17 +186,21 @@ def check_slot_scatter_args(
         _fail("key", f"shape {tuple(key.shape)} must be [T, {num_kv_heads}, {head_dim}]")
     if value.shape != key.shape:
         _fail("value", f"shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
-    check_slot_mapping(slot_mapping, key.shape[0], num_blocks * block_size, device)
+    check_slot_mapping(slot_mapping, key.shape[0], device)
+    check_slot_values(slot_mapping, num_blocks * block_size)
 
 
-def check_slot_mapping(
-    slot_mapping: torch.Tensor, tokens: int, num_slots: int, device: torch.device
-) -> None:
-    """A slot for each of ``tokens`` rows: int32/int64 [tokens] on ``device``, values in
-    [-1, num_slots), no slot twice (-1: the row is not stored). Reads the values (a sync)."""
+def check_slot_mapping(slot_mapping: torch.Tensor, tokens: int, device: torch.device) -> None:
+    """A slot for each of ``tokens`` rows: int32/int64 [tokens] on ``device`` (reads no
+    value)."""
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=device)
     if slot_mapping.shape[0] != tokens:
         _fail("slot_mapping", f"has {slot_mapping.shape[0]} entries for {tokens} tokens")
+
+
+def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Slots in [-1, num_slots) (-1: the row is not stored), none twice. Reads the values
+    (a sync)."""
     if slot_mapping.numel() > 0:
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         if lo < -1 or hi >= num_slots:

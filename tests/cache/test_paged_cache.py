@@ -1,3 +1,4 @@
+import functools
 import os
 import random
 
@@ -714,46 +715,57 @@ def test_prefix_misuse_is_refused_before_anything_changes(case):
 
 def test_rows_a_kernel_stored_are_taken_without_a_scatter():
     """``store_target`` offers a layer's pools and the step's slots only once the pools
-    exist in the rows' dtype and before the layer's write; ``write(..., stored=)`` then
-    keeps what the caller stored (no scatter), while a target of another step or of pools
-    since replaced scatters as without. Planted: the slot-mapping identity check dropped
-    from ``write`` (the stale target: failed)."""
+    exist in the rows' dtype and shape, for the step's row count, before the layer's write;
+    ``write(..., stored=)`` then keeps what the caller stored (no scatter; counted), while a
+    target of another step or of pools since replaced scatters as without. Planted: the
+    slot-mapping identity check dropped from ``write`` (the stale target: failed), the
+    pools' identity check dropped (the replaced pools: failed)."""
     from nanoserve.kernels.slot_scatter import slot_scatter_ref
 
     cache = PagedKVCache(2, num_blocks=8, block_size=4)
-    mask = torch.ones(2, 3, dtype=torch.bool)
-    assert cache.store_target(0, torch.float32, "cpu", HEADS, DIM) is None  # no step yet
-    cache.begin_step(mask, "cpu")
-    assert cache.store_target(0, torch.float32, "cpu", HEADS, DIM) is None  # no pools yet
+    offer = functools.partial(cache.store_target, rows=2, device="cpu", kv_heads=HEADS, dim=DIM)
+    assert offer(0, dtype=torch.float32) is None  # no step yet
+    cache.begin_step(torch.ones(2, 3, dtype=torch.bool), "cpu")
+    assert offer(0, dtype=torch.float32) is None  # no pools yet
     step(cache, torch.ones(2, 3, dtype=torch.bool), 2)  # (its begin_step replaced the first)
     cache.begin_step(torch.ones(2, 1, dtype=torch.bool), "cpu")
     for refused in [
-        (0, torch.float16, "cpu", HEADS, DIM),  # another dtype than the pools'
-        (0, torch.float32, "cpu", HEADS + 1, DIM),  # another row shape
-        (2, torch.float32, "cpu", HEADS, DIM),  # no such layer
-        ("0", torch.float32, "cpu", HEADS, DIM),
+        dict(layer_idx=0, dtype=torch.float16),  # another dtype than the pools'
+        dict(layer_idx=0, dtype=torch.float32, kv_heads=HEADS + 1),  # another row shape
+        dict(layer_idx=0, dtype=torch.float32, rows=3),  # other rows than the step's
+        dict(layer_idx=2, dtype=torch.float32),  # no such layer
+        dict(layer_idx="0", dtype=torch.float32),
+        dict(layer_idx=True, dtype=torch.float32),
     ]:
-        assert cache.store_target(*refused) is None
-    target = cache.store_target(0, torch.float32, "cpu", HEADS, DIM)
+        assert offer(**refused) is None
+    target = offer(0, dtype=torch.float32)
     assert target.key_pool is cache.key_pools[0] and target.value_pool is cache.value_pools[0]
     k, v = torch.randn(2, HEADS, DIM), torch.randn(2, HEADS, DIM)
     slot_scatter_ref(k, v, target.key_pool, target.value_pool, target.slot_mapping)
     # rows other than the stored ones, so that a scatter would show
     cache.write(0, torch.zeros(2, HEADS, DIM), torch.zeros(2, HEADS, DIM), stored=target)
+    assert cache.stores_taken == 1
     assert torch.equal(read_back(cache, 0, 0)[0][-1], k[0])
     assert torch.equal(read_back(cache, 0, 1)[1][-1], v[1])
-    assert cache.store_target(0, torch.float32, "cpu", HEADS, DIM) is None  # written
+    assert offer(0, dtype=torch.float32) is None  # written
     # a target from this step's layer 1, kept into the next step: scattered
-    stale = cache.store_target(1, torch.float32, "cpu", HEADS, DIM)
+    stale = offer(1, dtype=torch.float32)
     cache.write(1, k, v)
     cache.begin_step(torch.ones(2, 1, dtype=torch.bool), "cpu")
     cache.write(0, k, v)
     cache.write(1, k * 2, v * 2, stored=stale)
     assert torch.equal(read_back(cache, 1, 0)[0][-1], k[0] * 2)
+    # a target whose pools were replaced since (same slots): scattered
+    cache.begin_step(torch.ones(2, 1, dtype=torch.bool), "cpu")
+    replaced = offer(0, dtype=torch.float32)
+    replaced = replaced._replace(key_pool=replaced.key_pool.clone())
+    cache.write(0, k * 3, v * 3, stored=replaced)
+    assert torch.equal(read_back(cache, 0, 1)[0][-1], k[1] * 3)
+    assert cache.stores_taken == 1
 
 
 def test_quantized_pools_offer_no_store_target():
     cache = PagedKVCache(1, num_blocks=8, block_size=4, kv_dtype=torch.float8_e4m3fn)
     step(cache, torch.ones(1, 2, dtype=torch.bool), 1)
     cache.begin_step(torch.ones(1, 1, dtype=torch.bool), "cpu")
-    assert cache.store_target(0, torch.float32, "cpu", HEADS, DIM) is None
+    assert cache.store_target(0, 1, torch.float32, "cpu", HEADS, DIM) is None

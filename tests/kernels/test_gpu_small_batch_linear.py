@@ -109,8 +109,8 @@ def test_kv_store_is_slot_scatter_bit_for_bit(k, q_heads, kv_heads, dim, bias, r
     unstored), the outputs those of the launch without the store; then the same launch
     captured in a CUDA graph (``check=False``) and replayed on new x and slots."""
     from nanoserve.kernels.rotary import rotary_cos_sin
-    from nanoserve.kernels.slot_scatter import slot_scatter
-    from nanoserve.kernels.small_batch_linear import KVStore, small_batch_linear_rotary
+    from nanoserve.kernels.slot_scatter import KVStore, slot_scatter
+    from nanoserve.kernels.small_batch_linear import small_batch_linear_rotary
 
     gen = torch.Generator(device="cuda").manual_seed(rows * k + dim + 1)
     x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
@@ -123,15 +123,19 @@ def test_kv_store_is_slot_scatter_bit_for_bit(k, q_heads, kv_heads, dim, bias, r
     inv_freq = 1.0 / 500000.0 ** (torch.arange(0, dim, 2, device="cuda").float() / dim)
     cos, sin = (t.view(rows, dim) for t in rotary_cos_sin(positions, inv_freq, 1.0, dtype))
     pool_shape = (rows // 16 + 4, 16, kv_heads, dim)
+    # each pool a view into a buffer of NaN one block longer on either side: a write past
+    # the pools lands there
+    buffer_shape = (pool_shape[0] + 2, *pool_shape[1:])
+    buffers = [torch.empty(buffer_shape, dtype=dtype, device="cuda") for _ in "kv"]
 
     def fresh_store(seed):
         slots = torch.randperm(pool_shape[0] * 16, generator=torch.Generator().manual_seed(seed))
         slots = slots[:rows].cuda()
         if rows > 1:
             slots[rows // 2] = -1
-        nan = float("nan")
-        return KVStore(torch.full(pool_shape, nan, dtype=dtype, device="cuda"),
-                       torch.full(pool_shape, nan, dtype=dtype, device="cuda"), slots)  # fmt: skip
+        for buffer in buffers:
+            buffer.fill_(float("nan"))
+        return KVStore(buffers[0][1:-1], buffers[1][1:-1], slots)
 
     def check(store, x):
         out, q_rot, k_rot = small_batch_linear_rotary(x, weights, biases, cos, sin)
@@ -140,6 +144,8 @@ def test_kv_store_is_slot_scatter_bit_for_bit(k, q_heads, kv_heads, dim, bias, r
         slot_scatter(k_rot.view(rows, kv_heads, dim), value, *want, store.slot_mapping)
         for got, ref in zip((store.key_pool, store.value_pool), want, strict=True):
             assert torch.equal(got.nan_to_num(3.0), ref.nan_to_num(3.0))
+        for buffer in buffers:
+            assert buffer[0].isnan().all() and buffer[-1].isnan().all()
         return out, q_rot, k_rot
 
     store = fresh_store(rows)
@@ -154,8 +160,6 @@ def test_kv_store_is_slot_scatter_bit_for_bit(k, q_heads, kv_heads, dim, bias, r
     with torch.cuda.graph(graph):
         small_batch_linear_rotary(x, weights, biases, cos, sin, kv_store=store, check=False)
     x.copy_(torch.randn(rows, k, device="cuda", generator=gen).to(dtype))
-    store.key_pool.fill_(float("nan"))
-    store.value_pool.fill_(float("nan"))
-    store.slot_mapping.copy_(fresh_store(rows + 2).slot_mapping)
+    store.slot_mapping.copy_(fresh_store(rows + 2).slot_mapping)  # (the pools NaN again)
     graph.replay()
     check(store, x)

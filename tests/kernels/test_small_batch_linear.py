@@ -239,18 +239,20 @@ def test_rotary_bad_input_names_the_argument(change, message):
 
 
 def _kv_store(rows, kv_heads, dim, dtype, seed, block_size=16):
-    """Pools of NaN (every slot the launch must not write keeps its NaN) and a slot for
-    each row: distinct, random, the last row's -1 where there are several rows."""
-    from nanoserve.kernels.small_batch_linear import KVStore
+    """(KVStore, the memory around its pools): pools of NaN (every slot the launch must not
+    write keeps its NaN), each a view into a buffer one block longer on either side (a
+    write past the pools lands there), and a slot for each row: distinct, random, the last
+    row's -1 where there are several rows."""
+    from nanoserve.kernels.slot_scatter import KVStore
 
     gen = torch.Generator().manual_seed(seed)
     blocks = rows // block_size + 3
-    key_pool = torch.full((blocks, block_size, kv_heads, dim), float("nan"), dtype=dtype)
-    value_pool = torch.full_like(key_pool, float("nan"))
+    shape = (blocks + 2, block_size, kv_heads, dim)
+    buffers = [torch.full(shape, float("nan"), dtype=dtype) for _ in "kv"]
     slots = torch.randperm(blocks * block_size, generator=gen)[:rows]
     if rows > 1:
         slots[-1] = -1
-    return KVStore(key_pool, value_pool, slots)
+    return KVStore(buffers[0][1:-1], buffers[1][1:-1], slots), buffers
 
 
 @needs_interpreter
@@ -284,7 +286,7 @@ def test_kv_store_writes_what_slot_scatter_writes(
 
     x, weights, biases, cos, sin = _rotary_inputs(rows, k, q_heads, kv_heads, dim, dtype,
                                                   False, seed=rows * dim + k + 1)  # fmt: skip
-    store = _kv_store(rows, kv_heads, dim, dtype, seed=rows + dim)
+    store, buffers = _kv_store(rows, kv_heads, dim, dtype, seed=rows + dim)
     expected = [store.key_pool.clone(), store.value_pool.clone()]
     out, q_rot, k_rot = small_batch_linear_rotary(
         x, weights, biases, cos, sin, backend=backend, config=config, kv_store=store
@@ -296,9 +298,11 @@ def test_kv_store_writes_what_slot_scatter_writes(
     slot_scatter_ref(k_rot.view(rows, kv_heads, dim), value, *expected, store.slot_mapping)
     for got, want in zip((store.key_pool, store.value_pool), expected, strict=True):
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
-    assert int(store.key_pool.isnan().logical_not().sum()) == (rows - (rows > 1)) * kv_heads * dim
+    stored = (rows - (rows > 1)) * kv_heads * dim  # (a row of slot -1 is not stored)
+    for buffer in buffers:  # nothing written outside the slots, before or past the pools
+        assert int(buffer.isnan().logical_not().sum()) == stored
     # the reference stores its own rows the same way
-    ref_store = _kv_store(rows, kv_heads, dim, dtype, seed=rows + dim)
+    ref_store, _ = _kv_store(rows, kv_heads, dim, dtype, seed=rows + dim)
     _, _, ref_k = small_batch_linear_rotary_ref(x, weights, biases, cos, sin, ref_store)
     kept = store.slot_mapping[store.slot_mapping >= 0]
     ref_rows = ref_store.key_pool.view(-1, kv_heads, dim)[kept]
@@ -309,18 +313,19 @@ def test_kv_store_writes_what_slot_scatter_writes(
     ("change", "message"),
     [
         ("kv_store", "kv_store: expected a KVStore"),
-        ("dtype", "key_cache: torch.float16 on cpu; the rows are stored unconverted"),
-        ("heads", "key_cache: \\[.., 1, 16\\] does not hold k and v's 16 / 16 outputs"),
-        ("value_pool", "value_cache: shape"),
-        ("length", "slot_mapping: has 3 entries for 2 tokens"),
-        ("range", "slot_mapping: values in \\[0, 64\\] outside \\[-1, 63\\]"),
-        ("twice", "slot_mapping: writes the same slot twice"),
-        ("unchecked", "slot_mapping: expected int32/int64 \\[2\\]"),
+        ("dtype", "kv_store: pools of torch.float16 on cpu; the rows are stored unconverted"),
+        ("heads", "kv_store: pools of \\[.., 1, 16\\] do not hold k and v's 16 / 16 outputs"),
+        ("value_pool", "kv_store: value_cache: shape"),
+        ("length", "kv_store: slot_mapping: has 3 entries for 2 tokens"),
+        ("range", "kv_store: slot_mapping: values in \\[0, 64\\] outside \\[-1, 63\\]"),
+        ("twice", "kv_store: slot_mapping: writes the same slot twice"),
+        ("unchecked", "kv_store: slot_mapping: dtype float32 not in"),
     ],
 )
 def test_kv_store_bad_input_names_the_argument(change, message):
     """Each bad ``KVStore`` is refused before anything is written (the pools stay zero)."""
-    from nanoserve.kernels.small_batch_linear import KVStore, small_batch_linear_rotary
+    from nanoserve.kernels.slot_scatter import KVStore
+    from nanoserve.kernels.small_batch_linear import small_batch_linear_rotary
 
     x = torch.zeros(2, 8)
     weights = [torch.zeros(32, 8), torch.zeros(16, 8), torch.zeros(16, 8)]
@@ -330,11 +335,8 @@ def test_kv_store_bad_input_names_the_argument(change, message):
     check = True
     if change == "dtype":
         key_pool, value_pool = key_pool.half(), value_pool.half()
-    elif change == "heads":
-        key_pool, value_pool = torch.zeros(4, 16, 1, 16), torch.zeros(4, 16, 1, 16)
-        weights[1] = weights[2] = torch.zeros(16, 8)
+    elif change == "heads":  # heads of 8 for the pools' 16
         cos = sin = torch.zeros(2, 8)
-        weights[0] = torch.zeros(32, 8)
     elif change == "value_pool":
         value_pool = torch.zeros(4, 16, 2, 8)
     elif change == "length":
