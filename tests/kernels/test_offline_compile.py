@@ -1,7 +1,8 @@
-"""The decode step's q/k/v launch compiled for sm_90 without a GPU (Triton's own ptxas), in
-a subprocess outside the interpreter: CI has no GPU, and the interpreter runs programs the
-compiler would refuse. Each variant must wait for the kernel ahead (``griddepcontrol.wait``)
-before its first global store."""
+"""Kernels of a decode step compiled for sm_90 without a GPU (Triton's own ptxas), in a
+subprocess outside the interpreter: CI has no GPU, and the interpreter runs programs the
+compiler would refuse (the q/k/v launch with its rotary and K/V-store epilogues, the gated
+MLP's one cooperative launch). Each must wait for the kernel ahead
+(``griddepcontrol.wait``) before its first global store."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ SCRIPT = """
 import json, sys
 sys.path[:0] = [{root!r}, {benchmarks!r}]
 from extend_resources import compile_offline
-from nanoserve.kernels import triton_linear
+from nanoserve.kernels import fused_mlp, triton_fused_mlp, triton_linear
 
 names = ("x", "w0", "w1", "w2", "b0", "b1", "b2", "out", "partial", "rot_q", "rot_k", "cos",
          "sin", "key_pool", "value_pool")
@@ -33,11 +34,22 @@ for store in (False, True):
     ptx = kernel.asm["ptx"]
     found[str(store)] = [ptx.find("griddepcontrol.wait"), ptx.find("st.global"),
                          ptx.count("st.global")]
+cfg = fused_mlp._config(8192, 2048, 132, True)  # (the 1B shape's one launch on 132 SMs)
+pointers = dict.fromkeys(("x", "wg", "wu", "h", "wd", "out"), "*bf16")
+pointers |= {{"state": "*i32", "partial": "*fp32"}}
+constants = dict(BLOCK_M=16, UP_N=cfg.up_n, UP_K=cfg.up_k, DOWN_N=cfg.down_n,
+                 DOWN_K=cfg.down_k, PHASES=3, EVEN_UP_K=True, EVEN_DOWN_K=True, FP32=False,
+                 PDL=True, WEIGHTS_FIRST=True)
+options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True)
+kernel = compile_offline(triton_fused_mlp._fused_mlp_kernel, pointers, constants,
+                         ("stride_x", "stride_out"), 90, options)
+ptx = kernel.asm["ptx"]
+found["mlp"] = [ptx.find("griddepcontrol.wait"), ptx.find("st.global"), ptx.count("atom.")]
 print(json.dumps(found))
 """
 
 
-def test_the_rotary_and_kv_store_variants_compile_for_sm90():
+def test_decode_step_kernels_compile_for_sm90():
     """Planted: the pool store's flag read as ``int(store)`` (the interpreter ran it, the
     compile failed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -50,3 +62,4 @@ def test_the_rotary_and_kv_store_variants_compile_for_sm90():
     for wait, first_store, _ in found.values():
         assert 0 <= wait < first_store
     assert found["True"][2] > found["False"][2]  # the pool stores
+    assert found["mlp"][2] > 0  # the grid barrier's and the K shares' atomics
