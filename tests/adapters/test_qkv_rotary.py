@@ -163,10 +163,26 @@ def test_only_transformers_own_attention_forward_without_hooks_rotates_ahead(mon
     assert not group._rotates_ahead()
 
 
+@pytest.fixture
+def scatters(monkeypatch):
+    """The rows of each slot scatter the paged cache launches, in order."""
+    import nanoserve.cache.paged_cache as paged_cache
+
+    seen = []
+    real_scatter = paged_cache.slot_scatter
+
+    def counted(key, *args, **kwargs):
+        seen.append(key.shape[0])
+        return real_scatter(key, *args, **kwargs)
+
+    monkeypatch.setattr(paged_cache, "slot_scatter", counted)
+    return seen
+
+
 @NEEDS_INTERPRETER
 # mistral: a window over every layer; qwen2-sliding: a grouped cache (windowed and full layers)
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2-sliding"])
-def test_decode_steps_take_the_rows_the_launch_stored(name, monkeypatch):
+def test_decode_steps_take_the_rows_the_launch_stored(name, scatters, monkeypatch):
     """Decode steps whose q/k/v launch rotated ahead also store k and v in the layer's
     pools there, and the cache skips its scatter: logits and tokens bit-equal to the same
     steps with the store off (the scatter writes the same rows), and no scatter launched
@@ -175,17 +191,8 @@ def test_decode_steps_take_the_rows_the_launch_stored(name, monkeypatch):
     the store: failed."""
     from test_fused_decode import fp16_model, padded_batch, run
 
-    import nanoserve.cache.paged_cache as paged_cache
     from nanoserve.adapters.qkv_rotary import QKVRotary
 
-    scatters = []
-    real_scatter = paged_cache.slot_scatter
-
-    def counted(key, *args, **kwargs):
-        scatters.append(key.shape[0])
-        return real_scatter(key, *args, **kwargs)
-
-    monkeypatch.setattr(paged_cache, "slot_scatter", counted)
     model = fp16_model(name)
     inputs = padded_batch([7, 3], 7)
     with monkeypatch.context() as off:
@@ -225,27 +232,18 @@ def test_stored_rows_are_taken_only_as_they_were_stored():
 
 
 @NEEDS_INTERPRETER
-def test_a_continued_cache_stores_in_its_extend_and_decode_steps(monkeypatch):
+def test_a_continued_cache_stores_in_its_extend_and_decode_steps(scatters, monkeypatch):
     """A returned cache continued with new prompt tokens: the pools exist, so the extend step
     (7 token rows) and the decode steps store their K/V rows in the q/k/v launch and no
     scatter runs; logits and tokens bit-equal to the continuation with the store off."""
     from test_fused_decode import GREEDY, fp16_model
 
     import nanoserve
-    import nanoserve.cache.paged_cache as paged_cache
     from nanoserve.adapters.decode_graphs import DecodeGraphs
     from nanoserve.adapters.hf_cache import cache_kwarg
     from nanoserve.adapters.qkv_rotary import QKVRotary
     from nanoserve.adapters.step import state_of
 
-    scatters = []
-    real_scatter = paged_cache.slot_scatter
-
-    def counted(key, *args, **kwargs):
-        scatters.append(key.shape[0])
-        return real_scatter(key, *args, **kwargs)
-
-    monkeypatch.setattr(paged_cache, "slot_scatter", counted)
     model = fp16_model()
     ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(4))
     extra = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(5))

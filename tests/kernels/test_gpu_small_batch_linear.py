@@ -63,18 +63,11 @@ ROTARY_CASES = [  # (K, q heads, KV heads, head dim, bias)
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 3, 16, 64])
-@pytest.mark.parametrize(("k", "q_heads", "kv_heads", "dim", "bias"), ROTARY_CASES)
-def test_rotary_epilogue_is_the_rotary_kernel_bit_for_bit(k, q_heads, kv_heads, dim, bias,
-                                                         rows, dtype):  # fmt: skip
-    """q, k and v with the rotation written beside them: the projections bit-equal to
-    ``small_batch_linear``'s, the rotated q and k bit-equal to ``apply_rotary`` of them (and
-    so to eager's rotary embedding), with ``torch.empty`` poisoned."""
-    from nanoserve.kernels.rotary import apply_rotary, rotary_cos_sin
-    from nanoserve.kernels.small_batch_linear import small_batch_linear_rotary
+def _rotary_inputs(gen, rows, k, q_heads, kv_heads, dim, bias, dtype):
+    """(x [rows, k], q/k/v weights, biases or None, cos, sin [rows, dim]) on CUDA: Llama
+    3's frequencies at random positions up to 128k."""
+    from nanoserve.kernels.rotary import rotary_cos_sin
 
-    gen = torch.Generator(device="cuda").manual_seed(rows * k + dim)
     x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
     sizes = (q_heads * dim, kv_heads * dim, kv_heads * dim)
     weights = [(torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype) for n in sizes]
@@ -83,8 +76,25 @@ def test_rotary_epilogue_is_the_rotary_kernel_bit_for_bit(k, q_heads, kv_heads, 
         biases = [torch.randn(n, device="cuda", generator=gen).to(dtype) for n in sizes]
     positions = torch.randint(0, 131072, (rows, 1), device="cuda", generator=gen)
     inv_freq = 1.0 / 500000.0 ** (torch.arange(0, dim, 2, device="cuda").float() / dim)
-    cos, sin = rotary_cos_sin(positions, inv_freq, 1.0, dtype)
-    cos, sin = cos.view(rows, dim), sin.view(rows, dim)
+    cos, sin = (t.view(rows, dim) for t in rotary_cos_sin(positions, inv_freq, 1.0, dtype))
+    return x, weights, biases, cos, sin
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+@pytest.mark.parametrize(("k", "q_heads", "kv_heads", "dim", "bias"), ROTARY_CASES)
+def test_rotary_epilogue_is_the_rotary_kernel_bit_for_bit(k, q_heads, kv_heads, dim, bias,
+                                                         rows, dtype):  # fmt: skip
+    """q, k and v with the rotation written beside them: the projections bit-equal to
+    ``small_batch_linear``'s, the rotated q and k bit-equal to ``apply_rotary`` of them (and
+    so to eager's rotary embedding), with ``torch.empty`` poisoned."""
+    from nanoserve.kernels.rotary import apply_rotary
+    from nanoserve.kernels.small_batch_linear import small_batch_linear_rotary
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * k + dim)
+    x, weights, biases, cos, sin = _rotary_inputs(gen, rows, k, q_heads, kv_heads, dim, bias,
+                                                  dtype)  # fmt: skip
+    sizes = [w.shape[0] for w in weights]
     real_empty = torch.empty
     torch.empty = lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))
     try:
@@ -108,20 +118,12 @@ def test_kv_store_is_slot_scatter_bit_for_bit(k, q_heads, kv_heads, dim, bias, r
     of the launch's own outputs into pools of NaN (other slots untouched, slot -1 rows
     unstored), the outputs those of the launch without the store; then the same launch
     captured in a CUDA graph (``check=False``) and replayed on new x and slots."""
-    from nanoserve.kernels.rotary import rotary_cos_sin
     from nanoserve.kernels.slot_scatter import KVStore, slot_scatter
     from nanoserve.kernels.small_batch_linear import small_batch_linear_rotary
 
     gen = torch.Generator(device="cuda").manual_seed(rows * k + dim + 1)
-    x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
-    sizes = (q_heads * dim, kv_heads * dim, kv_heads * dim)
-    weights = [(torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype) for n in sizes]
-    biases = None
-    if bias:
-        biases = [torch.randn(n, device="cuda", generator=gen).to(dtype) for n in sizes]
-    positions = torch.randint(0, 131072, (rows, 1), device="cuda", generator=gen)
-    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, dim, 2, device="cuda").float() / dim)
-    cos, sin = (t.view(rows, dim) for t in rotary_cos_sin(positions, inv_freq, 1.0, dtype))
+    x, weights, biases, cos, sin = _rotary_inputs(gen, rows, k, q_heads, kv_heads, dim, bias,
+                                                  dtype)  # fmt: skip
     pool_shape = (rows // 16 + 4, 16, kv_heads, dim)
     # each pool a view into a buffer of NaN one block longer on either side: a write past
     # the pools lands there
