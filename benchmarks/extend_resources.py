@@ -62,15 +62,16 @@ def compile_extend(config: tuple[int, ...], head_dim: int, arch: int, window: bo
     return compile_offline(fn, POINTERS, constants, ALIGNED, arch, options)
 
 
-def compile_offline(fn, pointers: dict, constants: dict, aligned, arch: int, options: dict):
+def compile_offline(fn, pointers: dict, constants: dict, aligned, arch: int, options: dict,
+                    floats=FLOATS):  # fmt: skip
     """``fn`` compiled for sm_``arch`` without a GPU: ``pointers`` name -> pointer type,
-    ``constants`` the constexprs, FLOATS as fp32, every other argument i32; pointers and the
-    ``aligned`` arguments carry Triton's divisibility-by-16 hint."""
+    ``constants`` the constexprs, ``floats`` as fp32, every other argument i32; pointers and
+    the ``aligned`` arguments carry Triton's divisibility-by-16 hint."""
     signature, hints = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in pointers:
             signature[name] = pointers[name]
-        elif name in FLOATS:
+        elif name in floats:
             signature[name] = "fp32"
         elif name in constants:
             signature[name] = "constexpr"
