@@ -146,8 +146,10 @@ def _launch(x, weights, biases, gated: bool, cfg: LinearConfig, weights_ready: b
         rot_q = torch.empty(rows, sizes[0], dtype=x.dtype, device=x.device)
         rot_k = torch.empty(rows, sizes[1], dtype=x.dtype, device=x.device)
         cos_, sin_ = cos, sin
-    key_pool, value_pool, slot_mapping = kv_store if kv_store is not None else (out,) * 3
-    slot_mapping = slot_mapping.contiguous()  # (the kernel reads it at unit stride)
+    key_pool = value_pool = slot_mapping = out  # (unused without the store)
+    if kv_store is not None:
+        key_pool, value_pool, slot_mapping = kv_store
+        slot_mapping = slot_mapping.contiguous()  # (the kernel reads it at unit stride)
     partial = out
     if split > 1:
         partial = torch.empty(split, block_m, 2 * width if gated else width,
