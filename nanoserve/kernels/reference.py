@@ -36,10 +36,13 @@ def attend_sequence(
     q_len, num_q_heads, _ = query.shape
     seq_len, num_kv_heads, _ = keys.shape
     group = num_q_heads // num_kv_heads
-    q = query.to(compute).transpose(0, 1)  # [Hq, q, D]
-    k = keys.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, s, D]
-    v = values.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)
-    scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [Hq, q, s]
+    # Query head h reads KV head h // group: the group's queries share one K/V row set, so
+    # K and V are never copied per query head (a 128k-token history stays a few GiB).
+    q = query.to(compute).transpose(0, 1).reshape(num_kv_heads, group * q_len, -1)
+    k = keys.to(compute).transpose(0, 1)  # [Hkv, s, D]
+    v = values.to(compute).transpose(0, 1)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [Hkv, group * q, s]
+    scores = scores.view(num_q_heads, q_len, seq_len)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
@@ -52,8 +55,11 @@ def attend_sequence(
     # A hidden value row must not reach the output: its weight is 0, but 0 * NaN is NaN. So
     # non-finite value rows are zeroed for the product, and a query row that does see one
     # comes out NaN (what attention over a non-finite value gives).
-    bad_v = ~torch.isfinite(v).all(dim=-1)  # [Hq, s]
-    out = torch.matmul(probs, v.masked_fill(bad_v[..., None], 0.0))
+    bad_v = ~torch.isfinite(v).all(dim=-1)  # [Hkv, s]
+    weights = probs.view(num_kv_heads, group * q_len, seq_len)
+    out = torch.matmul(weights, v.masked_fill(bad_v[..., None], 0.0))
+    out = out.view(num_q_heads, q_len, -1)
+    bad_v = bad_v.repeat_interleave(group, dim=0)  # [Hq, s]
     sees_bad = (visible & bad_v[:, None, :]).any(dim=-1)  # [Hq, q]
     out = out.masked_fill(sees_bad[..., None], float("nan"))
     return out.transpose(0, 1)  # [q, Hq, D]
