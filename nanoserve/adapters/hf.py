@@ -22,6 +22,7 @@ from transformers import GenerationMixin
 
 from nanoserve.adapters.attention import ATTN_NAME, DOOR, register
 from nanoserve.adapters.decode_graphs import DecodeGraphs
+from nanoserve.adapters.family import KVLayout
 from nanoserve.adapters.fused_decode import FUSED_KINDS
 from nanoserve.adapters.graph_forward import (
     eager_fused,
@@ -31,7 +32,7 @@ from nanoserve.adapters.graph_forward import (
     replay_skips,
 )
 from nanoserve.adapters.hf_cache import PagedCache, cache_kwarg
-from nanoserve.adapters.model_walk import ModelWalk, config_of_its_own
+from nanoserve.adapters.model_walk import ModelWalk, config_of_its_own, layer_past
 from nanoserve.adapters.pool_memory import check_pool_fits
 from nanoserve.adapters.prefix_salt import begin_prefix_salt, finish_prefix_salt
 from nanoserve.adapters.registry import family_for
@@ -147,6 +148,13 @@ def patch_model(
     check_transformers_version()
     if not isinstance(model, GenerationMixin):
         inner = getattr(model, "get_base_model", None)
+        wrapped = getattr(model, "module", None)
+        if isinstance(model, torch.nn.Module) and isinstance(wrapped, GenerationMixin):
+            raise ValueError(
+                f"model: {type(model).__name__} wraps a transformers model in .module "
+                "(DataParallel, say), which has no generate(); patch that model, "
+                "nanoserve.patch_model(model.module), and call model.module.generate"
+            )
         if callable(getattr(model, "generate", None)) and callable(inner):
             raise ValueError(
                 f"model: {type(model).__name__} wraps a transformers model (peft, say); patch "
@@ -158,8 +166,10 @@ def patch_model(
             "language-model head (e.g. AutoModelForCausalLM), not its base model"
         )
     family = family_for(model.config)  # NotImplementedError names the supported families
-    _check_layer_config(config_of_its_own(list(model.named_modules()), model.config))
+    named = list(model.named_modules())
+    _check_layer_config(config_of_its_own(named, model.config))
     layout = local_layout(family.layout(model.config), model)  # this rank's KV heads
+    _check_layer_count(layer_past(named, layout.num_layers), layout)
     check_windows(model, layout)
     options = PoolOptions(layout, block_size, num_blocks, max_memory, kv_dtype, kv_scale)
     options.check_max_memory(model.dtype)
@@ -707,6 +717,17 @@ def _check_layer_config(name: str | None) -> None:
         )
 
 
+def _check_layer_count(module: str | None, layout: KVLayout) -> None:
+    """ValueError naming the module ``layer_past`` found (None: nothing to say)."""
+    if module is not None:
+        raise ValueError(
+            f"{module}: a layer index past the {layout.num_layers} layers the paged pools are "
+            "laid out for (config.num_hidden_layers when patch_model ran); set "
+            "config.num_hidden_layers to the model's layers and call "
+            "nanoserve.patch_model(model) again"
+        )
+
+
 def _check_forward(model, state: PatchState) -> None:
     """ValueError naming ``model.forward`` when the patched forward was taken off the model
     after patching (accelerate's ``remove_hook_from_module``, or a second dispatch, puts
@@ -871,6 +892,7 @@ def _checked_model(model, state: PatchState, walk: ModelWalk, hooks: HookScan) -
     agree_options(model, _options(model, state, dropout, hooks))
     _check_attention(model)
     _check_layer_config(walk.layer_config)
+    _check_layer_count(walk.layer_past(state.pool.layout.num_layers), state.pool.layout)
     _check_forward(model, state)
     check_windows(model, state.pool.layout)
     return dropout

@@ -59,6 +59,10 @@ class ModelWalk:
         """``config_of_its_own``'s module name, or None."""
         return config_of_its_own(self.named, self.model.config)
 
+    def layer_past(self, num_layers: int) -> str | None:
+        """``layer_past``'s module, or None."""
+        return layer_past(self.named, num_layers)
+
     @functools.cached_property
     def rope(self) -> str | None:
         """``prefix_salt.length_dependent_rope``'s phrase, or None."""
@@ -150,6 +154,18 @@ def config_of_its_own(named: list[tuple[str, torch.nn.Module]], config) -> str |
         own = module.__dict__.get("config")
         if own is not None and own is not config and isinstance(own, PretrainedConfig):
             return name
+    return None
+
+
+def layer_past(named: list[tuple[str, torch.nn.Module]], num_layers: int) -> str | None:
+    """The name and ``layer_idx`` of the first module whose ``layer_idx`` (the cache layer
+    its attention writes) is not below ``num_layers`` (the layers the paged pools were laid
+    out for at ``patch_model``), as "name (layer_idx N)", or None. A layer added after
+    patching would reach the cache only halfway through a forward."""
+    for name, module in named:
+        index = module.__dict__.get("layer_idx")
+        if type(index) is int and index >= num_layers:
+            return f"{name} (layer_idx {index})"
     return None
 
 
