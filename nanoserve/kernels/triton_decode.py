@@ -371,16 +371,18 @@ def choose_num_splits(
     With fewer programs than SMs, about four programs per SM keep enough loads in flight;
     once one wave is full, two programs per SM are enough and more only adds merge traffic
     (the split sweeps are in benchmarks/RESULTS.md). Rounded down to a power of two so
-    power-of-two lengths cut into equal whole tiles. Never more splits than tiles in capacity,
-    nor more than MAX_SPLITS unless each split keeps LONG_SPLIT_TOKENS tokens (up to
-    MAX_SPLITS_LONG: a few rows of 8k tokens or more, see benchmarks/RESULTS.md).
+    power-of-two lengths cut into equal whole tiles. Never more splits than the power of two
+    at or above the tiles in capacity: where the target allows a tile a split, a table of 6
+    tiles takes 8 splits (two of them empty), not 4 of two tiles each (see
+    benchmarks/RESULTS.md); nor more than MAX_SPLITS unless each split keeps
+    LONG_SPLIT_TOKENS tokens (up to MAX_SPLITS_LONG: a few rows of 8k tokens or more).
     """
     programs = max(num_seqs * num_kv_heads, 1)
     sms = sm_count(device)
     tiles = triton.cdiv(capacity, block_n)
     splits = triton.cdiv((2 if programs >= sms else 4) * sms, programs)
     most = max(MAX_SPLITS, min(MAX_SPLITS_LONG, capacity // LONG_SPLIT_TOKENS))
-    return floor_pow2(min(splits, most, tiles))
+    return floor_pow2(min(splits, most, next_pow2(tiles)))
 
 
 def balances(num_seqs: int, num_kv_heads: int, capacity: int, device: torch.device) -> bool:

@@ -16,6 +16,7 @@ from kernel_inputs import (
 )
 
 from nanoserve.kernels import paged_decode_attention, paged_decode_attention_ref
+from nanoserve.kernels.dispatch import next_pow2
 from nanoserve.kernels.triton_decode import paged_decode_attention_triton
 
 pytestmark = needs_interpreter
@@ -326,6 +327,27 @@ def test_decode_plan_rows_of_one_length_take_the_fixed_splits():
     assert given.num_splits == 3 and given.work_items == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_decode_splits_past_the_tiles_are_empty_and_exact(dtype, poison_outputs, monkeypatch):
+    """A table of 768 tokens (6 or 12 tiles, not a power of two) takes the power of two of
+    splits at or above its tiles: the splits past the last tile see no key and weigh
+    nothing in the merge; rows of 600, 1 and 767 tokens match the reference (an H100's
+    SM count; planted, reverted: the merge weighing the empty splits' zeros as keys)."""
+    from nanoserve.kernels import triton_decode as decode
+    from nanoserve.kernels.triton_decode import decode_plan
+
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    lens = [600, 1, 767]
+    key_cache, _, tables, _ = make_paged_kv(lens, 2, 64, 16, dtype, extra_columns=0)
+    assert tables.shape[1] * 16 == 768
+    query = torch.randn(len(lens), 8, 64).to(dtype)
+    plan = decode_plan(query, key_cache, tables)
+    tiles = cdiv(768, plan.block_n)
+    assert plan.work_items == 0 and plan.num_splits == next_pow2(tiles) > tiles, plan
+    out, ref = _launch(lens, 2, 4, dtype, extra_columns=0)
+    assert row_errors(out.float(), ref.float()).max() < TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("lens", [[300, 300, 300], [300, 1, 2000]], ids=["equal", "ragged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_decode_told_rows_of_one_length_is_exact_even_when_wrong(lens, dtype, poison_outputs):
@@ -391,11 +413,12 @@ def test_decode_balanced_few_rows_keep_to_their_programs(kind, num_kv_heads, mon
 
 def test_decode_split_count_rule(monkeypatch):
     """Fixed splits from shapes: about four programs per SM below one wave, never more
-    splits than tiles, and past MAX_SPLITS only while each split keeps LONG_SPLIT_TOKENS
-    tokens (a row of 8k tokens or more with four KV heads takes 128, if it has that many
-    tiles; with eight KV heads, or at 4k, 64). Planted bugs, reverted: the cap at MAX_SPLITS
-    alone failed (32k tokens, four KV heads: 64); the twenty-ninth session's four tiles a
-    split failed (8k and 16k tokens of 64-token tiles, 32k of 128-token tiles: 64)."""
+    splits than the power of two at or above the tiles, and past MAX_SPLITS only while each
+    split keeps LONG_SPLIT_TOKENS tokens (a row of 8k tokens or more with four KV heads
+    takes 128, if it has that many tiles; with eight KV heads, or at 4k, 64). Planted bugs,
+    reverted: the cap at MAX_SPLITS alone failed (32k tokens, four KV heads: 64); the
+    twenty-ninth session's four tiles a split failed (8k and 16k tokens of 64-token tiles,
+    32k of 128-token tiles: 64); the tiles rounded down, as before, failed (768 tokens: 4)."""
     from nanoserve.kernels import triton_decode as decode
 
     monkeypatch.setattr(decode, "sm_count", lambda device: 132)
@@ -413,6 +436,10 @@ def test_decode_split_count_rule(monkeypatch):
         ((1, 1, 8192, 32), 128),
         ((1, 1, 4096, 32), 64),
         ((1, 1, 1024, 64), 16),
+        ((1, 8, 768, 128), 8),  # 6 tiles: a tile a split (two empty), not 4 of two tiles
+        ((1, 8, 1536, 128), 16),
+        ((4, 8, 640, 128), 8),
+        ((16, 8, 768, 128), 4),  # the target (5) binds first
         ((2, 2, 65536, 64), 128),
         ((8, 8, 32768, 64), 8),
         ((200, 8, 4096, 64), 1),
