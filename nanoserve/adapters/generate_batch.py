@@ -184,12 +184,14 @@ def paged_generate_batch(
     if generation_config is not None:
         _fill_defaults(config)  # (transformers' own reads no option of the model's then)
     # the rows' copies, EOS and pad below must be the ones generate uses
+    length_given = "max_length" in kwargs
     kwargs = config.update(**kwargs)
     if config.max_new_tokens is None:
+        ignored = " (max_length, which requests of many lengths share, is not one)"
         raise ValueError(
             "max_new_tokens: none given (in the call or the generation config); transformers' "
             "own generate_batch then runs every request to EOS, nanoserve's one generate call "
-            "needs a limit: pass max_new_tokens"
+            f"needs a limit: pass max_new_tokens{ignored if length_given else ''}"
         )
     _check_row_ends(config, kwargs)
     logprobs = bool(getattr(continuous_batching_config, "return_logprobs", False))

@@ -312,3 +312,5 @@ def test_what_transformers_own_reads_and_what_it_needs():
             assert got == expected, extra
         with pytest.raises(ValueError, match="^max_new_tokens: none given"):
             model.generate_batch(prompts, GenerationConfig(eos_token_id=None))
+        with pytest.raises(ValueError, match=r"max_new_tokens \(max_length, .* is not one\)"):
+            model.generate_batch(prompts, GenerationConfig(eos_token_id=None), max_length=20)
