@@ -892,7 +892,7 @@ def _checked_model(model, state: PatchState, walk: ModelWalk, hooks: HookScan) -
     agree_options(model, _options(model, state, dropout, hooks))
     _check_attention(model)
     _check_layer_config(walk.layer_config)
-    _check_layer_count(walk.layer_past(state.pool.layout.num_layers), state.pool.layout)
+    _check_layer_count(layer_past(walk.named, state.pool.layout.num_layers), state.pool.layout)
     _check_forward(model, state)
     check_windows(model, state.pool.layout)
     return dropout

@@ -59,10 +59,6 @@ class ModelWalk:
         """``config_of_its_own``'s module name, or None."""
         return config_of_its_own(self.named, self.model.config)
 
-    def layer_past(self, num_layers: int) -> str | None:
-        """``layer_past``'s module, or None."""
-        return layer_past(self.named, num_layers)
-
     @functools.cached_property
     def rope(self) -> str | None:
         """``prefix_salt.length_dependent_rope``'s phrase, or None."""
